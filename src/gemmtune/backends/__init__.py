@@ -1,0 +1,84 @@
+"""Backend registry: each backend says whether it runs here, which solutions fit a shape, and runs one.
+
+Built-in backends are imported lazily so that a missing optional dependency (triton, nvmath-python)
+makes that backend unavailable, with the reason kept for `gemmtune doctor`, instead of failing import.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .base import Backend, Runner, Solution, stable_solidx
+
+# module path -> class name, in preference order for display.
+_BUILTIN = {
+    "gemmtune.backends.torch_backend": "TorchBackend",
+    "gemmtune.backends.skinny": "SkinnyBackend",
+    "gemmtune.backends.triton_gemm": "TritonGemmBackend",
+    "gemmtune.backends.blaslt": "BlasLtBackend",
+}
+
+_registry: dict[str, Backend] = {}
+_import_errors: dict[str, str] = {}
+_loaded = False
+
+
+def register(backend: Backend) -> Backend:
+    """Add (or replace) a backend under its `name`, the libtype its table rows carry."""
+    if not backend.name:
+        raise ValueError(f"backend {type(backend).__name__} has no name")
+    _registry[backend.name] = backend
+    return backend
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module, cls in _BUILTIN.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name == module:  # the backend module itself is not part of this build
+                continue
+            _import_errors[module.rsplit(".", 1)[-1]] = f"missing dependency: {exc.name}"
+            continue
+        except ImportError as exc:
+            _import_errors[module.rsplit(".", 1)[-1]] = str(exc)
+            continue
+        register(getattr(mod, cls)())
+
+
+def get(name: str) -> Backend | None:
+    _load_builtins()
+    return _registry.get(name)
+
+
+def all_backends() -> dict[str, Backend]:
+    _load_builtins()
+    return dict(_registry)
+
+
+def available(device: torch.device) -> dict[str, Backend]:
+    return {n: b for n, b in all_backends().items() if b.is_available(device)}
+
+
+def import_errors() -> dict[str, str]:
+    _load_builtins()
+    return dict(_import_errors)
+
+
+__all__ = [
+    "Backend",
+    "Runner",
+    "Solution",
+    "all_backends",
+    "available",
+    "get",
+    "import_errors",
+    "register",
+    "stable_solidx",
+]

@@ -1,0 +1,72 @@
+"""What every backend provides. A backend never times itself: the tuner times all of them alike."""
+
+from __future__ import annotations
+
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..keys import GemmKey
+
+# A runner computes y[..., N] = x[..., K] @ w[N, K]^T (+ bias) in the key's out dtype. It is bound to
+# one solution and one key (out dtype included) and is what the dispatch cache stores, so it is
+# called as runner(x, w, bias) with nothing else to decide per call.
+Runner = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def stable_solidx(kernel_name: str) -> int:
+    """A small integer id derived from the kernel name, identical in every process and release.
+
+    aiter's `solidx` column is an int; deriving it from the config string (not a list position)
+    keeps it meaning the same kernel after a restart or when the candidate list changes.
+    """
+    return zlib.crc32(kernel_name.encode()) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class Solution:
+    """One runnable choice: the backend (libtype), its stable ids and its split-K factor."""
+
+    libtype: str
+    kernel_name: str
+    solidx: int
+    splitk: int = 0
+
+    def describe(self) -> str:
+        return f"{self.libtype}:{self.kernel_name}"
+
+
+class Backend(ABC):
+    """A family of GEMM kernels. Subclasses set `name`, the table's `libtype` for their rows."""
+
+    name: str = ""
+
+    @abstractmethod
+    def is_available(self, device: torch.device) -> bool:
+        """Can this backend run on `device` at all (library installed, right vendor)?"""
+
+    def unavailable_reason(self, device: torch.device) -> str:
+        return "" if self.is_available(device) else f"{self.name} does not run on {device.type}"
+
+    @abstractmethod
+    def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
+        """Every solution worth timing for `key` (already pruned of ones that cannot run or win)."""
+
+    def default_solution(self, key: GemmKey, device: torch.device) -> Solution | None:
+        """A cheap choice for a key nobody tuned; None when the backend has no opinion."""
+        return None
+
+    @abstractmethod
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        """Re-create a solution from a table row; None when the row names nothing this backend knows."""
+
+    @abstractmethod
+    def supports(self, solution: Solution, key: GemmKey, device: torch.device) -> bool:
+        """Can `solution` compute `key` on `device` (dtypes, alignment, bias, out dtype)?"""
+
+    @abstractmethod
+    def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
+        """A callable bound to `solution`; compile/lookup work happens here, not per call."""

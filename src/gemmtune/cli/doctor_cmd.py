@@ -1,0 +1,27 @@
+"""`gemmtune doctor`: device, arch, SM/CU count, library versions, backends available."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..doctor import environment_report
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(as_json: bool) -> None:
+    """Report the device (arch, SM/CU count), torch/triton/CUDA/ROCm versions and available backends."""
+    report = environment_report()
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+        return
+    width = max(len(k) for k in report)
+    for k, v in report.items():
+        if isinstance(v, dict):
+            click.echo(f"{k}:")
+            for name, state in v.items():
+                click.echo(f"  {name:<{width - 2}}  {state}")
+        else:
+            click.echo(f"{k:<{width}}  {v}")

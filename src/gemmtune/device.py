@@ -1,0 +1,49 @@
+"""Which GPU (or CPU) a table row is for: aiter's (gfx, cu_num) pair, extended to NVIDIA and CPU.
+
+On ROCm `gfx` is the arch name (gfx942) and `cu_num` the CU count; on NVIDIA `gfx` is `sm90` and
+`cu_num` the SM count; on the CPU `gfx` is `cpu` and `cu_num` the logical core count.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+
+# A legacy table (no gfx column) leaves gfx empty: such rows apply to any arch with their cu_num.
+ANY_GFX_SENTINEL = ""
+
+
+class DeviceIdentity(NamedTuple):
+    gfx: str
+    cu_num: int
+
+
+def is_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _identity_of(device_type: str, index: int | None) -> DeviceIdentity:
+    if device_type == "cuda":
+        props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+        if is_rocm():
+            arch = getattr(props, "gcnArchName", "") or "gfx"
+            return DeviceIdentity(arch.split(":")[0], props.multi_processor_count)
+        return DeviceIdentity(f"sm{props.major}{props.minor}", props.multi_processor_count)
+    return DeviceIdentity(device_type, os.cpu_count() or 1)
+
+
+def identity(device: torch.device | str | None = None) -> DeviceIdentity:
+    """The (gfx, cu_num) of `device`; the current GPU when None and one exists, else the CPU."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    return _identity_of(device.type, device.index)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

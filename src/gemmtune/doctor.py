@@ -1,0 +1,53 @@
+"""Environment report: what `gemmtune doctor` prints (device, versions, backends)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+import torch
+
+from . import backends
+from .device import default_device, identity, is_rocm
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_report() -> dict[str, object]:
+    dev = default_device()
+    ident = identity(dev)
+    report: dict[str, object] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "gemmtune": _version("gemmtune"),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "nvmath-python": _version("nvmath-python"),
+        "cuda (torch built with)": torch.version.cuda or "-",
+        "rocm/hip (torch built with)": torch.version.hip or "-",
+        "device": str(dev),
+        "gfx": ident.gfx,
+        "cu_num": ident.cu_num,
+    }
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        report["device name"] = props.name
+        report["vendor"] = "AMD" if is_rocm() else "NVIDIA"
+        report["memory GiB"] = round(props.total_memory / 2**30, 1)
+        report["L2 MiB"] = round(getattr(props, "L2_cache_size", 0) / 2**20, 1)
+        report["gpu count"] = torch.cuda.device_count()
+    else:
+        report["device name"] = platform.processor() or "cpu"
+    rows = {}
+    for name, b in backends.all_backends().items():
+        rows[name] = "available" if b.is_available(dev) else f"unavailable: {b.unavailable_reason(dev)}"
+    for name, why in backends.import_errors().items():
+        rows.setdefault(name, f"unavailable: {why}")
+    report["backends"] = rows
+    return report

@@ -1,0 +1,17 @@
+"""Exceptions raised by gemmtune. Each names what was wrong so the caller can fix it."""
+
+
+class GemmtuneError(Exception):
+    """Base class for gemmtune's own errors."""
+
+
+class ConfigError(GemmtuneError, ValueError):
+    """A config table (or the list of tables) cannot be used: missing file, bad row, bad column."""
+
+
+class ShapesFileError(GemmtuneError, ValueError):
+    """A shapes (untuned) CSV is malformed; the message names file and line."""
+
+
+class BackendUnavailableError(GemmtuneError, RuntimeError):
+    """A backend was asked for explicitly but cannot run on this machine."""

@@ -1,0 +1,120 @@
+"""`gemmtune.gemm`: y[..., N] = x[..., K] @ w[N, K]^T (+ bias), dispatched to the tuned solution.
+
+Eager calls take the hot path: build a call signature from the tensors' shapes/dtypes/devices, one
+dict lookup, one call. A signature found in the cache was validated when first seen. Under
+torch.compile the call goes through the custom op `torch.ops.gemmtune.gemm` (fake impl for tracing,
+no mutated args), so the compiled graph has no break; inside the op the same dispatch runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import get_dispatcher
+from ..keys import GemmKey
+from .autograd import linear_backward
+
+_FLOAT_OUT = (torch.float16, torch.bfloat16, torch.float32)
+_dispatcher = get_dispatcher()
+_runners = _dispatcher.runners  # cleared in place by the dispatcher, never rebound
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
+def _shape_error(msg: str, x, w, bias) -> ValueError:
+    b = "None" if bias is None else f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
+    return ValueError(
+        f"gemmtune.gemm: {msg} (x {tuple(x.shape)} {x.dtype} on {x.device}, "
+        f"w {tuple(w.shape)} {w.dtype} on {w.device}, bias {b})"
+    )
+
+
+def validate(x, w, bias, out_dtype) -> None:
+    """Raise ValueError naming the shapes for anything gemm cannot compute."""
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise TypeError(f"gemmtune.gemm: x and w must be tensors, got {type(x).__name__}, {type(w).__name__}")
+    if w.dim() != 2:
+        raise _shape_error(f"w must be 2-D [N, K] (nn.Linear layout), got {w.dim()}-D", x, w, bias)
+    if x.dim() < 1:
+        raise _shape_error("x must have at least 1 dimension [..., K]", x, w, bias)
+    if x.shape[-1] != w.shape[1]:
+        raise _shape_error(f"x[..., K={x.shape[-1]}] does not match w[N, K={w.shape[1]}]", x, w, bias)
+    if x.dtype != w.dtype:
+        raise _shape_error(f"dtype mismatch: x is {x.dtype}, w is {w.dtype}", x, w, bias)
+    if not x.dtype.is_floating_point:
+        raise _shape_error(f"unsupported dtype {x.dtype} (gemm takes float16/bfloat16/float32)", x, w, bias)
+    if x.device != w.device:
+        raise _shape_error(f"device mismatch: x on {x.device}, w on {w.device}", x, w, bias)
+    if out_dtype is not None and out_dtype not in _FLOAT_OUT:
+        raise _shape_error(f"unsupported out_dtype {out_dtype} (float16/bfloat16/float32)", x, w, bias)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"gemmtune.gemm: bias must be a tensor or None, got {type(bias).__name__}")
+        if bias.dim() != 1 or bias.shape[0] != w.shape[0]:
+            raise _shape_error(f"bias must be 1-D of length N={w.shape[0]}", x, w, bias)
+        if bias.device != x.device:
+            raise _shape_error(f"device mismatch: bias on {bias.device}, x on {x.device}", x, w, bias)
+        if bias.dtype not in (x.dtype, out_dtype or x.dtype):
+            raise _shape_error(f"bias dtype {bias.dtype} must be x's ({x.dtype}) or the out dtype", x, w, bias)
+
+
+def key_of(x, w, bias, out_dtype) -> GemmKey:
+    K = w.shape[1]
+    M = x.numel() // K if K else (x.numel() and 1)
+    return GemmKey(M, w.shape[0], K, bias is not None, x.dtype, out_dtype or x.dtype)
+
+
+def _miss(sig, x, w, bias, out_dtype):
+    validate(x, w, bias, out_dtype)
+    needs_grad = sig[-1]
+    run = _dispatcher.runner_for(key_of(x, w, bias, out_dtype), x.device, needs_grad)
+    _runners[sig] = run
+    return run
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """y[..., N] = x[..., K] @ w[N, K]^T (+ bias), in `out_dtype` (default x's dtype).
+
+    Runs the solution the config table recorded for this (M, N, K, dtype, bias), else the vendor
+    default. Same result as F.linear within the dtype's tolerance.
+    """
+    if _is_compiling():
+        return torch.ops.gemmtune.gemm(x, w, bias, out_dtype)
+    # The signature is the validation memo: everything validate() checks is in it.
+    sig = (
+        x.shape, w.shape, x.dtype, w.dtype, x.device, w.device,
+        None if bias is None else (bias.shape, bias.dtype, bias.device), out_dtype,
+        _grad_enabled() and (w.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)),
+    )  # fmt: skip
+    run = _runners.get(sig)
+    if run is None:
+        run = _miss(sig, x, w, bias, out_dtype)
+    return run(x, w, bias)
+
+
+# ---- the custom op (torch.compile, export) -----------------------------------------------------
+@torch.library.custom_op("gemmtune::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+    with torch.no_grad():  # autograd for the op is registered below, not taken from the runner
+        return gemm(x, w, bias, out_dtype)
+
+
+@_gemm_op.register_fake
+def _gemm_fake(x, w, bias, out_dtype):
+    validate(x, w, bias, out_dtype)
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype or x.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, bias, _ = inputs
+    ctx.save_for_backward(x, w)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    gx, gw, gb = linear_backward(grad, x, w, ctx.has_bias)
+    return gx, gw, gb, None
+
+
+_gemm_op.register_autograd(_backward, setup_context=_setup_context)

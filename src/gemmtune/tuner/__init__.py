@@ -1,0 +1,1 @@
+"""Tuner: shape sources, timing, correctness checks, search, result writing."""

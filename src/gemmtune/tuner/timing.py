@@ -1,0 +1,169 @@
+"""How gemmtune times a GEMM (../shared/BENCHMARKING.md): every speed figure goes through here.
+
+- Cold weights: R input sets (x_i, w_i, bias_i) whose bytes together exceed 2x the L2 are rotated.
+- CUDA graphs: R calls (one per set) are captured in one graph; a replay / R is one call's time, so CPU
+  launch cost is excluded and every kernel a solution launches (memsets, reductions, casts) counts.
+- Ratios in one run: contenders are replayed interleaved, on the same inputs; median of repeats.
+- Random data, fresh seed per shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.base import Runner
+from ..configs.schema import gemm_bytes
+from ..keys import GemmKey
+
+MAX_SETS = 256  # small shapes would need thousands of sets to cover 2x L2; this keeps graphs small
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    read_bw: float  # bytes/s, torch.sum over a 1 GiB bf16 tensor
+    flops: float  # FLOP/s, 8192^3 bf16 matmul
+
+    def describe(self) -> str:
+        return f"read {self.read_bw / 1e12:.2f} TB/s, bf16 matmul {self.flops / 1e12:.0f} TFLOP/s"
+
+
+def l2_bytes(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+
+
+def make_inputs(key: GemmKey, device: torch.device, sets: int | None = None, seed: int = 0):
+    """Random (x, w, bias) sets; enough of them that their weights and activations exceed 2x L2."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    per_set = key.N * key.K * key.dtype.itemsize + key.M * key.K * key.dtype.itemsize
+    if sets is None:
+        sets = 1 if device.type != "cuda" else min(MAX_SETS, max(2, math.ceil(2 * l2_bytes(device) / per_set) + 1))
+    out = []
+    for _ in range(sets):
+        x = torch.randn(key.M, key.K, device=device, dtype=torch.float32, generator=gen).to(key.dtype)
+        w = (torch.randn(key.N, key.K, device=device, dtype=torch.float32, generator=gen) / math.sqrt(key.K)).to(
+            key.dtype
+        )
+        b = torch.randn(key.N, device=device, dtype=torch.float32, generator=gen).to(key.dtype) if key.bias else None
+        out.append((x, w, b))
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_per_graph: int = 1) -> dict[str, float]:
+    """Capture each callable once in a CUDA graph, replay them interleaved `reps` times.
+
+    Returns median milliseconds per replay / calls_per_graph for each name. A callable that raises
+    during warm-up or capture is reported as NaN (the caller decides what failure means).
+    """
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    stream = torch.cuda.Stream()
+    for name, fn in calls.items():
+        try:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()  # warm-up outside the graph: compiles, allocates workspaces
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            g.replay()
+            graphs[name] = g
+        except Exception:  # noqa: BLE001 - a failing contender is reported, not fatal
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {n: [] for n in graphs}
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in graphs]
+    for _ in range(2):  # warm replays
+        for g in graphs.values():
+            g.replay()
+    for _ in range(reps):
+        for (start, end), g in zip(events, graphs.values()):
+            start.record()
+            g.replay()
+            end.record()
+        torch.cuda.synchronize()
+        for (start, end), name in zip(events, graphs):
+            times[name].append(start.elapsed_time(end) / calls_per_graph)
+    return {n: (_median(times[n]) if n in times else float("nan")) for n in calls}
+
+
+def bench_gemm(
+    key: GemmKey,
+    runners: dict[str, Runner],
+    device: torch.device | str = "cuda",
+    reps: int = 20,
+    seed: int = 0,
+    inputs=None,
+) -> dict[str, float]:
+    """Microseconds per call of each runner on `key`: graph replay over rotating cold input sets,
+    interleaved, median of `reps`. NaN for a runner that failed to run or capture."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _bench_cpu(key, runners, reps, seed)
+    sets = inputs if inputs is not None else make_inputs(key, device, seed=seed)
+
+    def calls_of(run):
+        def all_sets():
+            for x, w, b in sets:
+                run(x, w, b)
+
+        return all_sets
+
+    ms = time_graphs({n: calls_of(r) for n, r in runners.items()}, reps=reps, calls_per_graph=len(sets))
+    return {n: v * 1e3 for n, v in ms.items()}
+
+
+def _bench_cpu(key: GemmKey, runners: dict[str, Runner], reps: int, seed: int) -> dict[str, float]:
+    """Wall-clock median on the CPU (no graphs there); used by CPU tests and CPU-only tuning."""
+    import time
+
+    x, w, b = make_inputs(key, torch.device("cpu"), sets=1, seed=seed)[0]
+    out: dict[str, float] = {}
+    times: dict[str, list[float]] = {n: [] for n in runners}
+    failed: set[str] = set()
+    for name, run in runners.items():
+        try:
+            run(x, w, b)
+        except Exception:  # noqa: BLE001
+            failed.add(name)
+    for _ in range(reps):
+        for name, run in runners.items():
+            if name in failed:
+                continue
+            t0 = time.perf_counter()
+            run(x, w, b)
+            times[name].append((time.perf_counter() - t0) * 1e6)
+    for name in runners:
+        out[name] = float("nan") if name in failed else _median(times[name])
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
+    """Read bandwidth (torch.sum of 1 GiB bf16) and bf16 matmul rate (8192^3), measured once."""
+    device = torch.device(device)
+    big = torch.randn(2**29, device=device, dtype=torch.bfloat16)  # 1 GiB
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = time_graphs({"sum": lambda: big.sum(), "mm": lambda: a @ b}, reps=10)
+    ceil = Ceilings(read_bw=big.numel() * 2 / (ms["sum"] * 1e-3), flops=2 * n**3 / (ms["mm"] * 1e-3))
+    del big, a, b
+    torch.cuda.empty_cache()
+    return ceil
+
+
+def roof_us(key: GemmKey, ceilings: Ceilings) -> float:
+    """max(compute time at the matmul ceiling, bytes at the read bandwidth), in microseconds."""
+    return max(2 * key.M * key.N * key.K / ceilings.flops, gemm_bytes(key) / ceilings.read_bw) * 1e6
