@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-
 # A legacy table (no gfx column) leaves gfx empty: such rows apply to any arch with their cu_num.
 ANY_GFX_SENTINEL = ""
 
@@ -26,7 +25,7 @@ def is_rocm() -> bool:
     return torch.version.hip is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _identity_of(device_type: str, index: int | None) -> DeviceIdentity:
     if device_type == "cuda":
         props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())

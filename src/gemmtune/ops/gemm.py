@@ -94,7 +94,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out
 
 # ---- the custom op (torch.compile, export) -----------------------------------------------------
 @torch.library.custom_op("gemmtune::gemm", mutates_args=())
-def _gemm_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+def _gemm_op(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.Tensor:
     with torch.no_grad():  # autograd for the op is registered below, not taken from the runner
         return gemm(x, w, bias, out_dtype)
 

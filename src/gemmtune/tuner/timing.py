@@ -149,7 +149,7 @@ def _bench_cpu(key: GemmKey, runners: dict[str, Runner], reps: int, seed: int) -
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
     """Read bandwidth (torch.sum of 1 GiB bf16) and bf16 matmul rate (8192^3), measured once."""
     device = torch.device(device)
