@@ -127,7 +127,9 @@ def test_other_gpu_rows_are_kept_but_not_used(tmp_path):
     assert table.lookup(key(16), DeviceIdentity("gfx950", 256)) is None
 
 
-@pytest.mark.parametrize("M, expect", [(1, 16), (16, 16), (17, 64), (64, 64), (65, 256), (256, 256), (257, 256), (9999, 256)])
+@pytest.mark.parametrize(
+    "M, expect", [(1, 16), (16, 16), (17, 64), (64, 64), (65, 256), (256, 256), (257, 256), (9999, 256)]
+)
 def test_untuned_m_resolves_to_nearest_at_or_above_else_largest_below(tmp_path, M, expect):
     p = write(tmp_path, "t.csv", [row(16, 1.0), row(64, 1.0), row(256, 1.0), row(32, 1.0, N=128)])
     assert ConfigTable.load(str(p)).lookup(key(M), H100).key.M == expect

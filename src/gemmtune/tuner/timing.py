@@ -149,18 +149,20 @@ def _bench_cpu(key: GemmKey, runners: dict[str, Runner], reps: int, seed: int) -
     return out
 
 
-@functools.cache
-def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
-    """Read bandwidth (torch.sum of 1 GiB bf16) and bf16 matmul rate (8192^3), measured once."""
-    device = torch.device(device)
+def _measure(device: torch.device) -> Ceilings:
     big = torch.randn(2**29, device=device, dtype=torch.bfloat16)  # 1 GiB
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     ms = time_graphs({"sum": lambda: big.sum(), "mm": lambda: a @ b}, reps=10)
-    ceil = Ceilings(read_bw=big.numel() * 2 / (ms["sum"] * 1e-3), flops=2 * n**3 / (ms["mm"] * 1e-3))
-    del big, a, b
-    torch.cuda.empty_cache()
+    return Ceilings(read_bw=big.numel() * 2 / (ms["sum"] * 1e-3), flops=2 * n**3 / (ms["mm"] * 1e-3))
+
+
+@functools.cache
+def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
+    """Read bandwidth (torch.sum of 1 GiB bf16) and bf16 matmul rate (8192^3), measured once."""
+    ceil = _measure(torch.device(device))
+    torch.cuda.empty_cache()  # the 1.5 GiB of probes are freed once _measure returns
     return ceil
 
 
