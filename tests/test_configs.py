@@ -185,3 +185,18 @@ def test_written_merged_table_reloads_identically(tmp_path):
     again = ConfigTable.load(str(out))
     assert sorted(r.full_key for r in again.rows) == sorted(r.full_key for r in merged.rows)
     assert {r.full_key: r.us for r in again.rows} == {r.full_key: r.us for r in merged.rows}
+
+
+def test_nvidia_rows_are_per_product_with_bare_arch_rows_as_fallback(tmp_path):
+    h100, h200 = DeviceIdentity("sm90-80G", 132), DeviceIdentity("sm90-140G", 132)
+    p = write(
+        tmp_path,
+        "t.csv",
+        [row(16, 1.0, gfx="sm90-80G", kernel="h100"), row(16, 1.0, gfx="sm90", kernel="any-sm90"),
+         row(64, 1.0, gfx="sm90-140G", kernel="h200")],  # fmt: skip
+    )
+    table = ConfigTable.load(str(p))
+    assert table.lookup(key(16), h100).kernel_name == "h100"  # exact product beats the bare arch
+    assert table.lookup(key(16), h200).kernel_name == "any-sm90"  # an H100 row never serves an H200
+    assert table.lookup(key(64), h100).kernel_name == "h100"  # untuned-M rule over the rows that apply
+    assert len(table.rows_for(h100)) == 2 and len(table.rows_for(h200)) == 2

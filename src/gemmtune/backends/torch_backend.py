@@ -61,9 +61,7 @@ class TorchBackend(Backend):
             return False
         if solution == MM_OUT_DTYPE:
             return (
-                device.type == "cuda"
-                and key.dtype in (torch.float16, torch.bfloat16)
-                and key.outdtype == torch.float32
+                device.type == "cuda" and key.dtype in (torch.float16, torch.bfloat16) and key.outdtype == torch.float32
             )
         return True
 

@@ -28,9 +28,7 @@ def read_records(path: str) -> tuple[list[str], list[tuple[int, dict[str, str]]]
                 if not row or all(not c.strip() for c in row):
                     continue
                 if len(row) != len(header):
-                    raise ConfigError(
-                        f"{path}:{reader.line_num}: {len(row)} fields, header has {len(header)}"
-                    )
+                    raise ConfigError(f"{path}:{reader.line_num}: {len(row)} fields, header has {len(header)}")
                 records.append((reader.line_num, dict(zip(header, row))))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None

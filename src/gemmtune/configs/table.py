@@ -16,7 +16,7 @@ import bisect
 import logging
 from dataclasses import dataclass
 
-from ..device import ANY_GFX_SENTINEL, DeviceIdentity
+from ..device import DeviceIdentity
 from ..errors import ConfigError
 from ..keys import GemmKey
 from .io import read_records, write_atomic
@@ -102,9 +102,9 @@ class ConfigTable:
         if not self.conflicts:
             return
         shown = "; ".join(c.describe() for c in self.conflicts[:3])
-        more = f" (+{len(self.conflicts) - 3} more; `gemmtune show-config` lists all)" if len(
-            self.conflicts
-        ) > 3 else ""
+        more = (
+            f" (+{len(self.conflicts) - 3} more; `gemmtune show-config` lists all)" if len(self.conflicts) > 3 else ""
+        )
         log.warning("gemmtune: %d duplicate config key(s): %s%s", len(self.conflicts), shown, more)
 
     # ---- reading --------------------------------------------------------------------------
@@ -116,17 +116,20 @@ class ConfigTable:
         return len(self._rows)
 
     def rows_for(self, ident: DeviceIdentity) -> list[TunedRow]:
-        """Rows that apply to this GPU: same gfx (or a legacy row with no gfx) and same cu_num."""
-        return [r for r in self._rows.values() if r.cu_num == ident.cu_num and r.gfx in (ident.gfx, ANY_GFX_SENTINEL)]
+        """Rows that apply to this GPU: its cu_num and one of its gfx aliases (exact, bare arch, legacy)."""
+        aliases = ident.gfx_aliases()
+        return [r for r in self._rows.values() if r.cu_num == ident.cu_num and r.gfx in aliases]
 
     def _family_index(self, ident: DeviceIdentity):
         idx = self._index.get(ident)
         if idx is None:
+            rank = {g: i for i, g in enumerate(ident.gfx_aliases())}
             fams: dict[tuple, dict[int, TunedRow]] = {}
             for r in self.rows_for(ident):
                 per_m = fams.setdefault(r.key.shape_family(), {})
-                # An arch-specific row beats a legacy any-arch row for the same M.
-                if r.key.M not in per_m or per_m[r.key.M].gfx == ANY_GFX_SENTINEL:
+                # The most specific gfx wins for one M (sm90-80G over sm90 over a legacy row).
+                old = per_m.get(r.key.M)
+                if old is None or rank[r.gfx] < rank[old.gfx]:
                     per_m[r.key.M] = r
             idx = {}
             for fam, per_m in fams.items():

@@ -1,0 +1,133 @@
+"""`gemmtune tune shapes.csv -o tuned.csv`: time every backend's candidates, keep the correct fastest."""
+
+from __future__ import annotations
+
+import os
+
+import click
+import torch
+
+from ..errors import GemmtuneError
+from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
+from ..tuner.search import TuneOptions
+
+
+def _log(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+@click.command("tune")
+@click.argument("shapes", type=click.Path(dir_okay=False))
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Tuned CSV (aiter's columns); existing rows for this GPU are kept and skipped.",
+)
+@click.option(
+    "--libtype",
+    default=None,
+    help="Comma list of backends to draw candidates from (default: every available one). "
+    "The vendor default (torch) is always timed as the baseline.",
+)
+@click.option(
+    "--err-ratio",
+    type=float,
+    default=None,
+    help="Max relative error ||y-ref||/||ref|| vs fp32 (default by dtype: bf16 1e-2, fp16 2e-3, fp32 1e-4).",
+)
+@click.option(
+    "--min-gain",
+    type=float,
+    default=0.03,
+    show_default=True,
+    help="A candidate replaces the default only if faster by more than this fraction (and the noise).",
+)
+@click.option(
+    "--top",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Candidates kept by the screen for the accurate timing.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Candidates timed together in one interleaved screening run (fewer if memory is short).",
+)
+@click.option(
+    "--reps",
+    type=click.IntRange(min=5),
+    default=20,
+    show_default=True,
+    help="Graph replays in the final timing (median).",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds a worker may spend on one step (a candidate's check, a timing group) "
+    "before it is killed and the candidate recorded as timed out (workers only).",
+)
+@click.option(
+    "--mp",
+    "mp_workers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Worker processes, one per GPU (default: 1 on a GPU, so a crashing candidate "
+    "cannot end the run; 0 on the CPU). 0 tunes in this process.",
+)
+@click.option("--all", "all_shapes", is_flag=True, help="Retune shapes already in the output.")
+@click.option(
+    "--profile-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append every candidate's result (status, error, screen and final us, reason) as CSV.",
+)
+@click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Base seed (per shape derived).")
+@click.option(
+    "--precompile/--no-precompile",
+    default=True,
+    show_default=True,
+    help="Compile backends' kernels for all shapes in parallel processes first (GPU).",
+)
+@click.option("--plugin", multiple=True, help="Module to import (workers too) that registers more backends.")
+@click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
+@click.option("-v", "--verbose", is_flag=True, help="Per-shape and per-rejected-candidate lines.")
+def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, timeout, mp_workers, all_shapes,
+            profile_file, device, seed, precompile, plugin, progress, verbose) -> None:  # fmt: skip
+    """Tune every shape of SHAPES (aiter's untuned CSV, or a capture file) and write the winners.
+
+    For each shape: every candidate is checked against an fp32 reference (wrong, NaN, crashing or
+    out-of-memory candidates are rejected), screened, and the finalists timed against the vendor
+    default in one interleaved CUDA-graph run over cold weights. The default is kept unless a
+    candidate beats it by more than --min-gain and the measured noise. One row is written per
+    finished shape, so a killed run resumes where it stopped. Example:
+
+        gemmtune tune shapes.csv -o tuned.csv --profile-file profile.csv
+    """
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if plugin:
+        os.environ[PLUGINS_ENV] = ",".join(filter(None, [os.environ.get(PLUGINS_ENV, ""), *plugin]))
+    if mp_workers is None:
+        mp_workers = 1 if dev.type == "cuda" else 0
+    libs = [s.strip() for s in libtype.split(",") if s.strip()] if libtype else None
+    if err_ratio is not None and not err_ratio > 0:
+        raise click.BadParameter("must be > 0", param_hint="--err-ratio")
+    opts = TuneOptions(libtypes=libs, err_ratio=err_ratio, min_gain=min_gain, top=top, reps=reps, batch=batch,
+                       seed=seed)  # fmt: skip
+    try:
+        report = tune_file(shapes, output, opts, dev, mp_workers=mp_workers, timeout=timeout,
+                           all_shapes=all_shapes, profile_file=profile_file, precompile=precompile,
+                           progress=progress, log=_log, verbose=verbose)  # fmt: skip
+    except (GemmtuneError, ValueError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in summary_lines(report, output):
+        click.echo(line)
+    if report.failures:
+        raise SystemExit(1)

@@ -1,0 +1,333 @@
+"""Tune one shape: check every candidate, screen them cheaply, time the finalists against the default.
+
+1. Candidates: every solution of every selected backend that supports the key (the vendor default,
+   torch's default_solution, is always timed, whatever --libtype says).
+2. Correctness (check.py) on random data; a candidate that raises, runs out of memory, or fails the
+   check is rejected with the reason and never timed.
+3. Screen: all passing candidates, in interleaved groups of --batch (fewer when their graph outputs
+   would not fit in a quarter of free memory), `screen_reps` (>= 5) graph replays each over the same
+   rotating cold input sets; the `top` fastest go on.
+4. Final: the finalists and the default, one interleaved bench_gemm run of `reps` replays
+   (BENCHMARKING.md), the default timed first and last (d1, d2): noise = |d1 - d2| / min(d1, d2).
+5. Decision: the fastest finalist replaces the default only if default_us / its_us - 1 exceeds both
+   --min-gain and the noise; otherwise the default is kept, so a tuned row never makes a shape slower.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import backends
+from ..backends.base import Backend, Solution
+from ..keys import GemmKey
+from .check import check_runner, reference
+from .timing import bench_gemm, make_inputs, measure_ceilings, roof_us
+
+DEFAULT_LIBTYPE = "torch"
+# Statuses a candidate can end in; only "ok" candidates were timed.
+OK, REJECTED, FAILED, CRASHED, TIMEOUT = "ok", "rejected", "failed", "crashed", "timeout"
+
+
+class DeviceLostError(RuntimeError):
+    """The device context is unusable after a candidate (e.g. an illegal memory access): the process
+    must end. With --mp the worker is restarted and the candidate excluded; in-process the run stops."""
+
+
+@dataclass
+class TuneOptions:
+    libtypes: list[str] | None = None  # None: every available backend
+    err_ratio: float | None = None  # None: check.THRESHOLDS by dtype
+    min_gain: float = 0.03
+    top: int = 4
+    screen_reps: int = 5
+    reps: int = 20
+    batch: int = 16
+    seed: int = 0
+
+
+@dataclass
+class CandidateResult:
+    libtype: str
+    kernel_name: str
+    solidx: int
+    splitk: int
+    status: str = "pending"
+    err: float = math.nan
+    screen_us: float = math.nan
+    us: float = math.nan
+    reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.libtype}:{self.kernel_name}"
+
+    @classmethod
+    def of(cls, sol: Solution) -> CandidateResult:
+        return cls(sol.libtype, sol.kernel_name, sol.solidx, sol.splitk)
+
+
+@dataclass
+class ShapeResult:
+    key: GemmKey
+    winner: CandidateResult
+    us: float
+    default: CandidateResult
+    default_us: float
+    noise: float
+    roof_us: float
+    kept_default: bool
+    candidates: list[CandidateResult] = field(default_factory=list)
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return self.default_us / self.us if self.us > 0 else math.nan
+
+    @property
+    def roof_pct(self) -> float:
+        return 100.0 * self.roof_us / self.us if self.us > 0 and self.roof_us > 0 else math.nan
+
+
+Heartbeat = Callable[[list[str], str], None]
+
+
+def _no_heartbeat(names: list[str], phase: str) -> None:
+    pass
+
+
+def shape_seed(key: GemmKey, seed: int) -> int:
+    """A fresh, reproducible seed per shape."""
+    return (seed * 1_000_003 + zlib.crc32(key.describe().encode())) & 0x7FFFFFFF
+
+
+def select_backends(device: torch.device, libtypes: list[str] | None) -> dict[str, Backend]:
+    """The backends to draw candidates from; ValueError naming what is known/available otherwise."""
+    known = backends.all_backends()
+    avail = backends.available(device)
+    if not libtypes:
+        return avail
+    unknown = [n for n in libtypes if n not in known]
+    if unknown:
+        errs = backends.import_errors()
+        why = "; ".join(f"{n}: {errs[n]}" for n in unknown if n in errs)
+        raise ValueError(
+            f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            + (f" (failed to load: {why})" if why else "")
+        )
+    missing = [n for n in libtypes if n not in avail]
+    if missing:
+        reasons = "; ".join(f"{n}: {known[n].unavailable_reason(device) or 'not available'}" for n in missing)
+        raise ValueError(f"backend(s) not available on {device}: {reasons} (available: {', '.join(sorted(avail))})")
+    return {n: avail[n] for n in libtypes}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _after_failure(device: torch.device, what: str, exc: BaseException) -> None:
+    """Free what a failed candidate left; raise DeviceLostError when the device no longer works."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    except Exception as sync_exc:  # noqa: BLE001
+        raise DeviceLostError(f"{what} left the device unusable: {type(exc).__name__}: {exc}") from sync_exc
+
+
+def _describe_exc(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "out of memory"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _unique_name(names: dict, cand: CandidateResult) -> str:
+    name = cand.name
+    if name in names:
+        name = f"{name}@{cand.solidx}/sk{cand.splitk}"
+    return name
+
+
+def _group_size(key: GemmKey, device: torch.device, sets: int, batch: int) -> int:
+    if device.type != "cuda":
+        return max(1, batch)
+    per = sets * key.M * key.N * key.outdtype.itemsize * 2  # graph outputs plus slack for workspaces
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(batch, int(0.25 * free // max(per, 1))))
+
+
+
+
+def _timed(key, runners, device, reps, seed, inputs, heartbeat, phase) -> dict[str, float]:
+    """bench_gemm; if the whole run raises, time each runner alone so one bad runner fails alone."""
+    heartbeat(list(runners), phase)
+    try:
+        return bench_gemm(key, runners, device=device, reps=reps, seed=seed, inputs=inputs)
+    except DeviceLostError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        _after_failure(device, f"timing {', '.join(runners)}", exc)
+        if len(runners) == 1:
+            return {n: math.nan for n in runners}
+    out = {}
+    for name, run in runners.items():
+        out.update(_timed(key, {name: run}, device, reps, seed, inputs, heartbeat, phase))
+    return out
+
+
+def tune_shape(
+    key: GemmKey,
+    device: torch.device,
+    opts: TuneOptions,
+    exclude: dict[str, tuple[str, str]] | None = None,
+    heartbeat: Heartbeat = _no_heartbeat,
+    isolate: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> ShapeResult:
+    """Tune `key` on `device`. `exclude` maps candidate names to (status, reason) decided elsewhere
+    (a worker that crashed or hung on them); `isolate` screens one candidate at a time."""
+    t0 = time.perf_counter()
+    exclude = exclude or {}
+    seed = shape_seed(key, opts.seed)
+    say = log or (lambda msg: None)
+    torch_backend = backends.get(DEFAULT_LIBTYPE)
+    default_sol = torch_backend.default_solution(key, device)
+    default = CandidateResult.of(default_sol)
+
+    # -- candidates ---------------------------------------------------------------------------
+    results: dict[str, CandidateResult] = {}
+    sols: dict[str, tuple[Backend, Solution]] = {}
+    for bname, backend in select_backends(device, opts.libtypes).items():
+        try:
+            offered = [s for s in backend.candidates(key, device) if backend.supports(s, key, device)]
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot list candidates is reported
+            bad = CandidateResult(bname, "<candidates>", -1, 0, FAILED, reason=_describe_exc(exc))
+            results[bad.name] = bad
+            continue
+        for sol in offered:
+            cand = CandidateResult.of(sol)
+            name = _unique_name(results, cand)
+            if name in exclude:
+                cand.status, cand.reason = exclude[name]
+            results[name] = cand
+            sols[name] = (backend, sol)
+
+    # -- correctness ----------------------------------------------------------------------------
+    inputs = make_inputs(key, device, seed=seed) if device.type == "cuda" else None
+    check_in = inputs[0] if inputs else make_inputs(key, device, sets=1, seed=seed)[0]
+    ref = reference(key, *check_in)
+    runners = {}
+    default_runner = torch_backend.make_runner(default_sol, key, device)
+    default_check = check_runner(default_runner, key, check_in, ref, opts.err_ratio)
+    default.err, default.status = default_check.err, OK if default_check.ok else REJECTED
+    default.reason = default_check.reason
+    for name, cand in results.items():
+        if cand.status != "pending":
+            continue
+        if name == default.name and (cand.solidx, cand.splitk) == (default.solidx, default.splitk):
+            cand.status, cand.err, cand.reason = default.status, default.err, default.reason
+            continue  # the default itself: timed in the final run under its own name
+        backend, sol = sols[name]
+        heartbeat([name], "check")
+        try:
+            run = backend.make_runner(sol, key, device)
+            verdict = check_runner(run, key, check_in, ref, opts.err_ratio)
+        except DeviceLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of a candidate rejects it alone
+            cand.status, cand.reason = FAILED, _describe_exc(exc)
+            _after_failure(device, name, exc)
+            say(f"  {name}: failed ({cand.reason})")
+            continue
+        cand.err = verdict.err
+        if verdict.ok:
+            cand.status = OK
+            runners[name] = run
+        else:
+            cand.status, cand.reason = REJECTED, verdict.reason
+            say(f"  {name}: rejected ({verdict.reason})")
+        _sync(device)
+    del ref
+
+    # -- screen ------------------------------------------------------------------------------------
+    finalists = list(runners)
+    if len(runners) > opts.top:
+        sets = len(inputs) if inputs else 1
+        size = 1 if isolate else _group_size(key, device, sets, opts.batch)
+        names = list(runners)
+        for i in range(0, len(names), size):
+            group = {n: runners[n] for n in names[i : i + size]}
+            times = _timed(key, group, device, max(5, opts.screen_reps), seed, inputs, heartbeat, "screen")
+            for n, us in times.items():
+                results[n].screen_us = us
+        timed = [n for n in names if results[n].screen_us == results[n].screen_us]  # not NaN
+        for n in names:
+            if n not in timed:
+                results[n].status, results[n].reason = FAILED, "timing failed (graph capture or launch error)"
+        finalists = sorted(timed, key=lambda n: results[n].screen_us)[: opts.top]
+
+    # -- final ---------------------------------------------------------------------------------------
+    # The default first and last: its two times straddle the finalists, so their spread (the noise)
+    # also covers any drift with position in the round.
+    final = {"default": default_runner, **{n: runners[n] for n in finalists}, "default#2": default_runner}
+    times = _timed(key, final, device, opts.reps, seed, inputs, heartbeat, "final")
+    d1, d2 = times["default"], times["default#2"]
+    if not (d1 == d1 and d2 == d2):
+        raise RuntimeError(f"{key.describe()}: the default ({default.name}) could not be timed")
+    default_us = (d1 + d2) / 2
+    noise = abs(d1 - d2) / min(d1, d2)
+    default.us = default_us
+    for n in finalists:
+        results[n].us = times[n]
+        if times[n] != times[n]:
+            results[n].status, results[n].reason = FAILED, "timing failed (graph capture or launch error)"
+    timed = [n for n in finalists if results[n].status == OK]
+    winner, us, kept, note = default, default_us, True, ""
+    if timed:
+        best = min(timed, key=lambda n: results[n].us)
+        gain = default_us / results[best].us - 1
+        need = max(opts.min_gain, noise)
+        if gain > need or default.status != OK:
+            winner, us, kept = results[best], results[best].us, False
+            if default.status != OK:
+                note = f"default failed its check ({default.reason})"
+        else:
+            note = f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
+    roof = roof_us(key, measure_ceilings(device)) if device.type == "cuda" else math.nan
+    cands = list(results.values())
+    if not any(c.name == default.name for c in cands):
+        cands.insert(0, default)
+    return ShapeResult(key, winner, us, default, default_us, noise, roof, kept, cands,
+                       time.perf_counter() - t0, note)  # fmt: skip
+
+
+def precompile_all(keys: list[GemmKey], device: torch.device, opts: TuneOptions, workers: int = 8) -> list:
+    """Let backends that can compile ahead of time (triton: `precompile(jobs, device, workers)`) fill
+    their caches for every (candidate, key) in parallel processes before tuning. Returns failures."""
+    failures = []
+    for _name, backend in select_backends(device, opts.libtypes).items():
+        fn = getattr(backend, "precompile", None)
+        if fn is None:
+            fn = getattr(importlib.import_module(type(backend).__module__), "precompile", None)
+        if fn is None:
+            continue
+        jobs = []
+        for key in keys:
+            try:
+                jobs += [(s, key) for s in backend.candidates(key, device) if backend.supports(s, key, device)]
+            except Exception:  # noqa: BLE001 - tune_shape reports it per shape
+                continue
+        if jobs:
+            failures += fn(jobs, device, workers=workers)
+    return failures

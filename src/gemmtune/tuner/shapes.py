@@ -1,0 +1,452 @@
+"""The GEMM shapes a Hugging Face model config runs, as serving engines run them.
+
+Conventions (M = tokens, N = output features, K = input features, weight [N, K]):
+- Fused projections as vLLM/SGLang run them: one `qkv` GEMM (q, k and v heads side by side) and one
+  `gate_up` GEMM (gate and up side by side); DeepSeek's MLA fuses q_a and kv_a into `qkv_a`.
+- Megatron-style tensor parallelism over `tp` ranks (the shapes of one rank): column-parallel layers
+  (qkv, gate_up, expert_gate_up, kv_b, q_b, lm_head) are split along N, row-parallel layers (o, down,
+  expert_down) along K. KV heads are replicated when there are fewer than tp: a rank holds
+  max(1, kv_heads / tp) of them. The MoE router and MLA's qkv_a are replicated (not split).
+- lm_head: N = ceil(vocab_size / tp) (no vocab padding), emitted whether or not embeddings are tied.
+- Expert GEMMs (expert_gate_up, expert_down) are the per-expert GEMM of a grouped MoE: at T tokens
+  an expert sees on average ceil(T * top_k / num_experts) of them, which is the M they are keyed on.
+- Row-parallel layers keep their bias in the GEMM (the rank that adds it runs the same shape).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import GemmtuneError
+from ..keys import GemmKey, parse_dtype
+
+
+class ModelConfigError(GemmtuneError, ValueError):
+    """A model config cannot be turned into GEMM shapes (unknown architecture, bad tp, missing field)."""
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear layer of a model (per TP rank): y[M, N] = x[M, K] @ w[N, K]^T (+ bias)."""
+
+    name: str
+    N: int
+    K: int
+    bias: bool = False
+    count: int = 1  # instances in the whole model (layers x experts), for weighting and display
+    experts: int = 0  # > 0 for per-expert GEMMs: M is the mean tokens one expert sees
+    top_k: int = 0
+
+    def m_for(self, tokens: int) -> int:
+        """The GEMM's M when the model processes `tokens` tokens."""
+        if self.experts:
+            return max(1, math.ceil(tokens * self.top_k / self.experts))
+        return tokens
+
+    def key(self, tokens: int, dtype: torch.dtype = torch.bfloat16, outdtype: torch.dtype | None = None) -> GemmKey:
+        return GemmKey(self.m_for(tokens), self.N, self.K, self.bias, dtype, outdtype or dtype)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _text_config(config: dict) -> dict:
+    # Multimodal configs (Gemma 3, Llama 4 ...) keep the language model under text_config.
+    inner = config.get("text_config")
+    if isinstance(inner, dict):
+        merged = {k: v for k, v in config.items() if k != "text_config"}
+        merged.update(inner)
+        if "model_type" in inner:
+            merged["model_type"] = inner["model_type"]
+        return merged
+    return config
+
+
+def _req(cfg: dict, *names: str) -> int:
+    for n in names:
+        if cfg.get(n) is not None:
+            return int(cfg[n])
+    raise ModelConfigError(f"model config has no {' / '.join(names)} (model_type {cfg.get('model_type')!r})")
+
+
+def _split(value: int, tp: int, what: str) -> int:
+    if value % tp:
+        raise ModelConfigError(f"{what}={value} is not divisible by tp={tp}")
+    return value // tp
+
+
+def _kv_per_rank(kv: int, tp: int) -> int:
+    if kv >= tp:
+        return _split(kv, tp, "num_key_value_heads")
+    if tp % kv:
+        raise ModelConfigError(f"num_key_value_heads={kv} cannot be replicated over tp={tp} (tp % kv != 0)")
+    return 1
+
+
+def _attention(cfg: dict, tp: int, qkv_bias: bool, o_bias: bool, layers: int) -> list[LinearShape]:
+    hidden = _req(cfg, "hidden_size")
+    heads = _req(cfg, "num_attention_heads")
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    q_rank = _split(heads, tp, "num_attention_heads")
+    kv_rank = _kv_per_rank(kv, tp)
+    return [
+        LinearShape("qkv", (q_rank + 2 * kv_rank) * head_dim, hidden, qkv_bias, layers),
+        LinearShape("o", hidden, q_rank * head_dim, o_bias, layers),
+    ]
+
+
+def _mlp(prefix: str, hidden: int, inter: int, tp: int, bias: bool, count: int, experts=0, top_k=0):
+    i_rank = _split(inter, tp, f"{prefix or 'mlp '}intermediate size")
+    return [
+        LinearShape(f"{prefix}gate_up", 2 * i_rank, hidden, bias, count, experts, top_k),
+        LinearShape(f"{prefix}down", hidden, i_rank, bias, count, experts, top_k),
+    ]
+
+
+def _lm_head(cfg: dict, tp: int) -> LinearShape:
+    return LinearShape("lm_head", math.ceil(_req(cfg, "vocab_size") / tp), _req(cfg, "hidden_size"), False, 1)
+
+
+# ---- architectures -------------------------------------------------------------------------------
+def _dense(cfg: dict, tp: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> list[LinearShape]:
+    layers = _req(cfg, "num_hidden_layers")
+    hidden = _req(cfg, "hidden_size")
+    return [
+        *_attention(cfg, tp, qkv_bias, o_bias, layers),
+        *_mlp("", hidden, _req(cfg, "intermediate_size"), tp, mlp_bias, layers),
+        _lm_head(cfg, tp),
+    ]
+
+
+def _llama_like(cfg: dict, tp: int) -> list[LinearShape]:
+    # Llama, Mistral, Qwen3, Gemma*, Phi3: attention_bias covers q/k/v/o; mlp_bias the MLP (Llama).
+    ab = bool(cfg.get("attention_bias", False))
+    return _dense(cfg, tp, ab, ab, bool(cfg.get("mlp_bias", False)))
+
+
+def _qwen2(cfg: dict, tp: int) -> list[LinearShape]:
+    # Qwen2 always has q/k/v bias and none on o or the MLP.
+    return _dense(cfg, tp, True, False, False)
+
+
+def _moe(
+    cfg: dict,
+    tp: int,
+    experts: int,
+    top_k: int,
+    moe_inter: int,
+    moe_layers: int,
+    dense_layers: int,
+    shared_inter: int = 0,
+    shared_gate: bool = False,
+) -> list[LinearShape]:
+    hidden = _req(cfg, "hidden_size")
+    out = [LinearShape("router", experts, hidden, False, moe_layers)]
+    out += _mlp("expert_", hidden, moe_inter, tp, False, moe_layers * experts, experts, top_k)
+    if shared_inter:
+        out += _mlp("shared_expert_", hidden, shared_inter, tp, False, moe_layers)
+        if shared_gate:
+            out.append(LinearShape("shared_expert_gate", 1, hidden, False, moe_layers))
+    if dense_layers:
+        out += _mlp("", hidden, _req(cfg, "intermediate_size"), tp, bool(cfg.get("mlp_bias", False)), dense_layers)
+    return out
+
+
+def _sparse_layer_split(cfg: dict) -> tuple[int, int]:
+    """(moe layers, dense layers) for Qwen MoE's decoder_sparse_step / mlp_only_layers."""
+    layers = _req(cfg, "num_hidden_layers")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or [])
+    moe = sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
+    return moe, layers - moe
+
+
+def _qwen_moe(cfg: dict, tp: int, qkv_bias: bool) -> list[LinearShape]:
+    layers = _req(cfg, "num_hidden_layers")
+    ab = bool(cfg.get("attention_bias", False))
+    moe_layers, dense_layers = _sparse_layer_split(cfg)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return [
+        *_attention(cfg, tp, qkv_bias or ab, ab and not qkv_bias, layers),
+        *_moe(
+            cfg,
+            tp,
+            _req(cfg, "num_experts"),
+            _req(cfg, "num_experts_per_tok"),
+            _req(cfg, "moe_intermediate_size"),
+            moe_layers,
+            dense_layers,
+            shared,
+            shared_gate=bool(shared),
+        ),
+        _lm_head(cfg, tp),
+    ]
+
+
+def _mixtral(cfg: dict, tp: int) -> list[LinearShape]:
+    layers = _req(cfg, "num_hidden_layers")
+    return [
+        *_attention(cfg, tp, False, False, layers),
+        *_moe(
+            cfg,
+            tp,
+            _req(cfg, "num_local_experts", "num_experts"),
+            _req(cfg, "num_experts_per_tok"),
+            _req(cfg, "intermediate_size"),
+            layers,
+            0,
+        ),
+        _lm_head(cfg, tp),
+    ]
+
+
+def _deepseek(cfg: dict, tp: int) -> list[LinearShape]:
+    """DeepSeek V2/V3 (MLA attention + shared/routed experts), as vLLM runs the prefill path."""
+    layers = _req(cfg, "num_hidden_layers")
+    hidden = _req(cfg, "hidden_size")
+    heads = _split(_req(cfg, "num_attention_heads"), tp, "num_attention_heads")
+    nope, rope = _req(cfg, "qk_nope_head_dim"), _req(cfg, "qk_rope_head_dim")
+    v_dim, kv_lora = _req(cfg, "v_head_dim"), _req(cfg, "kv_lora_rank")
+    q_lora = cfg.get("q_lora_rank")
+    ab = bool(cfg.get("attention_bias", False))
+    out: list[LinearShape] = []
+    if q_lora:
+        out.append(LinearShape("qkv_a", int(q_lora) + kv_lora + rope, hidden, ab, layers))
+        out.append(LinearShape("q_b", heads * (nope + rope), int(q_lora), False, layers))
+    else:
+        out.append(LinearShape("q", heads * (nope + rope), hidden, False, layers))
+        out.append(LinearShape("kv_a", kv_lora + rope, hidden, ab, layers))
+    out.append(LinearShape("kv_b", heads * (nope + v_dim), kv_lora, False, layers))
+    out.append(LinearShape("o", hidden, heads * v_dim, ab, layers))
+    dense = min(int(cfg.get("first_k_dense_replace") or 0), layers)
+    moe_inter = _req(cfg, "moe_intermediate_size")
+    shared = int(cfg.get("n_shared_experts") or 0) * moe_inter
+    out += _moe(
+        cfg,
+        tp,
+        _req(cfg, "n_routed_experts"),
+        _req(cfg, "num_experts_per_tok"),
+        moe_inter,
+        layers - dense,
+        dense,
+        shared,
+    )
+    out.append(_lm_head(cfg, tp))
+    return out
+
+
+ARCHITECTURES = {
+    "llama": _llama_like,
+    "mistral": _llama_like,
+    "qwen3": _llama_like,
+    "gemma": _llama_like,
+    "gemma2": _llama_like,
+    "gemma3": _llama_like,
+    "gemma3_text": _llama_like,
+    "phi3": _llama_like,
+    "qwen2": _qwen2,
+    "mixtral": _mixtral,
+    "qwen2_moe": lambda cfg, tp: _qwen_moe(cfg, tp, qkv_bias=True),
+    "qwen3_moe": lambda cfg, tp: _qwen_moe(cfg, tp, qkv_bias=False),
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+}
+# The `architectures` class names that map onto the model types above (configs without model_type).
+_CLASS_TO_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+
+def model_type_of(config: dict) -> str:
+    cfg = _text_config(config)
+    mt = cfg.get("model_type")
+    if mt in ARCHITECTURES:
+        return mt
+    for cls in config.get("architectures") or []:
+        if cls in _CLASS_TO_TYPE:
+            return _CLASS_TO_TYPE[cls]
+    what = f"model_type {mt!r}" if mt else f"architectures {config.get('architectures')!r}"
+    raise ModelConfigError(
+        f"unsupported model architecture ({what}); supported model_type values: {', '.join(sorted(ARCHITECTURES))}"
+    )
+
+
+def model_gemms(config: dict, tp: int = 1) -> list[LinearShape]:
+    """The distinct linear layers of one TP rank of the model described by an HF `config` dict."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ModelConfigError(f"tp must be a positive integer, got {tp!r}")
+    mt = model_type_of(config)
+    return ARCHITECTURES[mt](_text_config(config), tp)
+
+
+def config_dtype(config: dict, default: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The dtype the config says the model runs in (torch_dtype / dtype), else `default`."""
+    cfg = _text_config(config)
+    text = cfg.get("torch_dtype") or cfg.get("dtype")
+    if not text:
+        return default
+    try:
+        return parse_dtype(str(text))
+    except ValueError:
+        return default
+
+
+def gemm_keys(
+    shapes: Iterable[LinearShape],
+    ms: Iterable[int],
+    dtype: torch.dtype = torch.bfloat16,
+    outdtype: torch.dtype | None = None,
+) -> list[GemmKey]:
+    """GemmKeys for every shape at every token count in `ms` (nsets), deduplicated, in shape then M order."""
+    ms = list(ms)
+    bad = [m for m in ms if not isinstance(m, int) or m < 1]
+    if bad:
+        raise ValueError(f"token counts must be positive integers, got {bad}")
+    seen: dict[GemmKey, None] = {}
+    for s in shapes:
+        for m in ms:
+            seen.setdefault(s.key(m, dtype, outdtype))
+    return list(seen)
+
+
+def named_keys(shapes: Iterable[LinearShape], ms: Iterable[int], dtype=torch.bfloat16, outdtype=None):
+    """(layer names, key) pairs: like gemm_keys, with the layer names that share each key."""
+    out: dict[GemmKey, list[str]] = {}
+    for s in shapes:
+        for m in ms:
+            out.setdefault(s.key(m, dtype, outdtype), []).append(s.name)
+    return [(names, k) for k, names in out.items()]
+
+
+# ---- presets -------------------------------------------------------------------------------------
+def _llama(hidden, inter, heads, kv, layers, vocab, head_dim=None, **extra) -> dict:
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "torch_dtype": "bfloat16",
+    }
+    if head_dim:
+        cfg["head_dim"] = head_dim
+    cfg.update(extra)
+    return cfg
+
+
+PRESETS: dict[str, dict] = {
+    # The models of ../shared/models (same architecture facts as those config.json files).
+    "llama-3-8b": _llama(4096, 14336, 32, 8, 32, 128256, 128),
+    "llama-3-70b": _llama(8192, 28672, 64, 8, 80, 128256, 128),
+    "mixtral-8x7b": _llama(
+        4096, 14336, 32, 8, 32, 32000, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2
+    ),
+    "qwen3-30b-a3b": _llama(
+        2048,
+        6144,
+        32,
+        4,
+        48,
+        151936,
+        128,
+        model_type="qwen3_moe",
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+    ),
+    "qwen3-32b": _llama(5120, 25600, 64, 8, 64, 151936, 128, model_type="qwen3"),
+    "tiny-llama": _llama(64, 128, 4, 2, 2, 256, 16, torch_dtype="float32"),
+    # A few more, from their public config.json files.
+    "llama-3.1-405b": _llama(16384, 53248, 128, 8, 126, 128256, 128),
+    "mistral-7b": _llama(4096, 14336, 32, 8, 32, 32768, 128, model_type="mistral"),
+    "qwen2.5-7b": _llama(3584, 18944, 28, 4, 28, 152064, model_type="qwen2"),
+    "qwen3-8b": _llama(4096, 12288, 32, 8, 36, 151936, 128, model_type="qwen3"),
+    "gemma-2-9b": _llama(3584, 14336, 16, 8, 42, 256000, 256, model_type="gemma2"),
+    "phi-3-mini": _llama(3072, 8192, 32, 32, 32, 32064, model_type="phi3"),
+    "deepseek-v3": _llama(
+        7168,
+        18432,
+        128,
+        128,
+        61,
+        129280,
+        model_type="deepseek_v3",
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
+}
+
+
+def load_model_config(model: str) -> tuple[dict, str]:
+    """A preset name, a config.json path, or a folder holding config.json -> (config dict, source)."""
+    if model in PRESETS:
+        return dict(PRESETS[model]), f"preset {model}"
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.exists(path):
+        raise ModelConfigError(
+            f"{model!r} is neither a config.json file, a folder with one, nor a preset "
+            f"(presets: {', '.join(sorted(PRESETS))})"
+        )
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"{path}: cannot read model config: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{path}: a model config must be a JSON object")
+    return config, path
+
+
+def parse_nsets(text: str) -> list[int]:
+    """'1,16,256' or '32..8192' (powers of two between) or a mix -> sorted unique token counts."""
+    out: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            if ".." in part:
+                lo, hi = (int(v) for v in part.split("..", 1))
+                if lo < 1 or hi < lo:
+                    raise ValueError
+                m = lo
+                while m <= hi:
+                    out.add(m)
+                    m *= 2
+            else:
+                v = int(part)
+                if v < 1:
+                    raise ValueError
+                out.add(v)
+        except ValueError:
+            raise ValueError(f"bad token count {part!r} in {text!r} (positive integers, or LO..HI)") from None
+    if not out:
+        raise ValueError(f"no token counts in {text!r}")
+    return sorted(out)

@@ -1,0 +1,97 @@
+"""`gemmtune bench` on the CPU: one run per row through the runtime vs the default, outputs, summaries."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import torch
+from click.testing import CliRunner
+
+from gemmtune.cli.main import cli
+from gemmtune.configs.schema import TUNED_COLUMNS, TunedRow
+from gemmtune.configs.table import ConfigTable
+from gemmtune.device import identity
+from gemmtune.dispatch import get_dispatcher
+from gemmtune.keys import GemmKey
+from gemmtune.tuner.bench import BenchRow, bench_table, summarize, summary_lines
+
+CPU = torch.device("cpu")
+
+
+def _table_file(tmp_path, keys, gfx=None, cu=None, libtype="torch", kernel="native", solidx=0):
+    ident = identity(CPU)
+    rows = [TunedRow(gfx or ident.gfx, cu or ident.cu_num, k, libtype, solidx, 0, 5.0, kernel) for k in keys]
+    path = tmp_path / "tuned.csv"
+    ConfigTable(rows).write(str(path), TUNED_COLUMNS)
+    return path
+
+
+KEYS = [GemmKey(1, 40, 24, False, torch.float32, torch.float32), GemmKey(48, 40, 24, True, torch.float32,
+        torch.float32), GemmKey(600, 16, 8, False, torch.float32, torch.float32)]  # fmt: skip
+
+
+def test_bench_cli_writes_table_csv_json_and_plot_or_says_why(tmp_path):
+    path = _table_file(tmp_path, KEYS)
+    prefix = tmp_path / "out" / "b"
+    prefix.parent.mkdir()
+    res = CliRunner().invoke(cli, ["bench", str(path), "-o", str(prefix), "--reps", "5"])
+    assert res.exit_code == 0, res.output
+    for rng in ("M<=16", "16<M<=512", "M>512"):
+        assert rng in res.output
+    assert "dispatch overhead" in res.output
+    data = json.loads((tmp_path / "out" / "b.json").read_text())
+    assert data["summary"]["shapes"] == 3 and set(data["summary"]["ranges"]) == {"M<=16", "16<M<=512", "M>512"}
+    assert [(r["M"], r["solution"]) for r in data["rows"]] == [(600, "torch:native"), (1, "torch:native"),
+                                                               (48, "torch:native")]  # fmt: skip
+    assert all(r["tuned_us"] > 0 and r["default_us"] > 0 for r in data["rows"])
+    csv_lines = (tmp_path / "out" / "b.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("M,N,K,bias") and len(csv_lines) == 4
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "out" / "b.png").stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in res.output
+
+
+def test_bench_dispatches_through_the_table_and_restores_it(tmp_path, clean_dispatch):
+    from gemmtune.backends.torch_backend import MM_OUT_DTYPE
+
+    key = GemmKey(3, 32, 16, False, torch.float32, torch.float32)
+    # A row naming a solution the runtime cannot run here falls back, and bench shows what ran.
+    table = ConfigTable([TunedRow(identity(CPU).gfx, identity(CPU).cu_num, key, "torch", MM_OUT_DTYPE.solidx, 0,
+                                  5.0, MM_OUT_DTYPE.kernel_name)])  # fmt: skip
+    before = get_dispatcher().table()
+    rows = bench_table(table, CPU, reps=5)
+    assert len(rows) == 1 and rows[0].solution == "torch:native" and rows[0].table_us == 5.0
+    assert get_dispatcher().table() is before
+
+
+def test_bench_refuses_a_table_with_no_row_for_this_device(tmp_path):
+    path = _table_file(tmp_path, KEYS[:1], gfx="gfx942", cu=304)
+    res = CliRunner().invoke(cli, ["bench", str(path)])
+    assert res.exit_code != 0 and "no row applies to this device" in res.output and "gfx942/304" in res.output
+    res = CliRunner().invoke(cli, ["bench", str(tmp_path / "missing.csv")])
+    assert res.exit_code != 0 and "no such file" in res.output
+
+
+def _row(M, tuned, default, noise=0.01, roof=math.nan):
+    return BenchRow(M, 64, 64, False, "torch.bfloat16", "torch.bfloat16", "x:y", tuned, tuned, default, noise, roof)
+
+
+def test_summary_geomeans_per_m_range():
+    rows = [_row(1, 10, 20), _row(16, 10, 5), _row(17, 10, 10), _row(512, 10, 10.05), _row(513, 8, 10, roof=4)]
+    s = summarize(rows)
+    assert s["ranges"]["M<=16"]["shapes"] == 2
+    assert math.isclose(s["ranges"]["M<=16"]["geomean_speedup"], 1.0)  # sqrt(2 * 0.5)
+    assert s["ranges"]["M<=16"]["worst_speedup"] == 0.5
+    assert s["ranges"]["M<=16"]["slower_beyond_noise"] == 1
+    assert s["ranges"]["16<M<=512"]["slower_beyond_noise"] == 0  # 0.5% slower is within 1% noise
+    assert math.isclose(s["ranges"]["M>512"]["geomean_roof_pct_tuned"], 50.0)
+    assert math.isclose(s["ranges"]["M>512"]["geomean_roof_pct_default"], 40.0)
+    assert s["slower_beyond_noise"] == 1
+    # A slower first run counts only if its recheck (fresh inputs and graphs) agrees.
+    assert not BenchRow(**{**_row(8, 10, 9).__dict__, "recheck_speedup": 0.995}).slower_beyond_noise
+    assert BenchRow(**{**_row(8, 10, 9).__dict__, "recheck_speedup": 0.9}).slower_beyond_noise
+    text = "\n".join(summary_lines(s))
+    assert "M<=16" in text and "roof 50% (default 40%)" in text

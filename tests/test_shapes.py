@@ -1,0 +1,183 @@
+"""Shape derivation from model configs (hand-computed per model and tp) and `gemmtune shapes`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gemmtune.capture import read_shapes
+from gemmtune.cli.main import cli
+from gemmtune.keys import GemmKey
+from gemmtune.tuner.shapes import (
+    PRESETS,
+    ModelConfigError,
+    config_dtype,
+    gemm_keys,
+    load_model_config,
+    model_gemms,
+    parse_nsets,
+)
+
+# (name, N, K) per rank, computed by hand from each config.json in shared/models:
+# qkv N = (heads/tp + 2 * max(1, kv/tp)) * head_dim, o K = heads/tp * head_dim,
+# gate_up N = 2 * inter/tp, down K = inter/tp, lm_head N = vocab/tp.
+EXPECTED = {
+    ("llama-3-8b", 1): [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                        ("lm_head", 128256, 4096)],
+    ("llama-3-8b", 8): [("qkv", 768, 4096), ("o", 4096, 512), ("gate_up", 3584, 4096), ("down", 4096, 1792),
+                        ("lm_head", 16032, 4096)],
+    ("llama-3-70b", 1): [("qkv", 10240, 8192), ("o", 8192, 8192), ("gate_up", 57344, 8192), ("down", 8192, 28672),
+                         ("lm_head", 128256, 8192)],
+    ("llama-3-70b", 8): [("qkv", 1280, 8192), ("o", 8192, 1024), ("gate_up", 7168, 8192), ("down", 8192, 3584),
+                         ("lm_head", 16032, 8192)],
+    ("mixtral-8x7b", 1): [("qkv", 6144, 4096), ("o", 4096, 4096), ("router", 8, 4096),
+                          ("expert_gate_up", 28672, 4096), ("expert_down", 4096, 14336), ("lm_head", 32000, 4096)],
+    ("mixtral-8x7b", 8): [("qkv", 768, 4096), ("o", 4096, 512), ("router", 8, 4096),
+                          ("expert_gate_up", 3584, 4096), ("expert_down", 4096, 1792), ("lm_head", 4000, 4096)],
+    ("qwen3-30b-a3b", 1): [("qkv", 5120, 2048), ("o", 2048, 4096), ("router", 128, 2048),
+                           ("expert_gate_up", 1536, 2048), ("expert_down", 2048, 768), ("lm_head", 151936, 2048)],
+    # 4 kv heads over 8 ranks: each rank keeps one (replicated).
+    ("qwen3-30b-a3b", 8): [("qkv", 768, 2048), ("o", 2048, 512), ("router", 128, 2048),
+                           ("expert_gate_up", 192, 2048), ("expert_down", 2048, 96), ("lm_head", 18992, 2048)],
+    ("qwen3-32b", 1): [("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600),
+                       ("lm_head", 151936, 5120)],
+    ("qwen3-32b", 8): [("qkv", 1280, 5120), ("o", 5120, 1024), ("gate_up", 6400, 5120), ("down", 5120, 3200),
+                       ("lm_head", 18992, 5120)],
+    ("tiny-llama", 1): [("qkv", 128, 64), ("o", 64, 64), ("gate_up", 256, 64), ("down", 64, 128),
+                        ("lm_head", 256, 64)],
+    ("tiny-llama", 2): [("qkv", 64, 64), ("o", 64, 32), ("gate_up", 128, 64), ("down", 64, 64),
+                        ("lm_head", 128, 64)],
+}  # fmt: skip
+
+
+def _shapes(config, tp):
+    return [(s.name, s.N, s.K) for s in model_gemms(config, tp)]
+
+
+@pytest.mark.parametrize(("model", "tp"), sorted(EXPECTED))
+def test_shared_model_files_match_hand_computed(shared, model, tp):
+    config = json.loads((shared / "models" / f"{model}.json").read_text())
+    assert _shapes(config, tp) == EXPECTED[(model, tp)]
+    # The built-in preset of the same name derives the same shapes.
+    assert _shapes(PRESETS[model], tp) == EXPECTED[(model, tp)]
+    assert not any(s.bias for s in model_gemms(config, tp))
+
+
+def test_every_shared_model_is_covered(shared):
+    files = {p.stem for p in (shared / "models").glob("*.json")}
+    assert files == {m for m, _ in EXPECTED}
+
+
+def test_tiny_llama_tp8_is_an_error_naming_heads(shared):
+    config = json.loads((shared / "models" / "tiny-llama.json").read_text())
+    with pytest.raises(ModelConfigError, match="num_attention_heads=4 is not divisible by tp=8"):
+        model_gemms(config, 8)
+
+
+def test_kv_heads_replicated_when_fewer_than_tp():
+    # Llama-3-8B at tp 16: 2 q heads and 1 (replicated) kv head per rank.
+    qkv = model_gemms(PRESETS["llama-3-8b"], 16)[0]
+    assert (qkv.name, qkv.N, qkv.K) == ("qkv", (2 + 2 * 1) * 128, 4096)
+    with pytest.raises(ModelConfigError, match="replicated"):
+        model_gemms(dict(PRESETS["llama-3-8b"], num_key_value_heads=3, num_attention_heads=48), 16)
+
+
+def test_biases_follow_the_architecture():
+    qwen2 = {s.name: s.bias for s in model_gemms(PRESETS["qwen2.5-7b"])}
+    assert qwen2 == {"qkv": True, "o": False, "gate_up": False, "down": False, "lm_head": False}
+    llama = {s.name: s.bias for s in model_gemms(dict(PRESETS["llama-3-8b"], attention_bias=True, mlp_bias=True))}
+    assert llama == {"qkv": True, "o": True, "gate_up": True, "down": True, "lm_head": False}
+
+
+def test_head_dim_explicit_differs_from_hidden_over_heads():
+    # Gemma-2-9B: 16 heads x 256 = 4096 != hidden 3584.
+    shapes = {s.name: (s.N, s.K) for s in model_gemms(PRESETS["gemma-2-9b"], 2)}
+    assert shapes["qkv"] == ((8 + 2 * 4) * 256, 3584)
+    assert shapes["o"] == (3584, 8 * 256)
+
+
+def test_deepseek_v3_tp8_covers_aiters_shape_list(shared):
+    ours = {(s.N, s.K) for s in model_gemms(PRESETS["deepseek-v3"], 8)}
+    path = shared / "reference" / "aiter-configs" / "dsv3_bf16_untuned_gemm.csv"
+    theirs = {(k.N, k.K) for k, _ in read_shapes(str(path))}
+    assert theirs <= ours, theirs - ours
+
+
+def test_expert_gemms_are_keyed_on_tokens_per_expert():
+    shapes = {s.name: s for s in model_gemms(PRESETS["qwen3-30b-a3b"])}
+    e = shapes["expert_gate_up"]
+    assert [e.m_for(t) for t in (1, 16, 64, 1000)] == [1, 1, 4, 63]  # ceil(T * 8 / 128)
+    assert shapes["router"].m_for(64) == 64
+    keys = gemm_keys([e], [1, 16, 64], torch.bfloat16)
+    assert keys == [GemmKey(1, 1536, 2048), GemmKey(4, 1536, 2048)]  # deduplicated
+
+
+def test_text_config_nesting_and_architectures_fallback():
+    inner = dict(PRESETS["llama-3-8b"], model_type="gemma3_text")
+    outer = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": inner}
+    assert _shapes(outer, 1) == _shapes(inner, 1)
+    no_type = {k: v for k, v in PRESETS["llama-3-8b"].items() if k != "model_type"}
+    no_type["architectures"] = ["LlamaForCausalLM"]
+    assert _shapes(no_type, 8) == EXPECTED[("llama-3-8b", 8)]
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ModelConfigError) as err:
+        model_gemms({"model_type": "bert", "hidden_size": 8})
+    msg = str(err.value)
+    assert "bert" in msg and "llama" in msg and "qwen3_moe" in msg and "deepseek_v3" in msg
+
+
+def test_config_dtype_and_nsets():
+    assert config_dtype(PRESETS["tiny-llama"]) == torch.float32
+    assert config_dtype({}) == torch.bfloat16
+    assert parse_nsets("1,4,32..256") == [1, 4, 32, 64, 128, 256]
+    for bad in ("0", "x", "8..2", ""):
+        with pytest.raises(ValueError):
+            parse_nsets(bad)
+
+
+def test_load_model_config_sources(tmp_path, shared):
+    cfg, src = load_model_config("llama-3-70b")
+    assert src == "preset llama-3-70b" and cfg["hidden_size"] == 8192
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text((shared / "models" / "qwen3-32b.json").read_text())
+    assert load_model_config(str(d))[0]["model_type"] == "qwen3"
+    with pytest.raises(ModelConfigError, match="preset"):
+        load_model_config(str(tmp_path / "nope.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="bad.json"):
+        load_model_config(str(tmp_path / "bad.json"))
+
+
+def test_shapes_cli_writes_aiter_untuned_csv(tmp_path, shared):
+    out = tmp_path / "shapes.csv"
+    model = str(shared / "models" / "llama-3-70b.json")
+    res = CliRunner().invoke(cli, ["shapes", "--model", model, "--tp", "8", "--nsets", "1,16", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_text().splitlines()[0] == "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle"
+    keys = [k for k, _ in read_shapes(str(out))]
+    assert len(keys) == 10
+    assert GemmKey(16, 1280, 8192) in keys and GemmKey(1, 8192, 3584) in keys
+    assert all(k.dtype == torch.bfloat16 for k in keys)
+
+
+def test_shapes_cli_dtype_override_and_stdout():
+    res = CliRunner().invoke(cli, ["shapes", "-m", "tiny-llama", "--nsets", "2", "--dtype", "fp16", "--no-lm-head"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.strip().splitlines()
+    assert lines[1] == "2,128,64,False,torch.float16,torch.float16,False,False"
+    assert len(lines) == 1 + 4
+
+
+def test_shapes_cli_errors_are_clear(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"model_type": "t5"}))
+    res = CliRunner().invoke(cli, ["shapes", "-m", str(tmp_path / "c.json"), "-o", str(tmp_path / "o.csv")])
+    assert res.exit_code != 0 and "t5" in res.output and "supported" in res.output
+    assert not (tmp_path / "o.csv").exists()
+    res = CliRunner().invoke(cli, ["shapes", "-m", "tiny-llama", "--nsets", "0"])
+    assert res.exit_code != 0 and "bad token count" in res.output

@@ -1,0 +1,308 @@
+"""`gemmtune tune` on the CPU: correctness checks, the search decision, resume, crash isolation, bad input."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from gemmtune import backends
+from gemmtune.backends.torch_backend import NATIVE, TorchBackend
+from gemmtune.capture import key_to_record
+from gemmtune.cli.main import cli
+from gemmtune.configs.schema import UNTUNED_COLUMNS, throughput
+from gemmtune.configs.table import read_table_file
+from gemmtune.keys import GemmKey
+from gemmtune.tuner.check import check_runner, reference, threshold_for
+from gemmtune.tuner.runner import EXIT_AFTER_ENV, PLUGINS_ENV, summary_lines, tune_file
+from gemmtune.tuner.search import TuneOptions, tune_shape
+from gemmtune.tuner.timing import make_inputs
+
+CPU = torch.device("cpu")
+
+# A backend whose candidates misbehave on purpose; FAKE_KINDS picks which ones it offers.
+FAKE_BACKEND = textwrap.dedent(
+    """
+    import os, time
+    import torch
+    import torch.nn.functional as F
+    from gemmtune import backends
+    from gemmtune.backends.base import Backend, Solution, stable_solidx
+
+    class FakeBackend(Backend):
+        name = "fake"
+
+        def is_available(self, device):
+            return True
+
+        def candidates(self, key, device):
+            kinds = os.environ.get("FAKE_KINDS", "good,wrong,raises,partial,oom").split(",")
+            return [Solution("fake", k, stable_solidx(k)) for k in kinds]
+
+        def solution_from_row(self, solidx, kernel_name, splitk):
+            return Solution("fake", kernel_name, stable_solidx(kernel_name))
+
+        def supports(self, solution, key, device):
+            return True
+
+        def make_runner(self, sol, key, device):
+            k = sol.kernel_name
+            if k == "oom":
+                raise torch.OutOfMemoryError("fake: tried to allocate 1 PiB")
+
+            def run(x, w, b):
+                if k == "raises":
+                    raise RuntimeError("fake kernel raised")
+                if k == "crash":
+                    os._exit(9)
+                if k == "hang":
+                    time.sleep(3600)
+                if k == "nograph":  # a host sync: runs eagerly, cannot be captured in a CUDA graph
+                    x.sum().item()
+                if k == "partial":  # leaves the last output column unwritten
+                    out = torch.empty((*x.shape[:-1], w.shape[0]), dtype=key.outdtype, device=x.device)
+                    out[..., :-1] = F.linear(x, w[:-1], None if b is None else b[:-1])
+                    return out
+                y = F.linear(x, w, b).to(key.outdtype)
+                return y * 1.1 if k == "wrong" else y
+
+            return run
+
+    backends.register(FakeBackend())
+    """
+)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """Make `fake_backend` importable (here and in spawned workers) and registered; remove it after."""
+    (tmp_path / "fake_backend.py").write_text(FAKE_BACKEND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(PLUGINS_ENV, "fake_backend")
+    sys.modules.pop("fake_backend", None)
+    yield tmp_path
+    backends._registry.pop("fake", None)
+    sys.modules.pop("fake_backend", None)
+
+
+def write_shapes(path, keys):
+    path.write_text(",".join(UNTUNED_COLUMNS) + "\n" + "".join(",".join(key_to_record(k)) + "\n" for k in keys))
+    return str(path)
+
+
+KEYS = [GemmKey(1, 48, 40, False, torch.float32, torch.float32), GemmKey(5, 48, 40, True, torch.float32, torch.float32),
+        GemmKey(3, 33, 17, False, torch.bfloat16, torch.bfloat16), GemmKey(2, 24, 40, False, torch.float16,
+        torch.float32)]  # fmt: skip
+FAST = TuneOptions(reps=5, screen_reps=5)
+
+
+# ---- correctness check ------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", KEYS, ids=lambda k: k.describe())
+def test_check_accepts_the_default_and_rejects_bad_outputs(key):
+    inputs = make_inputs(key, CPU, sets=1, seed=1)[0]
+    ref = reference(key, *inputs)
+    good = TorchBackend().make_runner(NATIVE, key, CPU)
+    res = check_runner(good, key, inputs, ref)
+    assert res.ok and res.err <= threshold_for(key), res
+
+    def nan_one(x, w, b):
+        y = good(x, w, b).clone()
+        y.view(-1)[-1] = float("nan")
+        return y
+
+    bad = {
+        "NaN": nan_one,
+        "rel_err": lambda x, w, b: good(x, w, b) * (1 + 20 * threshold_for(key)),
+        "output shape": lambda x, w, b: good(x, w, b)[..., :-1],
+        "output dtype": lambda x, w, b: good(x, w, b).double(),
+    }
+    for why, run in bad.items():
+        res = check_runner(run, key, inputs, ref)
+        assert not res.ok and why in res.reason, (why, res)
+    # --err-ratio loosens the threshold, but never past "catastrophic" or NaN.
+    assert check_runner(bad["rel_err"], key, inputs, ref, err_ratio=0.4).ok
+    assert not check_runner(lambda x, w, b: -good(x, w, b), key, inputs, ref, err_ratio=10).ok
+    assert not check_runner(nan_one, key, inputs, ref, err_ratio=10).ok
+
+
+def test_check_calls_with_noncontiguous_batched_x():
+    key = KEYS[1]
+    inputs = make_inputs(key, CPU, sets=1, seed=2)[0]
+    ref = reference(key, *inputs)
+
+    def contiguous_only(x, w, b):
+        if not x.is_contiguous() or x.dim() != 2:
+            return torch.zeros(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w, b)
+
+    res = check_runner(contiguous_only, key, inputs, ref)
+    assert not res.ok and "non-contiguous" in res.reason
+
+
+# ---- search -----------------------------------------------------------------------------------------
+def test_bad_candidates_are_rejected_and_reported(fake, tmp_path):
+    import fake_backend  # noqa: F401 - registers "fake"
+
+    res = tune_shape(KEYS[0], CPU, FAST)
+    by = {c.name: c for c in res.candidates}
+    assert by["fake:good"].status == "ok"
+    assert by["fake:wrong"].status == "rejected" and "rel_err" in by["fake:wrong"].reason
+    assert by["fake:raises"].status == "failed" and "fake kernel raised" in by["fake:raises"].reason
+    assert by["fake:oom"].status == "failed" and by["fake:oom"].reason == "out of memory"
+    assert by["fake:partial"].status == "rejected"
+    assert res.winner.name in ("torch:native", "fake:good")
+    # ...and the same reported through the CLI: summary and profile file.
+    shapes = write_shapes(tmp_path / "s.csv", KEYS[:2])
+    out, prof = tmp_path / "t.csv", tmp_path / "p.csv"
+    r = CliRunner().invoke(cli, ["tune", shapes, "-o", str(out), "--profile-file", str(prof), "--no-progress",
+                                 "--reps", "5"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "rejected" in r.output and "fake:wrong" in r.output and "out of memory" in r.output
+    profile = prof.read_text()
+    assert profile.count("fake,wrong") == 2 and "fake kernel raised" in profile
+    _, rows = read_table_file(str(out))
+    assert {r.libtype for r in rows} <= {"torch", "fake"} and len(rows) == 2
+
+
+def test_default_kept_unless_beaten_by_min_gain(fake, monkeypatch):
+    import fake_backend  # noqa: F401
+
+    monkeypatch.setenv("FAKE_KINDS", "good")
+    key = GemmKey(4, 64, 64, False, torch.float32, torch.float32)
+    # "good" is F.linear plus a no-op cast: no real gain, so the default must stay.
+    res = tune_shape(key, CPU, TuneOptions(reps=9, min_gain=0.5))
+    assert res.kept_default and res.winner.name == "torch:native" and res.us == res.default_us
+    assert res.speedup == 1.0
+
+    # Make the default slow: now the candidate wins by far more than min-gain and noise.
+    real = TorchBackend.make_runner
+
+    def slow_default(self, sol, k, dev):
+        run = real(self, sol, k, dev)
+
+        def slow(x, w, b):
+            time.sleep(0.002)
+            return run(x, w, b)
+
+        return slow
+
+    monkeypatch.setattr(TorchBackend, "make_runner", slow_default)
+    res = tune_shape(key, CPU, TuneOptions(reps=9, min_gain=0.03))
+    assert not res.kept_default and res.winner.name == "fake:good"
+    assert res.speedup > 1.5 and res.default_us >= 2000
+
+
+def test_libtype_restriction_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    shapes = write_shapes(tmp_path / "s.csv", KEYS[:1])
+    out = tmp_path / "t.csv"
+    r = CliRunner().invoke(cli, ["tune", shapes, "-o", str(out), "--libtype", "nope", "--no-progress"])
+    assert r.exit_code != 0 and "unknown backend(s) nope" in r.output and "torch" in r.output
+    if backends.get("triton") is not None:
+        r = CliRunner().invoke(cli, ["tune", shapes, "-o", str(out), "--libtype", "triton", "--no-progress"])
+        assert r.exit_code != 0 and "not available on cpu" in r.output
+    assert not out.exists()
+
+
+# ---- the driver -------------------------------------------------------------------------------------
+def test_tune_end_to_end_writes_honest_rows_and_resumes(tmp_path):
+    shapes = write_shapes(tmp_path / "s.csv", KEYS)
+    out = tmp_path / "t.csv"
+    rep = tune_file(shapes, str(out), FAST, CPU, progress=False, log=lambda m: None)
+    assert len(rep.results) == len(KEYS) and not rep.failures
+    cols, rows = read_table_file(str(out))
+    assert cols[:3] == ["gfx", "cu_num", "M"]
+    assert [r.key for r in rows] == KEYS
+    for r in rows:
+        assert r.gfx == "cpu" and r.libtype == "torch" and r.us > 0
+        tf, bw = throughput(r.key, r.us)
+        assert math.isclose(r.tflops, tf, abs_tol=0.01) and math.isclose(r.bw, bw, abs_tol=0.01)
+    lines = summary_lines(rep, str(out))
+    assert any("torch:native" in ln for ln in lines) and any("geomean speedup" in ln for ln in lines)
+    # A rerun skips what is there; --all retunes (same keys, new timings).
+    rep2 = tune_file(shapes, str(out), FAST, CPU, progress=False, log=lambda m: None)
+    assert rep2.skipped == len(KEYS) and not rep2.results
+    rep3 = tune_file(shapes, str(out), FAST, CPU, all_shapes=True, progress=False, log=lambda m: None)
+    assert len(rep3.results) == len(KEYS)
+    assert [r.key for r in read_table_file(str(out))[1]] == KEYS
+
+
+def _cli(*args, env=None):
+    cmd = [sys.executable, "-m", "gemmtune.cli.main", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_kill_and_resume_loses_no_finished_row(tmp_path):
+    shapes = write_shapes(tmp_path / "s.csv", KEYS)
+    out = tmp_path / "t.csv"
+    p = _cli("tune", shapes, "-o", str(out), "--no-progress", "--reps", "5", env={EXIT_AFTER_ENV: "2"})
+    assert p.returncode == 17, p.stderr  # killed by the hook right after the 2nd row
+    _, first = read_table_file(str(out))
+    assert [r.key for r in first] == KEYS[:2]
+    p = _cli("tune", shapes, "-o", str(out), "--no-progress", "--reps", "5")
+    assert p.returncode == 0, p.stderr
+    assert "2 of 4 shapes already tuned" in p.stderr
+    _, rows = read_table_file(str(out))
+    assert [r.key for r in rows] == KEYS
+    assert [r.us for r in rows[:2]] == [r.us for r in first]  # finished rows were kept as they were
+    assert not list(tmp_path.glob(".gemmtune-*"))  # no temp files left behind
+
+
+def test_crashing_and_hanging_candidates_in_workers_do_not_stop_the_run(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_KINDS", "good,crash,hang,wrong")
+    keys = KEYS[:2]
+    shapes = write_shapes(tmp_path / "s.csv", keys)
+    out, prof = tmp_path / "t.csv", tmp_path / "p.csv"
+    logs = []
+    rep = tune_file(shapes, str(out), FAST, CPU, mp_workers=2, timeout=3, profile_file=str(prof), progress=False,
+                    log=logs.append)  # fmt: skip
+    assert not rep.failures, rep.failures
+    assert {r.key for r in read_table_file(str(out))[1]} == set(keys)  # workers finish in any order
+    for res in rep.results:
+        by = {c.name: c for c in res.candidates}
+        assert by["fake:crash"].status == "crashed" and "exited with code 9" in by["fake:crash"].reason
+        assert by["fake:hang"].status == "timeout"
+        assert by["fake:wrong"].status == "rejected" and by["fake:good"].status == "ok"
+    text = prof.read_text()
+    assert text.count(",crashed,") == 2 and text.count(",timeout,") == 2
+    assert any("died on fake:crash" in m for m in logs)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("body", "msg"),
+    [
+        ("M,N\n1,2\n", "missing column(s) K"),
+        ("M,N,K\n1,2,3\n4,x,5\n", ":3: column 'N'"),
+        ("M,N,K\n1,2,3\n0,2,3\n", ":3: column 'M'"),
+        ("M,N,K\n1,2,-3\n", ":2: column 'K'"),
+        ("M,N,K\n1,2\n", ":2: 2 fields"),
+        ("M,N,K,dtype\n1,2,3,int4\n", "unknown dtype"),
+    ],
+)
+def test_malformed_shapes_file_names_file_and_line_and_writes_nothing(tmp_path, body, msg):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(body)
+    out, prof = tmp_path / "t.csv", tmp_path / "p.csv"
+    r = CliRunner().invoke(cli, ["tune", str(bad), "-o", str(out), "--profile-file", str(prof), "--no-progress"])
+    assert r.exit_code != 0
+    assert str(bad) in r.output and msg in r.output, r.output
+    assert not out.exists() and not prof.exists()
+
+
+def test_malformed_existing_output_is_an_error_not_overwritten(tmp_path):
+    shapes = write_shapes(tmp_path / "s.csv", KEYS[:1])
+    out = tmp_path / "t.csv"
+    out.write_text("not,a,table\n1,2,3\n")
+    r = CliRunner().invoke(cli, ["tune", shapes, "-o", str(out), "--no-progress"])
+    assert r.exit_code != 0 and "missing column" in r.output
+    assert out.read_text() == "not,a,table\n1,2,3\n"
