@@ -1,0 +1,272 @@
+"""The `triton` backend: explicit Triton GEMM configs (tiles, split-K, persistent grid, TMA) per shape.
+
+A solution's kernel_name is the config string (`tg_bm128_bn128_bk64_g8_w8_s4_sk1`, see
+kernels/triton_gemm.py), so a table row means the same kernel after a restart. The candidate space is
+pruned per shape: configs whose buffers cannot fit shared memory, whose tile is far taller than M, or
+that would leave most SMs idle are not offered (and so never compiled). `make_runner` compiles the
+config before returning (on tiny stand-in tensors with the same specialization), so a runner can be
+captured in a CUDA graph at once; `precompile` does that for many configs in parallel processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import NamedTuple
+
+import torch
+
+from ..kernels.triton_gemm import TensorDescriptor, TGConfig, TGKernel, check_operands, parse_config
+from ..keys import GemmKey
+from .base import Backend, Runner, Solution, stable_solidx
+
+log = logging.getLogger(__name__)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Hardware(NamedTuple):
+    sms: int
+    smem: int  # bytes of shared memory one program may use
+    tma: bool  # Hopper or newer with a Triton that has host TMA descriptors
+
+
+@functools.cache
+def _hardware(device_type: str, index: int | None) -> Hardware:
+    if device_type != "cuda":
+        return Hardware(sms=4, smem=228 * 1024, tma=TensorDescriptor is not None)
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
+    hopper = torch.version.hip is None and props.major >= 9
+    return Hardware(props.multi_processor_count, smem, hopper and TensorDescriptor is not None)
+
+
+def hardware(device: torch.device) -> Hardware:
+    return _hardware(device.type, device.index)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# (BM, BN, BK, warps, stages) for 2-byte inputs. Weight-streaming tiles for small M (BM is filled in
+# from M), and compute tiles for larger M; taken from Triton's Hopper tutorials and vLLM/SGLang tables.
+_STREAM_TILES = [
+    (64, 128, 4, 4),
+    (64, 128, 4, 6),
+    (128, 128, 4, 4),
+    (128, 64, 4, 5),
+    (256, 64, 8, 4),
+    (64, 256, 4, 3),
+    (64, 256, 4, 4),
+    (32, 256, 4, 4),
+    (32, 256, 4, 6),
+    (32, 128, 4, 6),
+]
+_MID_TILES = [
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3),
+    (64, 256, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+]
+_COMPUTE_TILES = [
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 128, 8, 3),
+    (64, 256, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+]
+_SPLITS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
+SPLIT_MODES = ("f", "r")  # in-kernel fixup, separate reduce kernel
+SMEM_MARGIN = 4 * 1024  # barriers and the epilogue's scratch
+
+
+def _tiles_for(key: GemmKey) -> list[tuple[int, int, int, int, int]]:
+    M = key.M
+    if M <= 64:  # weight streaming: one row-tile as tall as M
+        bm = max(16, _next_pow2(M))
+        tiles = [(bm, *t) for t in _STREAM_TILES]
+    elif M <= 256:
+        tiles = [(64, *t) for t in _STREAM_TILES] + [t for t in _MID_TILES if t[0] <= _next_pow2(M)]
+    else:
+        tiles = list(_COMPUTE_TILES)
+    if key.dtype.itemsize == 4:  # same bytes per stage for fp32
+        tiles = [(bm, bn, max(16, bk // 2), w, s) for bm, bn, bk, w, s in tiles]
+    return list(dict.fromkeys(tiles))
+
+
+def _fits(cfg: TGConfig, key: GemmKey, hw: Hardware) -> bool:
+    if cfg.smem_bytes(key.dtype.itemsize) + SMEM_MARGIN > hw.smem:
+        return False
+    if cfg.bm > max(64, _next_pow2(key.M)):  # a tile far taller than M only computes padding
+        return False
+    return cfg.bn <= max(32, _next_pow2(key.N)) and cfg.bk <= max(32, _next_pow2(key.K))
+
+
+def split_factors(tiles: int, k_tiles: int, sms: int) -> list[int]:
+    """Split-K factors that bring a short grid to about one and about two full waves, each split
+    keeping >= 4 K-tiles; [] when splitting cannot help."""
+    ok = [s for s in _SPLITS if k_tiles // s >= 4 and tiles * s <= 2.2 * sms]
+    if not ok or tiles >= sms:
+        return []
+    one = [s for s in ok if tiles * s >= 0.8 * sms]
+    two = [s for s in ok if tiles * s >= 1.6 * sms]
+    return sorted({min(one) if one else max(ok), *([min(two)] if two else [])})
+
+
+def config_space(key: GemmKey, hw: Hardware) -> list[TGConfig]:
+    """The configs worth timing for `key` on hardware `hw` (see the module docstring for the pruning)."""
+    out: list[TGConfig] = []
+    tma_ok = hw.tma and (key.K * key.dtype.itemsize) % 16 == 0
+    for bm, bn, bk, warps, stages in _tiles_for(key):
+        base = TGConfig(bm, bn, bk, 8, warps, stages)
+        if not _fits(base, key, hw):
+            continue
+        tiles = _cdiv(key.M, bm) * _cdiv(key.N, bn)
+        splits = split_factors(tiles, _cdiv(key.K, bk), hw.sms)
+        variants: list[TGConfig] = []
+        if tiles >= hw.sms // 2:  # enough programs to keep most SMs busy without splitting K
+            variants.append(base)
+        if tiles > hw.sms:  # several waves: a persistent grid saves launch and tail cost
+            variants.append(TGConfig(bm, bn, bk, 8, warps, stages, persistent=True))
+        for split in splits:
+            variants += [TGConfig(bm, bn, bk, 8, warps, stages, split, mode) for mode in SPLIT_MODES]
+        for cfg in variants:
+            out.append(cfg)
+            if tma_ok:
+                out.append(TGConfig(**{**cfg.__dict__, "tma": True}))
+    return out
+
+
+def _twin(n: int) -> int:
+    """A small size Triton specializes exactly like n (n == 1, n % 16 == 0, or neither)."""
+    return n if n <= 16 else (16 if n % 16 == 0 else 17)
+
+
+class TritonGemmBackend(Backend):
+    name = "triton"
+
+    def is_available(self, device: torch.device) -> bool:
+        if device.type == "cuda":
+            return True
+        return os.environ.get("TRITON_INTERPRET") == "1"  # CPU only through the (slow) interpreter
+
+    def unavailable_reason(self, device: torch.device) -> str:
+        if self.is_available(device):
+            return ""
+        return f"triton runs on GPUs (or on the CPU with TRITON_INTERPRET=1), not on {device.type}"
+
+    def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
+        if not self._key_ok(key):
+            return []
+        return [self._solution(cfg) for cfg in config_space(key, hardware(device))]
+
+    @staticmethod
+    def _solution(cfg: TGConfig) -> Solution:
+        return Solution("triton", cfg.name, stable_solidx(cfg.name), cfg.split_k)
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        cfg = parse_config(kernel_name)
+        if cfg is None:
+            return None
+        if solidx != stable_solidx(cfg.name):
+            log.info(
+                "triton row %s has solidx %s, expected %s; the name decides",
+                kernel_name,
+                solidx,
+                stable_solidx(cfg.name),
+            )
+        return self._solution(cfg)
+
+    @staticmethod
+    def _key_ok(key: GemmKey) -> bool:
+        return not key.scaleAB and not key.bpreshuffle and key.dtype in _DTYPES and key.outdtype in _DTYPES
+
+    def supports(self, solution: Solution, key: GemmKey, device: torch.device) -> bool:
+        cfg = parse_config(solution.kernel_name)
+        if cfg is None or solution.libtype != self.name or not self._key_ok(key):
+            return False
+        hw = hardware(device)
+        if cfg.smem_bytes(key.dtype.itemsize) + SMEM_MARGIN > hw.smem:
+            return False
+        return not cfg.tma or (hw.tma and (key.K * key.dtype.itemsize) % 16 == 0)
+
+    def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
+        cfg = parse_config(solution.kernel_name)
+        if cfg is None or not self.supports(solution, key, device):
+            raise ValueError(f"triton cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
+        kern = TGKernel(cfg, device, lock_tiles=_cdiv(max(key.M, 1), cfg.bm) * _cdiv(key.N, cfg.bn))
+        N, K, out_dtype = key.N, key.K, key.outdtype
+
+        def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            x2 = x if x.dim() == 2 else x.reshape(-1, K)
+            if x2.shape[1] != K or w.shape[0] != N or x.dtype != w.dtype:
+                check_operands(x, w, bias)
+                raise ValueError(f"triton runner for N={N} K={K} got x {tuple(x.shape)}, w {tuple(w.shape)}")
+            y = torch.empty((x2.shape[0], N), dtype=out_dtype, device=x.device)
+            kern(x2, w, bias, y)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
+
+        self.warmup(kern, key, device)
+        return run
+
+    @staticmethod
+    def warmup(kern: TGKernel, key: GemmKey, device: torch.device) -> None:
+        """Compile `kern` for `key` now: one launch on stand-in tensors that specialize like the real ones.
+
+        Skipped while a CUDA graph is being captured (a launch there would be recorded)."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        M, N = _twin(max(key.M, 1)), _twin(key.N)
+        x = torch.randn(M, key.K, device=device).to(key.dtype)
+        w = torch.randn(N, key.K, device=device).to(key.dtype)
+        b = torch.randn(N, device=device).to(key.dtype) if key.bias else None
+        kern(x, w, b, torch.empty((M, N), dtype=key.outdtype, device=device))
+
+
+def _precompile_worker(args):
+    names, keys, device_str = args
+    backend = TritonGemmBackend()
+    device = torch.device(device_str)
+    failed = []
+    for name, key in zip(names, keys, strict=True):
+        try:
+            backend.make_runner(backend.solution_from_row(0, name, 0), key, device)
+        except Exception as exc:  # noqa: BLE001 - reported back, the tuner drops the config
+            failed.append((name, key, f"{type(exc).__name__}: {exc}"))
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8) -> list:
+    """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
+    this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
+    import multiprocessing as mp
+
+    # One job per distinct compiled kernel: M does not specialize, N and K only through these facts.
+    uniq: dict[tuple, tuple[str, GemmKey]] = {}
+    for sol, key in jobs:
+        cfg = parse_config(sol.kernel_name)
+        if cfg is None:
+            continue
+        kernel = TGConfig(**{**cfg.__dict__, "split_k": min(cfg.split_k, 2)}).name  # split is runtime
+        sig = (kernel, key.dtype, key.outdtype, key.bias, _twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
+        uniq.setdefault(sig, (cfg.name, key._replace(M=16)))
+    items = list(uniq.values())
+    if not items:
+        return []
+    workers = max(1, min(workers, len(items)))
+    chunks = [items[i::workers] for i in range(workers)]
+    args = [([n for n, _ in c], [k for _, k in c], str(device)) for c in chunks]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        results = pool.map(_precompile_worker, args)
+    return [f for r in results for f in r]

@@ -1,0 +1,469 @@
+"""Triton GEMM family: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), fp32 accumulation.
+
+One kernel body covers every config the `triton` backend offers:
+- tiles BLOCK_M/N/K with grouped (GROUP_M) tile order for L2 reuse of the weight;
+- split-K, either with a second reduce kernel (mode 'r': partials in fp32, then one pass that adds them,
+  the bias and casts) or fixed up in the same launch (mode 'f': each split stores its partial and bumps a
+  per-tile counter; the last one to arrive adds all partials in a fixed order, runs the epilogue and
+  resets the counter). Both are deterministic;
+- a persistent grid (one program per SM walking the tiles);
+- TMA tensor descriptors on Hopper (out-of-bounds rows and columns are zero-filled by the copy engine).
+Bias and the output dtype are applied in the epilogue. `triton_gemm_ref` is the plain-PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton >= 3.4); absent on older releases
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    TensorDescriptor = None
+
+
+def triton_gemm_ref(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """What every config must compute: fp32 product (+ fp32 bias), rounded once to out_dtype."""
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+@dataclass(frozen=True)
+class TGConfig:
+    """One explicit kernel config; `name` is the stable id stored in tables."""
+
+    bm: int
+    bn: int
+    bk: int
+    group_m: int = 8
+    warps: int = 4
+    stages: int = 3
+    split_k: int = 1
+    sk_mode: str = ""  # '' when split_k == 1, else 'r' (reduce kernel) or 'f' (in-kernel fixup)
+    persistent: bool = False
+    tma: bool = False
+
+    @property
+    def name(self) -> str:
+        sk = f"sk{self.split_k}{self.sk_mode}" if self.split_k > 1 else "sk1"
+        tail = ("_p" if self.persistent else "") + ("_tma" if self.tma else "")
+        return f"tg_bm{self.bm}_bn{self.bn}_bk{self.bk}_g{self.group_m}_w{self.warps}_s{self.stages}_{sk}{tail}"
+
+    def smem_bytes(self, elem_bytes: int) -> int:
+        """Shared memory of the pipelined operand buffers (the epilogue reuses them)."""
+        return self.stages * (self.bm + self.bn) * self.bk * elem_bytes
+
+    def validate(self) -> TGConfig:
+        pow2 = lambda v: v > 0 and v & (v - 1) == 0
+        if not (pow2(self.bm) and pow2(self.bn) and pow2(self.bk)) or min(self.bm, self.bn, self.bk) < 16:
+            raise ValueError(f"{self.name}: block sizes must be powers of two >= 16")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.group_m < 1 or self.split_k < 1:
+            raise ValueError(f"{self.name}: bad warps/stages/group/split-K")
+        if (self.split_k > 1) != (self.sk_mode in ("r", "f")) or self.sk_mode not in ("", "r", "f"):
+            raise ValueError(f"{self.name}: split-K > 1 needs mode 'r' or 'f', split-K 1 none")
+        if self.persistent and self.split_k > 1:
+            raise ValueError(f"{self.name}: the persistent variant does not split K")
+        return self
+
+
+_NAME_RE = re.compile(r"^tg_bm(\d+)_bn(\d+)_bk(\d+)_g(\d+)_w(\d+)_s(\d+)_sk(\d+)([rf]?)(_p)?(_tma)?$")
+
+
+def parse_config(name: str) -> TGConfig | None:
+    """The config a kernel name spells, or None when it is not one of ours."""
+    m = _NAME_RE.match(name.strip())
+    if m is None:
+        return None
+    bm, bn, bk, g, w, s, sk = (int(v) for v in m.groups()[:7])
+    try:
+        cfg = TGConfig(bm, bn, bk, g, w, s, sk, m.group(8) or "", bool(m.group(9)), bool(m.group(10)))
+        cfg = cfg.validate()
+    except ValueError:
+        return None
+    return cfg if cfg.name == name.strip() else None  # reject non-canonical spellings
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row-tiles share each weight column-tile while it is still in L2.
+    in_group = GROUP_M * num_pid_n
+    group = tile_id // in_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % in_group) % size_m
+    pid_n = (tile_id % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mainloop(
+    x,
+    w,
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    swn,
+    swk,
+    pid_m,
+    pid_n,
+    kt0,
+    kt1,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INPUT_PREC: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if USE_TMA:
+        for kt in tl.range(kt0, kt1, num_stages=STAGES):
+            a = x.load([pid_m * BM, kt * BK])
+            b = w.load([pid_n * BN, kt * BK])
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PREC)
+    else:
+        # Rows past M / N wrap onto valid rows (their results are masked at the store), so the
+        # main loop needs no M or N mask; only a ragged K needs one.
+        offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+        offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+        offs_k = kt0 * BK + tl.arange(0, BK)
+        a_ptrs = x + offs_m[:, None] * sxm + offs_k[None, :] * sxk
+        b_ptrs = w + offs_n[None, :] * swn + offs_k[:, None] * swk
+        for kt in tl.range(kt0, kt1, num_stages=STAGES):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - kt * BK
+                a = tl.load(a_ptrs, mask=tl.arange(0, BK)[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=tl.arange(0, BK)[:, None] < k_left, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PREC)
+            a_ptrs += BK * sxk
+            b_ptrs += BK * swk
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    if HAS_BIAS:
+        acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y + offs_m[:, None] * sym + offs_n[None, :] * syn, acc.to(y.dtype.element_ty), mask=mask)
+
+
+# M and the split-K factor are runtime values so one compiled kernel serves every M and split.
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _tg_kernel(
+    x,
+    w,
+    bias,
+    y,
+    part,
+    lock,
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    swn,
+    swk,
+    sym,
+    syn,
+    split_k,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    FIXUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    INPUT_PREC: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            acc = _mainloop(
+                x,
+                w,
+                M,
+                N,
+                K,
+                sxm,
+                sxk,
+                swn,
+                swk,
+                pid_m,
+                pid_n,
+                0,
+                k_tiles,
+                BM,
+                BN,
+                BK,
+                EVEN_K,
+                USE_TMA,
+                INPUT_PREC,
+                STAGES,
+            )
+            _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
+    else:
+        tile = tl.program_id(0)
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        if not IS_SPLIT:
+            acc = _mainloop(
+                x,
+                w,
+                M,
+                N,
+                K,
+                sxm,
+                sxk,
+                swn,
+                swk,
+                pid_m,
+                pid_n,
+                0,
+                k_tiles,
+                BM,
+                BN,
+                BK,
+                EVEN_K,
+                USE_TMA,
+                INPUT_PREC,
+                STAGES,
+            )
+            _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
+        else:
+            pid_k = tl.program_id(1)
+            per = tl.cdiv(k_tiles, split_k)
+            kt0 = pid_k * per
+            kt1 = tl.minimum(kt0 + per, k_tiles)
+            acc = _mainloop(
+                x,
+                w,
+                M,
+                N,
+                K,
+                sxm,
+                sxk,
+                swn,
+                swk,
+                pid_m,
+                pid_n,
+                kt0,
+                kt1,
+                BM,
+                BN,
+                BK,
+                EVEN_K,
+                USE_TMA,
+                INPUT_PREC,
+                STAGES,
+            )
+            # Partials live per tile as [split_k, BM, BN] blocks: contiguous, no M/N masks needed.
+            offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
+            if FIXUP:
+                tl.store(tile_part + pid_k * (BM * BN) + offs, acc, cache_modifier=".cg")
+                # Every thread's partial is stored before one thread publishes the arrival.
+                tl.debug_barrier()
+                arrived = tl.atomic_add(lock + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == split_k - 1:
+                    # Sum every partial in index order (own one included) so the result does not
+                    # depend on which split arrived last: replays are bit-identical.
+                    acc = tl.load(tile_part + offs, cache_modifier=".cg")
+                    for s in range(1, split_k):
+                        acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=".cg")
+                    _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
+                    tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            else:
+                tl.store(tile_part + pid_k * (BM * BN) + offs, acc)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _tg_reduce(
+    part,
+    bias,
+    y,
+    M,
+    N,
+    sym,
+    syn,
+    split_k,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # One program per output tile: sums its split_k partial blocks, adds bias, casts, stores.
+    tile = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
+    acc = tl.load(tile_part + offs)
+    for s in range(1, split_k):
+        acc += tl.load(tile_part + s * (BM * BN) + offs)
+    _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
+
+
+_TL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: any small grid works
+
+
+def tma_usable(x: torch.Tensor, w: torch.Tensor, cfg: TGConfig) -> bool:
+    """TMA needs 16-byte aligned bases and row strides, and a unit inner stride."""
+    if TensorDescriptor is None:
+        return False
+    for t in (x, w):
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+class TGKernel:
+    """A config bound to a problem family (dtypes, bias, device): call it as kernel(x2d, w, bias, y)."""
+
+    def __init__(self, cfg: TGConfig, device: torch.device, lock_tiles: int = 0):
+        self.cfg = cfg.validate()
+        self.device = device
+        self.num_sms = num_sms(device)
+        # Per-tile arrival counters for in-kernel split-K fixup; each call leaves them at zero.
+        self._lock = (
+            torch.zeros(max(lock_tiles, 1), dtype=torch.int32, device=device)
+            if cfg.split_k > 1 and cfg.sk_mode == "f"
+            else None
+        )
+
+    def tiles(self, M: int, N: int) -> int:
+        return triton.cdiv(M, self.cfg.bm) * triton.cdiv(N, self.cfg.bn)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        M, K = x.shape
+        N = w.shape[0]
+        if M == 0:
+            return y
+        tiles = self.tiles(M, N)
+        has_bias = bias is not None
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        even_k = cfg.tma or K % cfg.bk == 0  # TMA zero-fills a ragged K tail itself
+        xa, wa = x, w
+        if cfg.tma:
+            if not tma_usable(x, w, cfg):
+                x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
+                if not tma_usable(x, w, cfg):
+                    raise ValueError(
+                        f"{cfg.name}: x {tuple(x.shape)} / w {tuple(w.shape)} cannot use TMA "
+                        f"(needs 16-byte aligned rows)"
+                    )
+            xa = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
+            wa = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
+        part = y  # unused placeholder when K is not split
+        lock = y
+        if cfg.split_k > 1:
+            part = torch.empty(tiles * cfg.split_k * cfg.bm * cfg.bn, dtype=torch.float32, device=x.device)
+            if cfg.sk_mode == "f":
+                if self._lock.numel() < tiles:
+                    self._lock = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+                lock = self._lock
+        grid = (min(tiles, self.num_sms),) if cfg.persistent else (tiles, cfg.split_k)
+        b = bias if has_bias else y
+        _tg_kernel[grid](
+            xa,
+            wa,
+            b,
+            y,
+            part,
+            lock,
+            M,
+            N,
+            K,
+            x.stride(0),
+            x.stride(1),
+            w.stride(0),
+            w.stride(1),
+            y.stride(0),
+            y.stride(1),
+            cfg.split_k,
+            HAS_BIAS=has_bias,
+            BM=cfg.bm,
+            BN=cfg.bn,
+            BK=cfg.bk,
+            GROUP_M=cfg.group_m,
+            IS_SPLIT=cfg.split_k > 1,
+            FIXUP=cfg.sk_mode == "f",
+            EVEN_K=even_k,
+            USE_TMA=cfg.tma,
+            PERSISTENT=cfg.persistent,
+            NUM_SMS=self.num_sms,
+            INPUT_PREC=prec,
+            STAGES=cfg.stages,
+            num_warps=cfg.warps,
+            num_stages=cfg.stages,
+        )
+        if cfg.split_k > 1 and cfg.sk_mode == "r":
+            _tg_reduce[(tiles,)](
+                part,
+                b,
+                y,
+                M,
+                N,
+                y.stride(0),
+                y.stride(1),
+                cfg.split_k,
+                HAS_BIAS=has_bias,
+                BM=cfg.bm,
+                BN=cfg.bn,
+                GROUP_M=cfg.group_m,
+                num_warps=4,
+            )
+        return y
+
+
+def triton_gemm(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: TGConfig, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """One-off call (tests, examples); the backend binds a TGKernel once instead."""
+    check_operands(x, w, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
+    TGKernel(cfg, x.device)(x2, w, bias, y)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"triton gemm: x {tuple(x.shape)} and w {tuple(w.shape)} do not match (need x[..., K], w[N, K])"
+        )
+    if x.dtype != w.dtype or x.dtype not in _TL_DTYPES:
+        raise ValueError(f"triton gemm: dtypes x {x.dtype}, w {w.dtype} (need equal fp16/bf16/fp32)")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.shape[0]):
+        raise ValueError(f"triton gemm: bias {tuple(bias.shape)} does not match N={w.shape[0]}")
