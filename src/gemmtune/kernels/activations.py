@@ -1,0 +1,113 @@
+"""act(gate) * up on the fused gate_up GEMM output [..., 2I] (gate first, up second), one Triton pass.
+
+Rounding follows the model's two ops: act(gate) is rounded to the input dtype, then the product is
+rounded again, so the fused result matches `act_fn(gate_proj(x)) * up_proj(x)` up to the activation's
+own last-bit differences. `silu_mul` / `gelu_tanh_mul` use Triton for CUDA/ROCm tensors and the
+reference otherwise; `impl="triton"` forces the kernel (interpreter tests on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """Output allocation (tests swap in a NaN-filled one to prove every element is written)."""
+    return torch.empty(shape, device=like.device, dtype=like.dtype)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _halves(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if gu.shape[-1] % 2:
+        raise ValueError(f"act_mul: last dim of the fused gate_up output must be even, got {tuple(gu.shape)}")
+    return gu.chunk(2, dim=-1)
+
+
+def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = _halves(gu)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = _halves(gu)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+_REFS = {"silu": silu_mul_ref, "gelu_tanh": gelu_tanh_mul_ref}
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _act_mul_kernel(GU, Y, n_cols, stride_row, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(GU + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:  # silu
+            a = g / (1.0 + tl.exp(-g))
+        else:  # gelu, tanh approximation; tanh(z) = 1 - 2 / (1 + exp(2z)) keeps it portable
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
+        a = a.to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(Y + row * n_cols + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch(gu: torch.Tensor, act: str) -> torch.Tensor:
+    I2 = gu.shape[-1]
+    inter = I2 // 2
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
+    lead = gu.shape[:-1]
+    try:
+        rows2d = gu.view(-1, I2)
+    except RuntimeError:  # leading dims not mergeable into one row stride
+        rows2d = gu.contiguous().view(-1, I2)
+    n_rows = rows2d.shape[0]
+    y = _empty((*lead, inter), gu)
+    if n_rows == 0 or inter == 0:
+        return y
+    block = min(1024, triton.next_power_of_2(inter))
+    grid = (n_rows, triton.cdiv(inter, block))
+    _act_mul_kernel[grid](
+        rows2d, y, inter, rows2d.stride(0), ACT=ACTIVATIONS.index(act), BLOCK=block, num_warps=4 if block >= 512 else 1
+    )
+    return y
+
+
+def act_mul(gu: torch.Tensor, act: str, *, impl: str = "auto") -> torch.Tensor:
+    """act(gu[..., :I]) * gu[..., I:] for act in ACTIVATIONS."""
+    if act not in _REFS:
+        raise ValueError(f"act_mul: unknown activation {act!r} (expected one of {ACTIVATIONS})")
+    _halves(gu)
+    ok = HAS_TRITON and gu.dtype in _KERNEL_DTYPES
+    if impl == "ref" or (impl == "auto" and not (ok and gu.is_cuda)):
+        return _REFS[act](gu)
+    if not ok:
+        raise ValueError(
+            f"act_mul: the Triton kernel cannot run {gu.dtype}{'' if HAS_TRITON else ' (triton is not installed)'}"
+        )
+    return _launch(gu, act)
+
+
+def silu_mul(gu: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    return act_mul(gu, "silu", impl=impl)
+
+
+def gelu_tanh_mul(gu: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    return act_mul(gu, "gelu_tanh", impl=impl)

@@ -1,0 +1,217 @@
+"""RMSNorm and residual-add + RMSNorm as single Triton kernels, with the plain-PyTorch references.
+
+Two weight conventions cover the Hugging Face families:
+- Llama style (`cast_before_weight=True`): y = w * to_dtype(x * rsqrt(mean(x^2) + eps)); the product is
+  rounded once more in the input dtype (LlamaRMSNorm and the Mistral/Qwen/Phi3/Mixtral copies).
+- Gemma style (`cast_before_weight=False`, `offset=1.0`): y = to_dtype(x_hat * (1 + w)) with the product
+  in fp32 (GemmaRMSNorm, Gemma2/3).
+Statistics are always computed in fp32. The residual add rounds its sum to the input dtype before the
+norm reads it, as `residual + hidden_states` does in the model.
+
+`rmsnorm` / `add_rmsnorm` pick the Triton kernel for CUDA/ROCm tensors and the reference otherwise
+(CPU, or dtype mixes the kernel does not reproduce exactly); `impl="triton"` forces the kernel
+(used by the interpreter tests on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # the references still work
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """Output allocation (tests swap in a NaN-filled one to prove every element is written)."""
+    return torch.empty(shape, device=like.device, dtype=like.dtype)
+
+
+# ---- references ---------------------------------------------------------------------------------
+def rmsnorm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0, cast_before_weight: bool = True
+) -> torch.Tensor:
+    """The Hugging Face formulas, op for op (so results match the stock modules bit for bit)."""
+    xf = x.float()
+    xh = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_before_weight:
+        w = weight if offset == 0.0 else weight + offset
+        return w * xh.to(x.dtype)
+    return (xh * (offset + weight.float())).type_as(x)
+
+
+def add_rmsnorm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    cast_before_weight: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(residual + x), residual + x): the decoder layer's add then its next norm."""
+    s = residual + x
+    return rmsnorm_ref(s, weight, eps, offset=offset, cast_before_weight=cast_before_weight), s
+
+
+# ---- kernel -------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        X, R, W, Y, S,
+        n_rows, inner, sx_outer, sx_inner, sr_outer, sr_inner, C, eps, offset,
+        HAS_RES: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # Rows are (outer, inner) pairs so a head-split view ([tokens, heads, D] out of a fused qkv
+        # output) is read in place: row r lives at (r // inner) * s_outer + (r % inner) * s_inner.
+        pid = tl.program_id(0)
+        rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # no int32 overflow on big inputs
+        cols = tl.arange(0, BLOCK_C)
+        rmask = rows < n_rows
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        o = rows // inner
+        i = rows % inner
+        x = tl.load(X + (o * sx_outer + i * sx_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(R + (o * sr_outer + i * sr_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
+            tl.store(S + rows[:, None] * C + cols[None, :], x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=1) / C
+        xh = xf * (1.0 / tl.sqrt(var + eps))[:, None]
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
+        if CAST_BEFORE_W:
+            # Llama: round the normalized value to the input dtype, then one rounded product.
+            y = w[None, :] * xh.to(Y.dtype.element_ty).to(tl.float32)
+        else:
+            y = xh * w[None, :]
+        tl.store(Y + rows[:, None] * C + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
+    """(tensor, n_rows, inner, stride_outer, stride_inner) for a [..., C] tensor with unit last stride.
+
+    Leading dims are merged into at most two index levels; anything else is made contiguous.
+    """
+    C = t.shape[-1]
+    if t.is_contiguous():  # the common case, without the loop below
+        return t, t.numel() // C if C else 0, 1, C, 0
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    dims = [(s, st) for s, st in zip(t.shape[:-1], t.stride()[:-1]) if s != 1]
+    merged: list[list[int]] = []  # [size, stride], outermost first
+    for size, stride in dims:
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    if len(merged) > 2:
+        t = t.contiguous()
+        return t, t.numel() // C if C else 0, 1, C, 0
+    if not merged:
+        return t, 1, 1, 0, 0
+    if len(merged) == 1:
+        return t, merged[0][0], 1, merged[0][1], 0
+    (so, st_o), (si, st_i) = merged
+    return t, so * si, si, st_o, st_i
+
+
+def _launch(x, residual, weight, eps, offset, cast_before_weight):
+    C = x.shape[-1]
+    x, n_rows, inner, sxo, sxi = _row_layout(x)
+    y = _empty(x.shape, x)
+    s = None
+    sro = sri = 0
+    r = x
+    if residual is not None:
+        r, n_r, inner_r, sro, sri = _row_layout(residual)
+        if n_r != n_rows or inner_r != inner:  # differently shaped views: fall back to plain rows
+            x, r = x.contiguous(), r.contiguous()
+            sxo, sxi, sro, sri, inner = C, 0, C, 0, 1
+        s = _empty(x.shape, x)
+    if n_rows == 0:
+        return (y, s) if residual is not None else y
+    block_c = triton.next_power_of_2(C)
+    block_r = max(1, min(64, 4096 // block_c))
+    elems = block_r * block_c
+    warps = 1 if elems <= 512 else 4 if elems <= 4096 else 8 if elems <= 16384 else 16
+    grid = (triton.cdiv(n_rows, block_r),)
+    _rmsnorm_kernel[grid](
+        x, r, weight, y, s if s is not None else y,
+        n_rows, inner, sxo, sxi, sro, sri, C, float(eps), float(offset),
+        HAS_RES=residual is not None, CAST_BEFORE_W=cast_before_weight,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )  # fmt: skip
+    return (y, s) if residual is not None else y
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rmsnorm: weight {tuple(weight.shape)} does not match x[..., {x.shape[-1]}] {tuple(x.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"add_rmsnorm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+
+
+def _use_kernel(x, weight, residual, cast_before_weight, impl: str) -> bool:
+    if impl == "ref" or (impl == "auto" and not x.is_cuda):
+        return False
+    ok = (
+        HAS_TRITON
+        and x.dtype in _KERNEL_DTYPES
+        and x.shape[-1] > 0
+        and (residual is None or residual.dtype == x.dtype)
+        # Llama style promotes w * x to w's dtype when they differ; only the equal case is fused.
+        and (not cast_before_weight or weight.dtype == x.dtype)
+    )
+    if impl == "triton":
+        if not ok:
+            raise ValueError(
+                f"rmsnorm: the Triton kernel cannot run x {x.dtype}, weight {weight.dtype}"
+                f"{'' if HAS_TRITON else ' (triton is not installed)'}"
+            )
+        return True
+    return ok
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    cast_before_weight: bool = True,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """RMSNorm over the last dim; returns a contiguous tensor shaped like x."""
+    _check(x, weight, None)
+    if _use_kernel(x, weight, None, cast_before_weight, impl):
+        return _launch(x, None, weight, eps, offset, cast_before_weight)
+    return rmsnorm_ref(x, weight, eps, offset=offset, cast_before_weight=cast_before_weight)
+
+
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    cast_before_weight: bool = True,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(residual + x), residual + x) in one pass over the data."""
+    _check(x, weight, residual)
+    if _use_kernel(x, weight, residual, cast_before_weight, impl):
+        return _launch(x, residual, weight, eps, offset, cast_before_weight)
+    return add_rmsnorm_ref(x, residual, weight, eps, offset=offset, cast_before_weight=cast_before_weight)

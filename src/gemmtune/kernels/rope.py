@@ -1,0 +1,147 @@
+"""Rotary position embedding for q and k in one Triton launch, with the plain-PyTorch reference.
+
+Layout is the fused-projection one: q [B, S, Hq, D] and k [B, S, Hkv, D] (views into the qkv GEMM
+output are read in place), cos/sin [B or 1, S, R] with R <= D (partial rotary: the last D - R
+features pass through). Outputs are contiguous [B, S, H, D]. Rounding follows transformers'
+`(x * cos) + (rotate_half(x) * sin)`: each product and the sum are rounded to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """Output allocation (tests swap in a NaN-filled one to prove every element is written)."""
+    return torch.empty(shape, device=like.device, dtype=like.dtype)
+
+
+def _rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' apply_rotary_pos_emb on [B, S, H, D] tensors (partial rotary included)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    r = cos.shape[-1]
+    out = []
+    for x in (q, k):
+        if r == x.shape[-1]:
+            out.append((x * cos) + (_rotate_half(x) * sin))
+        else:
+            xr, xp = x[..., :r], x[..., r:]
+            out.append(torch.cat([(xr * cos) + (_rotate_half(xr) * sin), xp], dim=-1))
+    return out[0], out[1]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rope_kernel(
+        Q, K, COS, SIN, QO, KO,
+        S, HQ, HKV, D, R,
+        sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s,
+        BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):  # fmt: skip
+        tok = tl.program_id(0).to(tl.int64)  # b * S + s
+        hb = tl.program_id(1)
+        b = tok // S
+        s = tok % S
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        is_q = heads < HQ
+        is_k = (heads >= HQ) & (heads < HQ + HKV)
+        kh = tl.where(is_q, 0, heads - HQ)
+        half = R // 2
+        j = tl.arange(0, HALF)
+        jm = j < half
+        c1 = tl.load(COS + b * sc_b + s * sc_s + j, mask=jm, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + b * sc_b + s * sc_s + half + j, mask=jm, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + b * sc_b + s * sc_s + j, mask=jm, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + b * sc_b + s * sc_s + half + j, mask=jm, other=0.0).to(tl.float32)
+        src = tl.where(is_q, b * sq_b + s * sq_s + heads * sq_h, b * sk_b + s * sk_s + kh * sk_h)
+        dst = tl.where(is_q, (tok * HQ + heads) * D, (tok * HKV + kh) * D)
+        mq = is_q[:, None] & jm[None, :]
+        mk = is_k[:, None] & jm[None, :]
+        # a block mixes q heads and k heads: each element comes from exactly one of the two loads
+        x1 = tl.load(Q + src[:, None] + j[None, :], mask=mq, other=0.0).to(tl.float32)
+        x1 += tl.load(K + src[:, None] + j[None, :], mask=mk, other=0.0).to(tl.float32)
+        x2 = tl.load(Q + src[:, None] + half + j[None, :], mask=mq, other=0.0).to(tl.float32)
+        x2 += tl.load(K + src[:, None] + half + j[None, :], mask=mk, other=0.0).to(tl.float32)
+        dt = QO.dtype.element_ty
+        # (x * cos) + (rotate_half(x) * sin), each op rounded to the model dtype like torch does
+        o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
+        o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
+        tl.store(QO + dst[:, None] + j[None, :], o1.to(dt), mask=mq)
+        tl.store(QO + dst[:, None] + half + j[None, :], o2.to(dt), mask=mq)
+        tl.store(KO + dst[:, None] + j[None, :], o1.to(dt), mask=mk)
+        tl.store(KO + dst[:, None] + half + j[None, :], o2.to(dt), mask=mk)
+        if BLOCK_P > 0:  # partial rotary: copy the features past R
+            p = R + tl.arange(0, BLOCK_P)
+            pm = p < D
+            xq = tl.load(Q + src[:, None] + p[None, :], mask=is_q[:, None] & pm[None, :], other=0.0)
+            xk = tl.load(K + src[:, None] + p[None, :], mask=is_k[:, None] & pm[None, :], other=0.0)
+            tl.store(QO + dst[:, None] + p[None, :], xq, mask=is_q[:, None] & pm[None, :])
+            tl.store(KO + dst[:, None] + p[None, :], xk, mask=is_k[:, None] & pm[None, :])
+
+
+def _heads_view_ok(x: torch.Tensor) -> bool:
+    return x.dim() == 4 and x.stride(-1) == 1
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "auto"):
+    """(q_rot, k_rot), contiguous [B, S, H, D]; q [B, S, Hq, D], k [B, S, Hkv, D], cos/sin [b, S, R]."""
+    B, S, HQ, D = q.shape
+    HKV = k.shape[2]
+    if k.shape[0] != B or k.shape[1] != S or k.shape[3] != D or cos.shape != sin.shape or cos.dim() != 3:
+        raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit")
+    R = cos.shape[-1]
+    if R > D or R % 2 or cos.shape[1] != S or cos.shape[0] not in (1, B):
+        raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit q {tuple(q.shape)} (need [1|B, S, R<=D])")
+    ok = (
+        HAS_TRITON
+        and q.dtype in _KERNEL_DTYPES
+        and k.dtype == q.dtype
+        and cos.dtype == q.dtype
+        and sin.dtype == q.dtype
+        and _heads_view_ok(q)
+        and _heads_view_ok(k)
+    )
+    if impl == "ref" or (impl == "auto" and not (ok and q.is_cuda)):
+        return rope_ref(q, k, cos, sin)
+    if not ok:
+        raise ValueError(f"rope: the Triton kernel cannot run q {q.dtype} {tuple(q.stride())}, cos {cos.dtype}")
+    if cos.stride(-1) != 1:
+        cos = cos.contiguous()
+    if sin.stride() != cos.stride():
+        sin = sin.contiguous()
+        cos = cos.contiguous()
+    qo = _empty((B, S, HQ, D), q)
+    ko = _empty((B, S, HKV, D), k)
+    if B * S == 0:
+        return qo, ko
+    block_h = min(16, triton.next_power_of_2(HQ + HKV))
+    half = max(1, triton.next_power_of_2(R // 2))
+    block_p = 0 if R == D else triton.next_power_of_2(D - R)
+    grid = (B * S, triton.cdiv(HQ + HKV, block_h))
+    sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
+    _rope_kernel[grid](
+        q, k, cos, sin, qo, ko,
+        S, HQ, HKV, D, R,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),
+        BLOCK_H=block_h, HALF=half, BLOCK_P=block_p, num_warps=4 if block_h * half >= 512 else 2,
+    )  # fmt: skip
+    return qo, ko

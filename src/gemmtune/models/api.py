@@ -1,0 +1,378 @@
+"""optimize(model) / restore(model): plan every change first, then apply; undo in reverse.
+
+The plan is a list of Actions that name modules by path (so a deep-copied optimized model restores
+itself, not the original). Validation happens while planning, before the model is touched; if
+applying still fails halfway, the applied part is undone and the error re-raised, so a model is
+never left half patched.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from . import attention as attn_mod
+from . import families, fusion
+from .linear import RouteOptions, is_routed, linear_skip_reason, route_linear, unroute_linear
+from .report import OptimizeReport
+from .version import check_transformers
+
+_REPORT = "_gemmtune_report"
+
+
+@dataclass
+class Action:
+    kind: str
+    path: str
+    data: dict = field(default_factory=dict)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _get(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model
+
+
+# ---- planning -----------------------------------------------------------------------------------
+class _Planner:
+    def __init__(self, model, family, opts: dict, report: OptimizeReport):
+        self.model, self.family, self.opts, self.report = model, family, opts, report
+        self.actions: list[Action] = []
+        self.no_route: set[str] = set()  # module paths whose nn.Linear must not be routed
+        self.no_route_prefixes: list[str] = []  # subtrees left alone (MoE experts)
+        self.rope_probes: dict = {}
+
+    def add(self, kind: str, path: str, text: str, **data) -> None:
+        self.actions.append(Action(kind, path, data))
+        self.report.change(f"{kind}: {text}")
+
+    def norm(self, path: str, mod: nn.Module) -> families.NormSpec | None:
+        spec = families.detect_norm(mod)
+        if isinstance(spec, str):
+            self.report.skip(f"norm: {path}", spec)
+            return None
+        self.add("norm", path, f"{path} ({spec.style}, eps={spec.eps:g})", spec=spec)
+        return spec
+
+    def rope_kind(self, fn, ref) -> str:
+        if not self.opts["fused_ops"]:
+            return ""
+        key = (fn, ref.device, ref.dtype)
+        if key not in self.rope_probes:  # one probe per rope function
+            self.rope_probes[key] = families.detect_rope(fn, ref.device, ref.dtype)
+        return self.rope_probes[key]
+
+    def attention(self, path: str, attn: nn.Module) -> None:
+        fam = self.family
+        if not (self.opts["fuse_qkv"] and fam.qkv):
+            return
+        why = fusion.fuse_skip_reason(attn, fam.qkv, "qkv_proj")
+        head_dim = getattr(attn, "head_dim", None)
+        rope = families.rope_function(attn)
+        if why is None:
+            missing = [
+                a for a in ("o_proj", "layer_idx", "scaling", "config", "attention_dropout") if not hasattr(attn, a)
+            ]
+            sizes = tuple(getattr(attn, n).out_features for n in fam.qkv)
+            if missing:
+                why = f"missing attribute(s) {', '.join(missing)}"
+            elif not isinstance(head_dim, int) or any(s % head_dim for s in sizes) or sizes[1] != sizes[2]:
+                why = f"q/k/v widths {sizes} do not fit head_dim {head_dim}"
+            elif (sizes[0] // head_dim) % (sizes[1] // head_dim):
+                why = f"{sizes[0] // head_dim} query heads are not a multiple of {sizes[1] // head_dim} KV heads"
+            elif rope is None:
+                why = f"{type(attn).__module__} has no apply_rotary_pos_emb"
+            elif fam.qk_norm and not all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_norm", "k_norm")):
+                why = "q_norm / k_norm missing"
+            elif "forward" in attn.__dict__:
+                why = "its forward is already overridden on the instance"
+        if why is not None:
+            self.report.skip(f"fuse qkv: {path}", why)
+            return
+        n_q, n_kv = sizes[0] // head_dim, sizes[1] // head_dim
+        self.add("fuse", path, f"{path} q/k/v -> qkv_proj N={sum(sizes)} ({n_q} q heads, {n_kv} kv heads)",
+                 names=fam.qkv, fused="qkv_proj")  # fmt: skip
+        spec = families.AttnSpec(
+            sizes=sizes,
+            head_dim=head_dim,
+            qk_norm=fam.qk_norm,
+            pass_softcap=fam.softcap_kwarg,
+            sliding_window=getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None)),
+            rope_fused=self.rope_kind(rope, attn.qkv_proj.weight if hasattr(attn, "qkv_proj") else attn.q_proj.weight),
+        )
+        kind = {"": "the family's rope", "full": "fused rope kernel", "any": "fused rope kernel"}[spec.rope_fused]
+        self.add("attn", path, f"{path} (fused qkv forward, {kind})", spec=spec, rope=rope)
+        for name in fam.qkv:
+            self.no_route.add(_join(path, name))
+
+    def mlp(self, path: str, mlp: nn.Module) -> None:
+        fam, fused_ops = self.family, self.opts["fused_ops"]
+        if families.is_moe_block(mlp):
+            self.no_route_prefixes.append(path + ".")
+            self.report.skip(f"moe: {path}", "experts left to the grouped-GEMM path (not optimized here)")
+            return
+        act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"
+        act_fn = getattr(mlp, act_attr, None)
+        if "forward" in mlp.__dict__ or act_fn is None or not isinstance(getattr(mlp, "down_proj", None), nn.Linear):
+            self.report.skip(f"mlp: {path}", "layout not recognized (down_proj / act_fn / forward)")
+            return
+        if fam.gate_up is not None:
+            if not self.opts["fuse_gate_up"]:
+                return
+            why = fusion.fuse_skip_reason(mlp, fam.gate_up, "gate_up_proj")
+            if why is not None:
+                self.report.skip(f"fuse gate_up: {path}", why)
+                return
+            ref = getattr(mlp, fam.gate_up[0]).weight
+            size = getattr(mlp, fam.gate_up[0]).out_features
+            if getattr(mlp, fam.gate_up[1]).out_features != size:
+                self.report.skip(f"fuse gate_up: {path}", "gate and up widths differ")
+                return
+            self.add(
+                "fuse", path, f"{path} gate/up -> gate_up_proj N={2 * size}", names=fam.gate_up, fused="gate_up_proj"
+            )
+            for name in fam.gate_up:
+                self.no_route.add(_join(path, name))
+        else:  # already fused (Phi3): only the activation changes
+            gu = getattr(mlp, "gate_up_proj", None)
+            if not isinstance(gu, nn.Linear) or gu.out_features % 2 or not fused_ops:
+                return
+            ref = gu.weight
+        act = families.detect_act(act_fn, ref.device, ref.dtype) if fused_ops else None
+        if fused_ops and act is None:
+            self.report.skip(f"act: {path}", f"{type(act_fn).__name__} is not SiLU or GELU-tanh: applied in torch")
+        elif fam.gate_up is None and act is None:
+            return
+        label = f"{act}*mul kernel" if act else "torch act*mul"
+        self.add("mlp", path, f"{path} (gate_up -> {label} -> down_proj)", spec=families.MlpSpec(act, act_attr))
+
+    def layer(self, path: str, layer: nn.Module) -> None:
+        fam, opts = self.family, self.opts
+        pre = fam.prefix
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if type(layer).__name__ != f"{pre}DecoderLayer" or type(attn).__name__ != f"{pre}Attention" or mlp is None:
+            self.report.skip(f"layer: {path}", f"layout is not {pre}DecoderLayer/{pre}Attention: Linear routing only")
+            return
+        self.attention(_join(path, "self_attn"), attn)
+        self.mlp(_join(path, "mlp"), mlp)
+        if not opts["fused_ops"]:
+            return
+        if fam.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                if isinstance(getattr(attn, n, None), nn.Module):
+                    self.norm(_join(path, "self_attn", n), getattr(attn, n))
+        names = families.LAYER_NORMS[fam.layer]
+        specs = {}
+        for n in names:
+            mod = getattr(layer, n, None)
+            if not isinstance(mod, nn.Module):
+                self.report.skip(f"layer: {path}", f"no {n}")
+                return
+            specs[n] = self.norm(_join(path, n), mod)
+        add_norm = "post_attention_layernorm" if fam.layer == "prenorm" else "pre_feedforward_layernorm"
+        if "forward" in layer.__dict__:
+            self.report.skip(f"layer: {path}", "its forward is already overridden on the instance")
+        elif specs[add_norm] is None or getattr(layer, add_norm)._forward_hooks:
+            self.report.skip(f"layer: {path}", f"{add_norm} not fusable with the residual add")
+        else:
+            self.add("layer", path, f"{path} ({fam.layer}, residual add + {add_norm} fused)", layout=fam.layer)
+
+    def linears(self) -> None:
+        if not self.opts["route_linears"]:
+            return
+        route = RouteOptions(self.opts["m_threshold"], self.opts["split_bias"])
+        for path, mod in self.model.named_modules():
+            if not isinstance(mod, nn.Linear) or path in self.no_route:
+                continue
+            if any(path.startswith(p) for p in self.no_route_prefixes):
+                continue
+            why = linear_skip_reason(mod)
+            if why:
+                self.report.skip(f"linear: {path}", why)
+            else:
+                self.actions.append(Action("route", path, {"opts": route}))
+                self.report.change(f"route: {path} ({mod.out_features}x{mod.in_features})")
+
+    def plan(self, tier: str | None) -> list[Action]:
+        fam = self.family
+        stack = families.decoder_stack(self.model)
+        if fam is None or stack is None:
+            mt = getattr(getattr(self.model, "config", None), "model_type", "?")
+            self.report.skip("family", f"model_type {mt!r} is not a known family: plain Linear routing only")
+        else:
+            spath, smod = stack
+            for i, layer in enumerate(smod.layers):
+                self.layer(_join(spath, "layers", str(i)), layer)
+            final = getattr(smod, "norm", None)
+            if self.opts["fused_ops"] and isinstance(final, nn.Module):
+                self.norm(_join(spath, "norm"), final)
+            if tier is not None:
+                self.actions.insert(0, Action("config", "", {"tier": tier}))
+                self.report.change(f"attention: {attn_mod.NAMES[tier]} ({tier} tier) via AttentionInterface")
+        self.linears()
+        return self.actions
+
+
+# ---- apply / undo -------------------------------------------------------------------------------
+def _swap_config(model: nn.Module, old, new) -> None:
+    for m in model.modules():
+        if getattr(m, "config", None) is old:
+            m.config = new
+
+
+def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
+    mod = _get(model, a.path)
+    if a.kind == "config":
+        attn_mod.register()
+        old = model.config
+        new = copy.deepcopy(old)  # private copy: models sharing the config object stay untouched
+        new._attn_implementation = attn_mod.NAMES[a.data["tier"]]
+        _swap_config(model, old, new)
+        a.data["old"] = old
+    elif a.kind == "fuse":
+        fusion.fuse(mod, a.data["names"], a.data["fused"], route)
+    elif a.kind == "attn":
+        mod._gemmtune_attn = a.data["spec"]
+        mod._gemmtune_rope = a.data["rope"]
+        mod.forward = types.MethodType(families._attention_forward, mod)
+    elif a.kind == "mlp":
+        mod._gemmtune_mlp = a.data["spec"]
+        mod.forward = types.MethodType(families._mlp_forward, mod)
+    elif a.kind == "norm":
+        mod._gemmtune_norm = a.data["spec"]
+        mod.forward = types.MethodType(families._norm_forward, mod)
+    elif a.kind == "layer":
+        mod.forward = types.MethodType(families.LAYER_FORWARDS[a.data["layout"]], mod)
+    elif a.kind == "route":
+        route_linear(mod, a.data["opts"])
+    else:
+        raise AssertionError(a.kind)
+
+
+_ATTRS = {
+    "attn": ("forward", "_gemmtune_attn", "_gemmtune_rope"),
+    "mlp": ("forward", "_gemmtune_mlp"),
+    "norm": ("forward", "_gemmtune_norm"),
+    "layer": ("forward",),
+}
+
+
+def _undo(model: nn.Module, a: Action) -> None:
+    if a.kind == "config":
+        _swap_config(model, model.config, a.data["old"])
+        return
+    mod = _get(model, a.path)
+    if a.kind == "fuse":
+        fusion.unfuse(mod, a.data["fused"])
+    elif a.kind == "route":
+        if is_routed(mod):
+            unroute_linear(mod)
+    else:
+        for attr in _ATTRS[a.kind]:
+            mod.__dict__.pop(attr, None)
+
+
+# ---- public -------------------------------------------------------------------------------------
+def optimize(
+    model,
+    *,
+    config=None,
+    fuse_qkv: bool = True,
+    fuse_gate_up: bool = True,
+    fused_ops: bool = True,
+    attention: str | None = "auto",
+    m_threshold: int | None = None,
+    split_bias: bool = False,
+    route_linears: bool = True,
+) -> OptimizeReport:
+    """Optimize a loaded Hugging Face causal LM in place (call before torch.compile).
+
+    config: a tuned table (path, list of paths or ConfigTable) to put in effect for gemmtune.gemm.
+    fuse_qkv / fuse_gate_up: one GEMM for q/k/v and for gate/up. fused_ops: Triton RMSNorm,
+    residual-add + RMSNorm and act*mul. attention: "auto", "flash", "sdpa", "eager" or None (leave
+    as is); GEMMTUNE_ATTENTION forces a tier. m_threshold: calls with fewer rows keep F.linear.
+    split_bias: bias-free GEMM plus a separate add. route_linears: other nn.Linear via gemmtune.gemm.
+    Returns an OptimizeReport; gemmtune.restore(model) (or report.undo()) gives the original back.
+    """
+    version = check_transformers()
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"gemmtune.optimize takes a transformers PreTrainedModel, got {type(model).__name__}")
+    if m_threshold is not None and (not isinstance(m_threshold, int) or m_threshold < 1):
+        raise ValueError(f"m_threshold must be a positive int or None, got {m_threshold!r}")
+    opts = dict(
+        fuse_qkv=bool(fuse_qkv), fuse_gate_up=bool(fuse_gate_up), fused_ops=bool(fused_ops),
+        attention=attention, m_threshold=m_threshold, split_bias=bool(split_bias),
+        route_linears=bool(route_linears), config=None if config is None else repr(config),
+    )  # fmt: skip
+    existing = model.__dict__.get(_REPORT)
+    if existing is not None:
+        if existing.options == opts:
+            return existing  # idempotent: the same call twice changes nothing
+        raise ValueError(
+            "gemmtune.optimize: this model is already optimized with other options "
+            f"({existing.options}); call gemmtune.restore(model) first"
+        )
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise ValueError(f"gemmtune.optimize: parameters are not materialized (meta device), e.g. {meta[0]}")
+    tier, note = attn_mod.resolve_tier(attention)
+    fam = families.family_of(model)
+    report = OptimizeReport(
+        family=fam.name if fam else "unknown",
+        model_type=str(getattr(model.config, "model_type", "?")),
+        transformers_version=version,
+        options=opts,
+        attention_tier=tier if fam else None,
+        attention_note=note,
+    )
+    if model.training:
+        report.notes.append("model is in training mode: fused layer forwards run the stock path until eval()")
+    if fused_ops:
+        from ..kernels.norms import HAS_TRITON
+
+        if not HAS_TRITON:
+            report.notes.append("triton is not installed: fused ops run their PyTorch references")
+    actions = _Planner(model, fam, opts, report).plan(tier)
+    route = RouteOptions(m_threshold, bool(split_bias))
+    if config is not None:
+        from ..dispatch import set_config
+
+        set_config(config)
+        report.notes.append("tuned table put in effect for gemmtune.gemm (process-wide)")
+    done: list[Action] = []
+    try:
+        for a in actions:
+            _apply(model, a, route)
+            done.append(a)
+    except BaseException:
+        for a in reversed(done):
+            _undo(model, a)
+        raise
+    report._model = model
+    report._actions = actions
+    model.__dict__[_REPORT] = report
+    return report
+
+
+def restore(model):
+    """Undo gemmtune.optimize on `model` (weights of fused projections come back as views)."""
+    report = getattr(model, "__dict__", {}).get(_REPORT)
+    if report is None:
+        raise ValueError("gemmtune.restore: this model was not optimized by gemmtune.optimize")
+    for a in reversed(report._actions):
+        _undo(model, a)
+    del model.__dict__[_REPORT]
+    report._model = None
+    return model
+
+
+def report_of(model) -> OptimizeReport | None:
+    """The report of an optimized model, or None."""
+    return getattr(model, "__dict__", {}).get(_REPORT)

@@ -1,0 +1,260 @@
+"""Attention routing through transformers' AttentionInterface and AttentionMaskInterface.
+
+Three tiers, each registered under its own name (neutral names: transformers treats names containing
+"flash"/"sdpa" specially in places):
+  tier 1 "flash": flash-attn's flash_attn_func (aiter's on ROCm) when installed, for fp16/bf16 CUDA
+                  tensors with no materialized mask; anything else drops to tier 2 for that call.
+  tier 2 "sdpa":  torch's scaled_dot_product_attention. GQA without repeat_kv: `enable_gqa` where
+                  torch picks a fused kernel with it (no mask); decode against a materialized mask
+                  (static cache, padding) uses the measured-fastest strategy (MASKED_DECODE).
+                  softcap / output_attentions drop to tier 3.
+  tier 3 "eager": matmul-softmax-matmul in the model's dtype with fp32 softmax, grouped by KV head
+                  (no repeat_kv), with softcap and attention weights.
+All three use transformers' `sdpa_mask` (a boolean 4-D mask, or None for a plain causal / full
+pattern), so a call can drop to a lower tier with the mask it was given.
+GEMMTUNE_ATTENTION=flash|sdpa|eager forces a tier (it wins over optimize(attention=...)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+TIERS = ("flash", "sdpa", "eager")
+ENV = "GEMMTUNE_ATTENTION"
+NAMES = {"flash": "gemmtune_tier1", "sdpa": "gemmtune_tier2", "eager": "gemmtune_tier3"}
+PACK_MAX_Q = 16  # fold query heads into rows up to this many query tokens (decode, speculation)
+# GQA decode against a materialized mask (static cache, padding), L <= PACK_MAX_Q query tokens:
+#   "gqa": enable_gqa with the mask (no copy; torch picks the backend);
+#   "fold": the query heads of a KV group become rows of one [B, Hkv, n_rep*L, D] query (no copy);
+#   "fold_efficient": the same, forced onto the memory-efficient kernel; "repeat": repeat_kv copies.
+# On an H100 with torch 2.11, one CUDA-graph decode step of a 4-layer Llama-3-8B took 1.213 / 1.296 /
+# 1.393 / 1.350 ms at batch 1 and 1.286 / 1.385 / 1.431 / 2.057 ms at batch 8 in that order
+# (benchmarks/results/e2e_h100.md). Older torch may run enable_gqa-with-mask on the math kernel, so
+# it folds; GEMMTUNE_SDPA_DECODE overrides.
+MASKED_DECODE_MODES = ("gqa", "fold", "fold_efficient", "repeat")
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+_HAS_ENABLE_GQA = _TORCH >= (2, 5)
+
+
+def _default_masked_decode() -> str:
+    env = os.environ.get("GEMMTUNE_SDPA_DECODE", "").strip()
+    if env:
+        if env not in MASKED_DECODE_MODES:
+            raise ValueError(f"GEMMTUNE_SDPA_DECODE={env!r}: expected one of {', '.join(MASKED_DECODE_MODES)}")
+        return env
+    return "gqa" if _TORCH >= (2, 11) and torch.version.hip is None else "fold"
+
+
+MASKED_DECODE = _default_masked_decode()
+
+_flash_cache: list = []
+
+
+def flash_backend():
+    """(name, flash_attn_func) for flash-attn or aiter, else None (looked up once)."""
+    if not _flash_cache:
+        found = None
+        try:
+            from flash_attn import flash_attn_func
+
+            found = ("flash_attn", flash_attn_func)
+        except Exception:  # noqa: BLE001 - a broken install is the same as none
+            try:
+                from aiter import flash_attn_func
+
+                found = ("aiter", flash_attn_func)
+            except Exception:  # noqa: BLE001
+                found = None
+        _flash_cache.append(found)
+    return _flash_cache[0]
+
+
+def resolve_tier(requested: str | None) -> tuple[str | None, str]:
+    """(tier or None to leave attention alone, note for the report)."""
+    env = os.environ.get(ENV, "").strip().lower()
+    if env:
+        if env not in TIERS:
+            raise ValueError(f"{ENV}={env!r}: expected one of {', '.join(TIERS)}")
+        requested, note = env, f"forced by {ENV}={env}"
+    else:
+        note = ""
+    if requested is None or requested == "off":
+        return None, "attention left as is (attention=None)"
+    if requested == "auto":
+        tier = "flash" if flash_backend() is not None and torch.cuda.is_available() else "sdpa"
+        return tier, note or "auto"
+    if requested not in TIERS:
+        raise ValueError(f"attention={requested!r}: expected 'auto', None or one of {', '.join(TIERS)}")
+    if requested == "flash" and flash_backend() is None:
+        raise ValueError("attention tier 'flash' needs flash-attn (CUDA) or aiter (ROCm); neither is installed")
+    return requested, note or "requested"
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _causal(module, is_causal) -> bool:
+    return bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+
+
+def _repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    b, h, s, d = t.shape
+    return t[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def _group_mask(mask: torch.Tensor, n_kv: int, n_rep: int, q_len: int) -> torch.Tensor:
+    """A [b, 1|Hq, L, S] mask laid out for queries folded to [B, Hkv, n_rep * L, D]."""
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    b, h, _, s = mask.shape
+    if h == 1:
+        if q_len == 1:
+            return mask  # [b, 1, 1, S] broadcasts over the folded rows
+        return mask[:, :, None].expand(b, 1, n_rep, q_len, s).reshape(b, 1, n_rep * q_len, s)
+    return mask.reshape(b, n_kv, n_rep * q_len, s)
+
+
+def _efficient_only():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+
+
+def set_masked_decode(mode: str) -> None:
+    """Pick the masked-decode strategy (see MASKED_DECODE_MODES); for benchmarks and tuning."""
+    global MASKED_DECODE
+    if mode not in MASKED_DECODE_MODES:
+        raise ValueError(f"masked decode mode {mode!r}: expected one of {', '.join(MASKED_DECODE_MODES)}")
+    MASKED_DECODE = mode
+
+
+def _crop(key, value, q_len):
+    # Mask-free causal with keys past the queries only happens on an empty static cache (the tail is
+    # unwritten): transformers' sdpa path crops the same way so the upper-left causal mask is right.
+    if key.shape[2] > q_len:
+        return key[:, :, :q_len], value[:, :, :q_len]
+    return key, value
+
+
+# ---- tier 3 -------------------------------------------------------------------------------------
+def eager_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, softcap=None, **kwargs
+):
+    B, Hq, L, D = query.shape
+    Hkv = key.shape[1]
+    n_rep = Hq // Hkv
+    scaling = D**-0.5 if scaling is None else scaling
+    mask = attention_mask
+    if mask is None and _causal(module, is_causal) and L > 1:
+        key, value = _crop(key, value, L)
+        mask = torch.ones(L, key.shape[2], dtype=torch.bool, device=query.device).tril(key.shape[2] - L)
+    S = key.shape[2]
+    # Group the query heads of each KV head into rows: one matmul per KV head, no repeat_kv copy.
+    qg = query.reshape(B, Hkv, n_rep * L, D)
+    w = torch.matmul(qg, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.where(mask, torch.zeros((), dtype=w.dtype, device=w.device), torch.finfo(w.dtype).min)
+        mask = mask[..., :S] if mask.shape[-1] > S else mask
+        w = w + _group_mask(mask, Hkv, n_rep, L)
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    w = F.dropout(w, p=dropout, training=module.training)
+    out = torch.matmul(w, value).view(B, Hq, L, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), w.view(B, Hq, L, S)
+
+
+# ---- tier 2 -------------------------------------------------------------------------------------
+def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    if kwargs.get("softcap") is not None or kwargs.get("output_attentions"):
+        return eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    B, Hq, L, D = query.shape
+    Hkv = key.shape[1]
+    n_rep = Hq // Hkv
+    mask = attention_mask
+    use_causal = mask is None and L > 1 and _causal(module, is_causal)
+    if use_causal:
+        key, value = _crop(key, value, L)
+    # Decode with a materialized mask (static caches, padded batches): see MASKED_DECODE.
+    if n_rep > 1 and not use_causal and L <= PACK_MAX_Q and (mask is not None or not _HAS_ENABLE_GQA):
+        mode = MASKED_DECODE if mask is not None else "fold"
+        if mode == "fold" or mode == "fold_efficient":
+            qg = query.reshape(B, Hkv, n_rep * L, D)
+            gm = None if mask is None else _group_mask(mask, Hkv, n_rep, L)
+            if mode == "fold_efficient" and query.is_cuda:
+                with _efficient_only():
+                    out = F.scaled_dot_product_attention(qg, key, value, attn_mask=gm, dropout_p=dropout, scale=scaling)
+            else:
+                out = F.scaled_dot_product_attention(qg, key, value, attn_mask=gm, dropout_p=dropout, scale=scaling)
+            out = out.reshape(B, Hq, L, value.shape[-1])  # kernels may return other strides
+            return out.transpose(1, 2).contiguous(), None
+        if mode == "gqa" and _HAS_ENABLE_GQA:
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+            return out.transpose(1, 2).contiguous(), None
+        # "repeat": per-head queries against repeated keys (transformers 5.17's choice)
+    extra = {}
+    if n_rep > 1:
+        # CUDA's fused kernels take enable_gqa only without a mask; with one, repeat (as transformers does).
+        if _HAS_ENABLE_GQA and (mask is None or not query.is_cuda):
+            extra["enable_gqa"] = True
+        else:
+            key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=use_causal, **extra
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ---- tier 1 -------------------------------------------------------------------------------------
+def flash_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, softcap=None, **kwargs
+):
+    fb = flash_backend()
+    if (
+        fb is None
+        or attention_mask is not None
+        or not query.is_cuda
+        or query.dtype not in (torch.float16, torch.bfloat16)
+        or query.shape[-1] > 256
+        or key.shape[-1] != value.shape[-1]
+        or kwargs.get("output_attentions")
+        or (softcap is not None and fb[0] != "flash_attn")
+    ):
+        return sdpa_attention(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap=softcap, **kwargs
+        )
+    name, fn = fb
+    L = query.shape[2]
+    causal = L > 1 and _causal(module, is_causal)
+    if causal:
+        key, value = _crop(key, value, L)
+    extra = {"softcap": softcap} if softcap is not None else {}
+    # flash_attn takes [B, S, H, D] and does GQA itself; for L == 1 causal=False is the right mask.
+    out = fn(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        dropout_p=dropout, softmax_scale=scaling, causal=causal, **extra,
+    )  # fmt: skip
+    if isinstance(out, tuple):
+        out = out[0]
+    return out, None
+
+
+TIER_FUNCTIONS = {"flash": flash_attention, "sdpa": sdpa_attention, "eager": eager_attention}
+_registered: list[bool] = []
+
+
+def register() -> None:
+    """Add the three tiers (and their mask function) to transformers' global interfaces, once."""
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    for tier, fn in TIER_FUNCTIONS.items():
+        AttentionInterface.register(NAMES[tier], fn)
+        AttentionMaskInterface.register(NAMES[tier], sdpa_mask)
+    _registered.append(True)

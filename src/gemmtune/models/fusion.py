@@ -1,0 +1,166 @@
+"""Projection fusion: several nn.Linear reading the same input become one FusedLinear.
+
+The fused weight is cat(parts) and the parts' Parameters are dropped, so memory is not doubled. The
+original module objects are kept (without parameters) on the parent and get views of the fused
+weight back at restore. state_dict stays checkpoint-compatible both ways: a hook splits the fused
+tensors back into the original keys (as views, no copy) on save, and a load pre-hook concatenates the
+original keys into the fused parameter on load; a checkpoint with only some of the parts is refused
+with a message naming them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import FusedLinear, RouteOptions, linear_skip_reason
+
+_STATE = "_gemmtune_fused"  # parent.__dict__: fused_name -> {"stash": {name: module}, "order": [...]}
+_HOOKS = "_gemmtune_fuse_hooks"
+
+
+def fuse_skip_reason(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> str | None:
+    """Why `names` on `parent` cannot be fused (None when they can)."""
+    mods = [getattr(parent, n, None) for n in names]
+    for n, m in zip(names, mods):
+        if m is None:
+            return f"no {n}"
+        why = linear_skip_reason(m)
+        if why:
+            return f"{n}: {why}"
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"{n} has forward hooks that a fused GEMM would bypass"
+    first = mods[0].weight
+    for n, m in zip(names, mods):
+        if m.in_features != mods[0].in_features:
+            return f"{n} reads {m.in_features} features, {names[0]} {mods[0].in_features}"
+        if m.weight.dtype != first.dtype or m.weight.device != first.device:
+            return f"{n} is {m.weight.dtype} on {m.weight.device}, {names[0]} {first.dtype} on {first.device}"
+        if m.bias is not None and (m.bias.dtype != first.dtype or m.bias.device != first.device):
+            return f"{n}.bias dtype/device differs from the weights"
+        if m.weight.requires_grad != first.requires_grad:
+            return "the parts differ in requires_grad"
+    if fused_name in parent._modules or fused_name in parent.__dict__:
+        return f"{type(parent).__name__} already has an attribute {fused_name!r}"
+    return None
+
+
+def _reorder(parent: nn.Module, order: list[str], replace: dict[str, str | None], new: dict) -> None:
+    """Rebuild parent._modules in `order`, swapping names per `replace` (old -> new name or None)."""
+    mods = dict(parent._modules)
+    mods.update(new)
+    out = {}
+    for k in order:
+        if k in replace:
+            target = replace[k]
+            if target is not None:
+                out[target] = mods[target]
+        elif k in mods:
+            out[k] = mods[k]
+    for k, v in mods.items():  # anything added meanwhile stays, at the end
+        if k not in out and k not in replace:
+            out[k] = v
+    parent._modules.clear()
+    parent._modules.update(out)
+
+
+def fuse(parent: nn.Module, names: tuple[str, ...], fused_name: str, opts: RouteOptions) -> FusedLinear:
+    """Replace parent.<names> by parent.<fused_name> (call fuse_skip_reason first)."""
+    mods = [getattr(parent, n) for n in names]
+    has_bias = [m.bias is not None for m in mods]
+    with torch.no_grad():
+        w = torch.cat([m.weight for m in mods], 0)
+        b = None
+        if any(has_bias):
+            b = torch.cat([
+                m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods
+            ])  # fmt: skip
+    rg = mods[0].weight.requires_grad
+    fused = FusedLinear(
+        nn.Parameter(w, requires_grad=rg),
+        None if b is None else nn.Parameter(b, requires_grad=rg),
+        [(n, m.out_features, hb) for n, m, hb in zip(names, mods, has_bias)],
+        opts,
+    )
+    order = list(parent._modules)
+    for m in mods:  # drop the parameters: the fused copy is now the only one
+        m.weight = None
+        if m.bias is not None:
+            m.bias = None
+    replace = {names[0]: fused_name, **{n: None for n in names[1:]}}
+    _reorder(parent, order, replace, {fused_name: fused})
+    parent.__dict__.setdefault(_STATE, {})[fused_name] = {"stash": dict(zip(names, mods)), "order": order}
+    if _HOOKS not in parent.__dict__:
+        parent.__dict__[_HOOKS] = (
+            parent._register_state_dict_hook(_split_state_dict),
+            parent._register_load_state_dict_pre_hook(_fuse_state_dict, with_module=True),
+        )
+    return fused
+
+
+def unfuse(parent: nn.Module, fused_name: str) -> None:
+    """Put the original projections back, their weights views of the fused weight (no copy)."""
+    state = parent.__dict__[_STATE].pop(fused_name)
+    fused = parent._modules[fused_name]
+    w, b = fused.weight, fused.bias
+    off = 0
+    for name, size, had_bias in fused.parts:
+        m = state["stash"][name]
+        m.weight = nn.Parameter(w.data[off : off + size], requires_grad=w.requires_grad)
+        if had_bias:
+            m.bias = nn.Parameter(b.data[off : off + size], requires_grad=b.requires_grad)
+        off += size
+    del parent._modules[fused_name]
+    _reorder(parent, state["order"], {}, state["stash"])
+    if not parent.__dict__[_STATE]:
+        del parent.__dict__[_STATE]
+        for handle in parent.__dict__.pop(_HOOKS, ()):
+            handle.remove()
+
+
+def fused_parts(parent: nn.Module):
+    """(fused_name, FusedLinear) pairs fused on this parent."""
+    for name in parent.__dict__.get(_STATE, {}):
+        yield name, parent._modules[name]
+
+
+def _split_state_dict(module, state_dict, prefix, local_metadata):
+    with torch.no_grad():
+        for name, fused in fused_parts(module):
+            w = state_dict.pop(prefix + name + ".weight", None)
+            b = state_dict.pop(prefix + name + ".bias", None)
+            if w is None:
+                continue
+            off = 0
+            for part, size, had_bias in fused.parts:
+                state_dict[prefix + part + ".weight"] = w[off : off + size]
+                if had_bias and b is not None:
+                    state_dict[prefix + part + ".bias"] = b[off : off + size]
+                off += size
+    return state_dict
+
+
+def _fuse_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for name, fused in fused_parts(module):
+        wkeys = [prefix + p + ".weight" for p, _, _ in fused.parts]
+        present = [k for k in wkeys if k in state_dict]
+        if not present:
+            continue
+        if len(present) != len(wkeys):
+            error_msgs.append(
+                f"gemmtune fused {', '.join(wkeys)} into {prefix}{name}.weight; the state dict has only "
+                f"{', '.join(present)}. Load all parts, or gemmtune.restore(model) before loading."
+            )
+            continue
+        state_dict[prefix + name + ".weight"] = torch.cat([state_dict.pop(k) for k in wkeys], 0)
+        if fused.bias is None:
+            continue
+        bkeys = {p: prefix + p + ".bias" for p, _, had_bias in fused.parts if had_bias}
+        if not all(k in state_dict for k in bkeys.values()):
+            continue  # load_state_dict reports the fused bias as missing
+        got = {p: state_dict.pop(k) for p, k in bkeys.items()}
+        ref = next(iter(got.values()))
+        state_dict[prefix + name + ".bias"] = torch.cat([
+            got[p] if p in got else torch.zeros(size, dtype=ref.dtype, device=ref.device)
+            for p, size, _ in fused.parts
+        ])  # fmt: skip

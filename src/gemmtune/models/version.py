@@ -1,0 +1,50 @@
+"""Which transformers releases the model toolkit is built and tested against.
+
+optimize() reaches into modeling code (module layouts, forward signatures, the attention and mask
+interfaces), which changes between releases; outside the range it refuses with a clear message
+instead of patching a layout it has not seen. GEMMTUNE_SKIP_VERSION_CHECK=1 overrides (at your risk).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# Tested: 5.17 (the GPU machine) and 5.23. 5.x keeps the AttentionInterface / mask-interface and
+# cache.update(k, v, layer_idx) contract this code relies on; 4.x passed rope tensors to the cache.
+MIN_VERSION = (5, 17)
+MAX_EXCLUSIVE = (6, 0)
+SKIP_ENV = "GEMMTUNE_SKIP_VERSION_CHECK"
+
+
+def _parse(version: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if not m:
+        raise ValueError(f"cannot read a transformers version from {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def supported_range() -> str:
+    lo, hi = MIN_VERSION, MAX_EXCLUSIVE
+    return f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+
+
+def check_transformers(version: str | None = None) -> str:
+    """Return the installed transformers version; raise RuntimeError if it is outside the range."""
+    if version is None:
+        try:
+            import transformers
+        except ImportError:
+            raise RuntimeError(
+                "gemmtune.optimize needs transformers (pip install 'gemmtune[models]'); it is not installed"
+            ) from None
+        version = transformers.__version__
+    if os.environ.get(SKIP_ENV, "").strip() in ("1", "true", "yes"):
+        return version
+    v = _parse(version)
+    if not (MIN_VERSION <= v < MAX_EXCLUSIVE):
+        raise RuntimeError(
+            f"gemmtune.optimize supports transformers {supported_range()}, found {version}. "
+            f"Install a supported release, or set {SKIP_ENV}=1 to try anyway (module layouts may not match)."
+        )
+    return version

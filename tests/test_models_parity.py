@@ -1,0 +1,220 @@
+"""optimize() vs stock transformers: same logits (padded batches, with and without KV cache) and the
+same greedy tokens, for every supported family and every attention tier (CPU, fp32; GPU, bf16)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import gemmtune  # noqa: E402
+from gemmtune.models import attention as attn_mod  # noqa: E402
+from gemmtune.models.version import MAX_EXCLUSIVE, MIN_VERSION, _parse  # noqa: E402
+
+if not (MIN_VERSION <= _parse(transformers.__version__) < MAX_EXCLUSIVE):
+    pytest.skip(f"transformers {transformers.__version__} is outside the supported range", allow_module_level=True)
+
+# ../shared/models/tiny-llama.json, inlined because shared/ does not travel with the checkout.
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+_TINY_FILE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-llama.json"
+_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tiny_config(family: str):
+    """The tiny-llama shape in each family's own config class."""
+    t = transformers
+    base = {**TINY, **_IDS}
+    if family == "llama":
+        if _TINY_FILE.exists():  # the file is the source of truth where it exists
+            data = json.loads(_TINY_FILE.read_text())
+            base.update({k: data[k] for k in TINY if k in data})
+        return t.LlamaConfig(**base)
+    if family == "mistral":
+        return t.MistralConfig(**base, sliding_window=6)
+    if family == "qwen2":
+        return t.Qwen2Config(**base)  # q/k/v carry biases
+    if family == "qwen3":
+        return t.Qwen3Config(**base)
+    if family == "gemma":
+        return t.GemmaConfig(**base, hidden_act="gelu_pytorch_tanh")
+    if family == "gemma2":
+        return t.Gemma2Config(
+            **base,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            sliding_window=6,
+        )
+    if family == "gemma3":
+        return t.Gemma3TextConfig(
+            **base, query_pre_attn_scalar=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
+        )
+    if family == "phi3":
+        return t.Phi3Config(**base, partial_rotary_factor=0.5)
+    if family == "mixtral":
+        return t.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        return t.Qwen3MoeConfig(
+            **base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2
+        )
+    raise KeyError(family)
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+
+
+def build(family: str, device="cpu", dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).to(device=device, dtype=dtype).eval()
+    with torch.no_grad():  # random norm weights and biases, so (1+w) and bias handling are exercised
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def batch(device="cpu", b=3, s=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (b, s), generator=g).to(device)
+    mask = torch.ones(b, s, dtype=torch.long, device=device)
+    mask[1, :4] = 0  # left padding
+    mask[2, :7] = 0
+    return ids, mask
+
+
+def pair(family, device="cpu", dtype=torch.float32, **opts):
+    stock = build(family, device, dtype)
+    opt = copy.deepcopy(stock)
+    report = gemmtune.optimize(opt, **opts)
+    return stock, opt, report
+
+
+def check_parity(stock, opt, device="cpu", rtol=1e-4, atol=1e-5):
+    ids, mask = batch(device)
+    valid = mask.bool()
+    with torch.no_grad():
+        # no cache, padded batch
+        a = stock(ids, attention_mask=mask, use_cache=False).logits
+        b = opt(ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(b[valid], a[valid], rtol=rtol, atol=atol)
+        # KV cache: prefill then one token at a time (the decode path, q_len != k_len)
+        n = ids.shape[1] - 3
+        oa = stock(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
+        ob = opt(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
+        torch.testing.assert_close(ob.logits[valid[:, :n]], oa.logits[valid[:, :n]], rtol=rtol, atol=atol)
+        pa, pb = oa.past_key_values, ob.past_key_values
+        for t in range(n, ids.shape[1]):
+            sa = stock(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=pa, use_cache=True)
+            sb = opt(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=pb, use_cache=True)
+            torch.testing.assert_close(sb.logits, sa.logits, rtol=rtol, atol=atol)
+            pa, pb = sa.past_key_values, sb.past_key_values
+    ga = stock.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    gb = opt.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(ga, gb), f"greedy tokens differ:\n{ga}\n{gb}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_parity_default(family):
+    stock, opt, report = pair(family)
+    counts = report.counts()
+    assert counts["norm"] >= 5 and counts["route"] >= 1, report.summary()
+    if family != "phi3":
+        assert counts["fuse"] >= 2, report.summary()  # q/k/v per layer (+ gate/up where dense)
+    check_parity(stock, opt)
+
+
+@pytest.mark.parametrize("tier", ["eager", "sdpa", "flash"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gemma3", "phi3", "qwen3_moe"])
+def test_family_parity_forced_tier(family, tier, monkeypatch):
+    if tier == "flash" and (attn_mod.flash_backend() is None or not torch.cuda.is_available()):
+        pytest.skip("flash tier needs flash-attn / aiter on a GPU")
+    monkeypatch.setenv(attn_mod.ENV, tier)
+    stock, opt, report = pair(family)
+    assert report.attention_tier == tier
+    assert opt.config._attn_implementation == attn_mod.NAMES[tier]
+    check_parity(stock, opt)
+
+
+@pytest.mark.parametrize(
+    "opts", [{"fuse_qkv": False}, {"fuse_gate_up": False}, {"fused_ops": False}, {"attention": None}]
+)
+def test_option_subsets_keep_parity(opts):
+    stock, opt, _ = pair("qwen3", **opts)
+    check_parity(stock, opt)
+
+
+def test_moe_experts_untouched():
+    stock, opt, report = pair("qwen3_moe")
+    layer1 = opt.model.layers[1]  # decoder_sparse_step=2: layer 1 is sparse, layer 0 dense
+    assert "forward" not in layer1.mlp.__dict__
+    assert not any("_gemmtune_route" in m.__dict__ for m in layer1.mlp.modules())
+    assert hasattr(opt.model.layers[0].mlp, "gate_up_proj")  # the dense layer is fused
+    assert any(w.startswith("moe:") for w, _ in report.skipped)
+
+
+# ---- GPU: bf16 parity ----------------------------------------------------------------------------
+# bf16 tolerance: the fused kernels round once where torch rounds per op, and one GEMM over [q;k;v]
+# may pick another cuBLAS kernel than three; logits of these tiny random models are O(1), so an
+# absolute 3e-2 / relative 3e-2 bound is a few bf16 ulps. Greedy tokens can flip on near-ties, so on
+# GPU the token check compares the first generated token only through logits (check_parity_bf16).
+def check_parity_bf16(stock, opt, device):
+    ids, mask = batch(device)
+    valid = mask.bool()
+    with torch.no_grad():
+        a = stock(ids, attention_mask=mask, use_cache=False).logits.float()
+        b = opt(ids, attention_mask=mask, use_cache=False).logits.float()
+        torch.testing.assert_close(b[valid], a[valid], rtol=3e-2, atol=3e-2)
+        n = ids.shape[1] - 2
+        oa = stock(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
+        ob = opt(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
+        sa = stock(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], past_key_values=oa.past_key_values)
+        sb = opt(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], past_key_values=ob.past_key_values)
+        torch.testing.assert_close(sb.logits.float(), sa.logits.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_parity_bf16_gpu(family, gpu):
+    stock, opt, _ = pair(family, device=gpu, dtype=torch.bfloat16)
+    check_parity_bf16(stock, opt, gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["eager", "sdpa", "flash"])
+def test_tier_parity_bf16_gpu(tier, gpu, monkeypatch):
+    if tier == "flash" and attn_mod.flash_backend() is None:
+        pytest.skip("flash-attn / aiter not installed")
+    monkeypatch.setenv(attn_mod.ENV, tier)
+    stock, opt, _ = pair("llama", device=gpu, dtype=torch.bfloat16)
+    check_parity_bf16(stock, opt, gpu)
+
+
+@pytest.mark.parametrize("mode", attn_mod.MASKED_DECODE_MODES)
+def test_masked_decode_modes_keep_parity(mode, monkeypatch):
+    monkeypatch.setattr(attn_mod, "MASKED_DECODE", mode)  # padded decode steps take the masked path
+    stock, opt, _ = pair("llama")
+    check_parity(stock, opt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", attn_mod.MASKED_DECODE_MODES)
+def test_masked_decode_modes_bf16_gpu(mode, gpu, monkeypatch):
+    monkeypatch.setattr(attn_mod, "MASKED_DECODE", mode)
+    stock, opt, _ = pair("qwen2", device=gpu, dtype=torch.bfloat16)
+    check_parity_bf16(stock, opt, gpu)

@@ -1,0 +1,111 @@
+"""Triton rotary embedding (q and k in one launch) vs the reference and transformers' own functions.
+
+Without a GPU the kernel runs under the Triton interpreter in a subprocess (see test_norms.py); with
+one, in-process on the GPU, bf16 included. Outputs are NaN-poisoned first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from gemmtune.kernels import rope as R
+
+HAS_GPU = torch.cuda.is_available()
+
+# (name, B, S, Hq, Hkv, D, rotary dim, cos batch, layout, dtype)
+CASES = [
+    (f"{dt}-{lay}-r{r}-cb{cb}-h{hq}x{hkv}", 2, 5, hq, hkv, 16, r, cb, lay, dt)
+    for dt in ("float32", "float16")
+    for lay in ("qkv", "contig")
+    for r in (16, 8)
+    for cb in (1, 2)
+    for hq, hkv in ((4, 2), (12, 3))
+] + [("float16-qkv-llama8b-decode", 8, 1, 32, 8, 128, 128, 1, "qkv", "float16")]
+GPU_CASES = [(n.replace("float16", "bfloat16"), *c[:-1], "bfloat16") for n, *c in CASES if c[-1] == "float16"]
+ALL = CASES + (GPU_CASES if HAS_GPU else [])
+
+
+def run_cases(cases, device: str) -> dict:
+    saved = R._empty
+    R._empty = lambda shape, like: torch.full(shape, float("nan"), device=like.device, dtype=like.dtype)
+    try:
+        return _run_cases(cases, device)
+    finally:
+        R._empty = saved
+
+
+def _run_cases(cases, device: str) -> dict:
+    out = {}
+    for name, B, S, HQ, HKV, D, r, cb, lay, dt in cases:
+        dtype = getattr(torch, dt)
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        if lay == "qkv":  # views into a fused [B, S, (Hq + 2 Hkv) D] projection output
+            full = torch.randn(B, S, (HQ + 2 * HKV) * D, generator=gen).to(dtype).to(device)
+            q = full[..., : HQ * D].view(B, S, HQ, D)
+            k = full[..., HQ * D : (HQ + HKV) * D].view(B, S, HKV, D)
+        else:
+            q = torch.randn(B, S, HQ, D, generator=gen).to(dtype).to(device)
+            k = torch.randn(B, S, HKV, D, generator=gen).to(dtype).to(device)
+        cos = torch.randn(cb, S, r, generator=gen).to(dtype).to(device)
+        sin = torch.randn(cb, S, r, generator=gen).to(dtype).to(device)
+        qo, ko = R.rope(q, k, cos, sin, impl="triton")
+        qr, kr = R.rope_ref(q, k, cos, sin)
+        out[name] = {
+            "shape_ok": qo.shape == q.shape and ko.shape == k.shape and qo.is_contiguous() and ko.is_contiguous(),
+            "nan": bool(torch.isnan(qo).any().item() or torch.isnan(ko).any().item()),
+            "err": max((qo.float() - qr.float()).abs().max().item(), (ko.float() - kr.float()).abs().max().item())
+            / max(qr.float().abs().max().item(), kr.float().abs().max().item(), 1e-30),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    if HAS_GPU:
+        return run_cases(CASES + GPU_CASES, "cuda")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ALL, ids=[c[0] for c in ALL])
+def test_kernel_matches_reference(case, results):
+    r = results[case[0]]
+    assert r["shape_ok"] and not r["nan"], r
+    # Same roundings as the reference (exact in fp16/bf16); in fp32 an FMA may move the last bit.
+    assert r["err"] <= {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[case[-1]], r
+
+
+def test_reference_is_transformers_apply_rotary_pos_emb():
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = torch.randn(2, 3, 4, 16).to(dtype), torch.randn(2, 3, 2, 16).to(dtype)
+        for fn, r in ((llama, 16), (phi3, 16), (phi3, 8)):
+            cos, sin = torch.randn(2, 3, r).to(dtype), torch.randn(2, 3, r).to(dtype)
+            hq, hk = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            rq, rk = R.rope_ref(q, k, cos, sin)
+            assert torch.equal(hq.transpose(1, 2), rq) and torch.equal(hk.transpose(1, 2), rk)
+
+
+def test_bad_shapes_raise():
+    q, k = torch.randn(1, 3, 4, 16), torch.randn(1, 3, 2, 16)
+    with pytest.raises(ValueError, match="cos/sin"):
+        R.rope(q, k, torch.randn(1, 3, 18), torch.randn(1, 3, 18))
+    with pytest.raises(ValueError, match="do not fit"):
+        R.rope(q, torch.randn(1, 4, 2, 16), torch.randn(1, 3, 16), torch.randn(1, 3, 16))
+
+
+if __name__ == "__main__":  # the interpreter subprocess
+    print(json.dumps(run_cases(CASES, "cpu")))
