@@ -188,12 +188,12 @@ def test_written_merged_table_reloads_identically(tmp_path):
 
 
 def test_nvidia_rows_are_per_product_with_bare_arch_rows_as_fallback(tmp_path):
-    h100, h200 = DeviceIdentity("sm90-80G", 132), DeviceIdentity("sm90-140G", 132)
+    h100, h200 = DeviceIdentity("sm90-H100-80GB-HBM3", 132), DeviceIdentity("sm90-H200", 132)
     p = write(
         tmp_path,
         "t.csv",
-        [row(16, 1.0, gfx="sm90-80G", kernel="h100"), row(16, 1.0, gfx="sm90", kernel="any-sm90"),
-         row(64, 1.0, gfx="sm90-140G", kernel="h200")],  # fmt: skip
+        [row(16, 1.0, gfx="sm90-H100-80GB-HBM3", kernel="h100"), row(16, 1.0, gfx="sm90", kernel="any-sm90"),
+         row(64, 1.0, gfx="sm90-H200", kernel="h200")],  # fmt: skip
     )
     table = ConfigTable.load(str(p))
     assert table.lookup(key(16), h100).kernel_name == "h100"  # exact product beats the bare arch

@@ -1,8 +1,8 @@
 """Which GPU (or CPU) a table row is for: aiter's (gfx, cu_num) pair, extended to NVIDIA and CPU.
 
 On ROCm `gfx` is the arch name (gfx942) and `cu_num` the CU count, as aiter writes them. On NVIDIA
-`gfx` is the arch plus the memory size, `sm90-80G` (H100 SXM) or `sm90-140G` (H200): both have 132
-SMs but different bandwidth, and their winners differ (an H100 table's skinny rows measured
+`gfx` is the arch plus the product, `sm90-H100-80GB-HBM3` or `sm90-H200`: both have 132 SMs but
+different memory bandwidth, and their winners differ (an H100 table's skinny rows measured
 0.92-0.97x on an H200), so one must not silently use the other's rows. A row written with the bare
 arch (`sm90`) still applies to every sm90 GPU with its SM count, after the exact rows. On the CPU
 `gfx` is `cpu` and `cu_num` the logical core count.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import NamedTuple
 
 import torch
@@ -25,7 +26,7 @@ class DeviceIdentity(NamedTuple):
     cu_num: int
 
     def gfx_aliases(self) -> tuple[str, ...]:
-        """The gfx values whose rows apply here, most specific first: sm90-80G, sm90, legacy ''."""
+        """The gfx values whose rows apply here, most specific first: sm90-H200, sm90, legacy ''."""
         return tuple(dict.fromkeys((self.gfx, self.gfx.split("-", 1)[0], ANY_GFX_SENTINEL)))
 
 
@@ -40,8 +41,8 @@ def _identity_of(device_type: str, index: int | None) -> DeviceIdentity:
         if is_rocm():
             arch = getattr(props, "gcnArchName", "") or "gfx"
             return DeviceIdentity(arch.split(":")[0], props.multi_processor_count)
-        mem = round(props.total_memory / 2**30)
-        return DeviceIdentity(f"sm{props.major}{props.minor}-{mem}G", props.multi_processor_count)
+        product = re.sub(r"[^A-Za-z0-9]+", "-", props.name.removeprefix("NVIDIA ")).strip("-")
+        return DeviceIdentity(f"sm{props.major}{props.minor}-{product}", props.multi_processor_count)
     return DeviceIdentity(device_type, os.cpu_count() or 1)
 
 
