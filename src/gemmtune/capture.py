@@ -14,7 +14,7 @@ import threading
 import torch
 
 from .configs.io import locked, read_records, write_atomic
-from .configs.schema import UNTUNED_COLUMNS
+from .configs.schema import UNTUNED_COLUMNS, parse_column, positive_int
 from .errors import ShapesFileError
 from .keys import GemmKey, dtype_name, parse_bool, parse_dtype
 
@@ -28,31 +28,16 @@ def key_to_record(key: GemmKey) -> list[str]:
     ]  # fmt: skip
 
 
-def _positive(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise ValueError("must be a positive integer")
-    return v
-
-
 def parse_shape_record(rec: dict[str, str], path: str, line: int) -> GemmKey:
     """One untuned-CSV record -> GemmKey (only M, N, K are required); errors name file:line."""
 
     def get(col, conv, default=None):
-        text = rec.get(col)
-        if text is None or text.strip() == "":
-            if default is None:
-                raise ShapesFileError(f"{path}:{line}: column {col!r} is missing or empty")
-            return default
-        try:
-            return conv(text.strip())
-        except ValueError as exc:
-            raise ShapesFileError(f"{path}:{line}: column {col!r}: bad value {text!r} ({exc})") from None
+        return parse_column(rec, col, conv, default, path, line, error=ShapesFileError)
 
     dtype = get("dtype", parse_dtype, torch.bfloat16)
     outdtype = get("outdtype", parse_dtype, dtype)
     return GemmKey(
-        get("M", _positive), get("N", _positive), get("K", _positive), get("bias", parse_bool, False),
+        get("M", positive_int), get("N", positive_int), get("K", positive_int), get("bias", parse_bool, False),
         dtype, outdtype, get("scaleAB", parse_bool, False), get("bpreshuffle", parse_bool, False),
     )  # fmt: skip
 

@@ -89,19 +89,21 @@ def normalize_header(header: list[str], path: str) -> list[str]:
     return cols
 
 
-def _parse(raw: dict[str, str], column: str, conv, default, path: str, line: int):
+def parse_column(raw: dict[str, str], column: str, conv, default, path: str, line: int, error=ConfigError):
+    """raw[column] through conv; a missing/empty value takes `default` (None: required). Errors name
+    path:line and the column, as `error` (ConfigError for tables, ShapesFileError for shape lists)."""
     text = raw.get(column)
-    if text is None or (text.strip() == "" and default is not None):
+    if text is None or text.strip() == "":
         if default is None:
-            raise ConfigError(f"{path}:{line}: column {column!r} is empty")
+            raise error(f"{path}:{line}: column {column!r} is missing or empty")
         return default
     try:
         return conv(text.strip())
     except ValueError as exc:
-        raise ConfigError(f"{path}:{line}: column {column!r}: bad value {text!r} ({exc})") from None
+        raise error(f"{path}:{line}: column {column!r}: bad value {text!r} ({exc})") from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     v = int(text)
     if v <= 0:
         raise ValueError("must be a positive integer")
@@ -117,12 +119,12 @@ def _nonneg_float(text: str) -> float:
 
 def parse_tuned_row(raw: dict[str, str], path: str, line: int) -> TunedRow:
     """One CSV record -> TunedRow; ConfigError names path:line and the column on a bad value."""
-    p = lambda col, conv, default=None: _parse(raw, col, conv, default, path, line)  # noqa: E731
+    p = lambda col, conv, default=None: parse_column(raw, col, conv, default, path, line)  # noqa: E731
     dtype = p("dtype", parse_dtype, torch.bfloat16)
     key = GemmKey(
-        M=p("M", _positive_int),
-        N=p("N", _positive_int),
-        K=p("K", _positive_int),
+        M=p("M", positive_int),
+        N=p("N", positive_int),
+        K=p("K", positive_int),
         bias=p("bias", parse_bool, False),
         dtype=dtype,
         outdtype=p("outdtype", parse_dtype, dtype),
@@ -134,7 +136,7 @@ def parse_tuned_row(raw: dict[str, str], path: str, line: int) -> TunedRow:
         raise ConfigError(f"{path}:{line}: column 'libtype' is empty")
     return TunedRow(
         gfx=raw.get("gfx", ANY_GFX_SENTINEL).strip(),
-        cu_num=p("cu_num", _positive_int),
+        cu_num=p("cu_num", positive_int),
         key=key,
         libtype=libtype,
         solidx=p("solidx", int),

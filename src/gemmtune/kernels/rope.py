@@ -10,22 +10,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _empty(shape, like: torch.Tensor) -> torch.Tensor:
-    """Output allocation (tests swap in a NaN-filled one to prove every element is written)."""
-    return torch.empty(shape, device=like.device, dtype=like.dtype)
+from ._common import HAS_TRITON, tl, triton  # noqa: F401 - re-exported for callers
+from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
+from ._common import empty_out as _empty
 
 
 def _rotate_half(x):
