@@ -7,13 +7,11 @@ why); with one, in-process on the GPU, bf16 included. Outputs are NaN-poisoned f
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
+from kernel_cases import kernel_results
 
 from gemmtune.kernels import activations as A
 
@@ -72,13 +70,7 @@ def _run_cases(cases, device: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    if HAS_GPU:
-        return run_cases(CASES + GPU_CASES, "cuda")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return kernel_results(__file__, run_cases, CASES, GPU_CASES)
 
 
 @pytest.mark.parametrize("case", ALL, ids=[c[0] for c in ALL])

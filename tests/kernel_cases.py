@@ -1,0 +1,25 @@
+"""Run a test module's kernel cases on the GPU, or without one under Triton's interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported, so the interpreter run happens in a
+subprocess that executes the test file itself (its `__main__` block prints the results as JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def kernel_results(test_file: str, run_cases, cases, gpu_cases):
+    if torch.cuda.is_available():
+        return run_cases(cases + gpu_cases, "cuda")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
