@@ -268,3 +268,17 @@ def test_deepcopy_of_optimized_model_restores_itself():
     assert hasattr(twin.model.layers[0].self_attn, "q_proj")
     ids, mask = batch()
     torch.testing.assert_close(logits(twin, ids, mask), logits(model, ids, mask), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_optimized_model_compiles_fullgraph_and_matches(family):
+    """optimize() before torch.compile: no graph break, same logits on a padded batch."""
+    model = build(family)
+    ids, mask = batch()
+    ref = logits(model, ids, mask)
+    gemmtune.optimize(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        out = compiled(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
