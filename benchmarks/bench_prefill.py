@@ -34,39 +34,16 @@ import time
 
 import torch
 import torch.nn.functional as F
+from suites import LAYERS, find_models_dir, suite_shapes
 
 from gemmtune.backends.blaslt import BlasLtBackend, algo_attrs, lt_version
 from gemmtune.backends.triton_gemm import TritonGemmBackend, precompile
 from gemmtune.keys import GemmKey
-from gemmtune.tuner.shapes import load_model_config, model_gemms
 from gemmtune.tuner.timing import bench_gemm, make_inputs, measure_ceilings, roof_us
 
 SUITE = [("llama-3-8b", 1), ("llama-3-70b", 8)]
-LAYERS = ("qkv", "o", "gate_up", "down")
 MS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 GRAPH_BYTES = 12 * 2**30  # output memory the screen's simultaneously captured graphs may hold
-
-
-def find_models_dir(arg: str | None) -> pathlib.Path | None:
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    env = os.environ.get("GEMMTUNE_SHARED_DIR")
-    cands = [pathlib.Path(arg)] if arg else []
-    cands += [pathlib.Path(env) / "models"] if env else []
-    cands += [repo.parent / "shared" / "models", repo / "shared" / "models"]
-    return next((c for c in cands if (c / "llama-3-8b.json").is_file()), None)
-
-
-def suite_shapes(models_dir, suite):
-    """[(label, layer, N, K)] from the model json files (gemmtune's presets hold the same facts)."""
-    out, sources = [], []
-    for model, tp in suite:
-        path = models_dir / f"{model}.json" if models_dir else None
-        cfg, src = load_model_config(str(path) if path and path.is_file() else model)
-        sources.append(src)
-        for s in model_gemms(cfg, tp):
-            if s.name in LAYERS:
-                out.append((f"{model} tp{tp}", s.name, s.N, s.K))
-    return out, sources
 
 
 def _rel_err(y, ref):

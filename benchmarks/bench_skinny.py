@@ -30,38 +30,15 @@ import time
 
 import torch
 import torch.nn.functional as F
+from suites import LAYERS, find_models_dir, suite_shapes
 
 from gemmtune.backends.skinny import SkinnyBackend
 from gemmtune.kernels import skinny as ks
 from gemmtune.keys import GemmKey
-from gemmtune.tuner.shapes import load_model_config, model_gemms
 from gemmtune.tuner.timing import bench_gemm, measure_ceilings, roof_us
 
 SUITE = [("llama-3-8b", 1), ("llama-3-70b", 8), ("qwen3-32b", 4)]
-LAYERS = ("qkv", "o", "gate_up", "down")
 BIG_WEIGHT = 32 * 2**20  # the issue's ">= 32 MB" weights must reach 85% of the read roof
-
-
-def find_models_dir(arg: str | None) -> pathlib.Path | None:
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    env = os.environ.get("GEMMTUNE_SHARED_DIR")
-    cands = [pathlib.Path(arg)] if arg else []
-    cands += [pathlib.Path(env) / "models"] if env else []
-    cands += [repo.parent / "shared" / "models", repo / "shared" / "models"]
-    return next((c for c in cands if (c / "llama-3-8b.json").is_file()), None)
-
-
-def suite_shapes(models_dir: pathlib.Path | None, with_lm_head: bool):
-    """[(label, layer, N, K)] from the model json files (presets with the same facts when absent)."""
-    out, sources = [], []
-    for model, tp in SUITE:
-        path = models_dir / f"{model}.json" if models_dir else None
-        cfg, src = load_model_config(str(path) if path and path.is_file() else model)
-        sources.append(src)
-        for s in model_gemms(cfg, tp):
-            if s.name in LAYERS or (with_lm_head and s.name == "lm_head"):
-                out.append((f"{model} tp{tp}", s.name, s.N, s.K))
-    return out, sources
 
 
 def _randn(shape, dtype, gen, scale=1.0):
@@ -176,8 +153,8 @@ def main() -> int:
     ms = [int(v) for v in args.ms.split(",") if v]
     extra_ms = [int(v) for v in args.extra_ms.split(",") if v]
     models_dir = find_models_dir(args.models)
-    shapes, sources = suite_shapes(models_dir, False)
-    extra_shapes = suite_shapes(models_dir, True)[0] if args.lm_head else []
+    shapes, sources = suite_shapes(models_dir, SUITE)
+    extra_shapes = suite_shapes(models_dir, SUITE, (*LAYERS, "lm_head"))[0] if args.lm_head else []
     extra_shapes = [s for s in extra_shapes if s[1] == "lm_head"]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {ks.triton.__version__}")
     print(f"models: {'; '.join(sources)}")

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results
+from kernel_cases import kernel_results, nan_outputs
 
 from gemmtune.kernels import activations as A
 
@@ -41,12 +41,8 @@ def _make(shape, dtype, layout, gen):
 
 
 def run_cases(cases, device: str) -> dict:
-    saved = A._empty
-    A._empty = lambda shape, like: torch.full(shape, float("nan"), device=like.device, dtype=like.dtype)
-    try:
+    with nan_outputs(A):
         return _run_cases(cases, device)
-    finally:
-        A._empty = saved
 
 
 def _run_cases(cases, device: str) -> dict:

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results
+from kernel_cases import kernel_results, nan_outputs
 
 from gemmtune.kernels import rope as R
 
@@ -31,12 +31,8 @@ ALL = CASES + (GPU_CASES if HAS_GPU else [])
 
 
 def run_cases(cases, device: str) -> dict:
-    saved = R._empty
-    R._empty = lambda shape, like: torch.full(shape, float("nan"), device=like.device, dtype=like.dtype)
-    try:
+    with nan_outputs(R):
         return _run_cases(cases, device)
-    finally:
-        R._empty = saved
 
 
 def _run_cases(cases, device: str) -> dict:
