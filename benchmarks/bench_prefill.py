@@ -95,8 +95,8 @@ def bench_point(key, dev, tb, lb, args, seed):
     finalists = {"pad": F.linear, "cublas": F.linear, "cublas#2": F.linear}
     lt_first = next((n for n in cands if n.startswith("blaslt:")), None)  # cuBLASLt's heuristic pick
     bad = []
-    for be in ("triton", "blaslt"):
-        ranked = sorted((v, n) for n, v in screen.items() if n.startswith(be + ":") and math.isfinite(v))
+    for in_group in _GROUPS.values():
+        ranked = sorted((v, n) for n, v in screen.items() if in_group(n) and math.isfinite(v))
         kept = 0
         for _, n in ranked:
             err = _rel_err(cands[n](x, w, b), ref)
@@ -115,8 +115,9 @@ def bench_point(key, dev, tb, lb, args, seed):
     del fresh
     torch.cuda.empty_cache()
     best = {}
-    for be in ("triton", "blaslt"):
-        got = [(v, n.split(":", 1)[1]) for n, v in final.items() if n.startswith(be + ":") and math.isfinite(v)]
+    for be in ("triton", "blaslt", "triton_plain"):
+        in_group = _GROUPS[be] if be != "triton" else (lambda n: n.startswith("triton:"))
+        got = [(v, n.split(":", 1)[1]) for n, v in final.items() if in_group(n) and math.isfinite(v)]
         best[be] = min(got) if got else (float("nan"), "")
     n_cand = {be: sum(1 for n in cands if n.startswith(be + ":")) for be in ("triton", "blaslt")}
     top = {
@@ -129,6 +130,15 @@ def bench_point(key, dev, tb, lb, args, seed):
     final["screen_top"] = top
     final["heuristic0"] = final.get(lt_first, float("nan"))
     return final, best, n_cand, errors + bad
+
+
+# Finalist groups: PDL variants (programmatic dependent launch, M <= 256) and plain Triton configs are
+# confirmed separately, so the report can say what the GEMMs gain without PDL too.
+_GROUPS = {
+    "triton": lambda n: n.startswith("triton:") and "_pdl" in n,
+    "triton_plain": lambda n: n.startswith("triton:") and "_pdl" not in n,
+    "blaslt": lambda n: n.startswith("blaslt:"),
+}
 
 
 def write_tuned(rows, path, dev):
@@ -235,6 +245,15 @@ def render(rows, meta) -> str:
             f"{100 * _geomean([r['pct_roof'] / 100 for r in sel]):.0f} | "
             f"{100 * _geomean([r['cublas_pct_roof'] / 100 for r in sel]):.0f} | {len(sel)} |"
         )
+    lines += [
+        "",
+        "Without the PDL variants (best of plain triton and blaslt; PDL gains need the kernel before the GEMM to "
+        "trigger early, see skinny_h100.md): "
+        + ", ".join(
+            f"{label} {_geomean([r['no_pdl_speedup'] for r in rows if lo <= r['M'] <= hi]):.3f}"
+            for label, lo, hi in (("32 <= M <= 512", 32, 512), ("M >= 1024", 1024, 10**9))
+        ),
+    ]
     lost = [r for r in rows if r["speedup"] < 1.0]
     lines += ["", f"cuBLAS still wins (best/cuBLAS < 1) at {len(lost)} of {len(rows)} points:", ""]
     lines += [
@@ -343,6 +362,8 @@ def main() -> int:
             "n_triton": n_cand["triton"],
             "n_blaslt": n_cand["blaslt"],
             "blaslt_heuristic0_us": final["heuristic0"],
+            "triton_plain_us": best["triton_plain"][0],
+            "no_pdl_speedup": cub / min(v for v in (best["triton_plain"][0], l_us, float("inf")) if math.isfinite(v)),
             "screen_top": final["screen_top"],
         }
         rows.append(row)

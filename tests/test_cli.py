@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from gemmtune.cli.main import cli
@@ -31,6 +32,8 @@ def test_doctor_reports_device_and_backends():
     for field in ("torch", "triton", "gfx", "cu_num", "device", "backends"):
         assert field in report
     assert report["backends"]["torch"] == "available"
+    if not torch.cuda.is_available():
+        assert report["programmatic dependent launch"].startswith("off (")
 
 
 def test_show_config_counts_rows_and_conflicts(tmp_path):

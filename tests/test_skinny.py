@@ -110,6 +110,17 @@ def test_solution_ids_round_trip():
         assert any(kind in s for s in seen), kind
 
 
+def test_pdl_names_round_trip():
+    from gemmtune.kernels.skinny import SkinnyConfig
+
+    cfg = SkinnyConfig("dot", 64, 256, 2, 4, 3, 1, pdl=3)
+    assert cfg.name == "skinny_dot_bn64_bk256_sk2_w4_s3_fx_pdl3"
+    assert SkinnyConfig.parse(cfg.name) == cfg
+    assert SkinnyConfig.parse("skinny_gemv_bn8_bk512_sk1_w4_s1_pdl2").pdl == 2
+    assert SkinnyConfig.parse("skinny_gemv_bn8_bk512_sk1_w4_s1_pdl9") is None  # beyond MAX_PDL
+    assert SkinnyConfig.parse("skinny_gemv_bn8_bk512_sk1_w4_s1_pdl") is None
+
+
 @pytest.mark.parametrize(
     "name",
     ["native", "skinny_dot_bn64_bk256_sk4_w4_s3", "skinny_dot_bn64_bk256_sk1_w4_s3_fx",
@@ -168,6 +179,11 @@ def _representatives(be, key, device):
     if fx is not None:
         rk = fx.kernel_name[:-3] + "_rk"
         out.append(Solution("skinny", rk, stable_solidx(rk), fx.splitk))
+    # PDL variants (offered on sm90+): one per kernel kind, prefetching and not
+    for sol in [s for s in out if "_pdl" not in s.kernel_name and not s.kernel_name.endswith("_rk")][:3]:
+        for pdl in (1, 3):
+            name = f"{sol.kernel_name}_pdl{pdl}"
+            out.append(Solution("skinny", name, stable_solidx(name), sol.splitk))
     return out
 
 

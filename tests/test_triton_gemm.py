@@ -142,7 +142,7 @@ def test_config_names_round_trip():
     from gemmtune.kernels.triton_gemm import parse_config
 
     be = TritonGemmBackend()
-    hw = Hardware(132, 227 * 1024, True)
+    hw = Hardware(132, 227 * 1024, True, pdl=True)
     names = set()
     for m in (1, 32, 100, 256, 1024, 8192):
         for cfg in config_space(GemmKey(m, 1280, 8192), hw):
@@ -152,7 +152,11 @@ def test_config_names_round_trip():
             assert sol.splitk == cfg.split_k
             names.add(cfg.name)
     assert len(names) > 20
+    assert any(n.endswith("_tma_pdl1") for n in names) and any(n.endswith("f_pdl2") for n in names)
+    assert not any("_pdl" in cfg.name for cfg in config_space(GemmKey(1024, 1280, 8192), hw))  # M > PDL_MAX_M
     for bad in (
+        "tg_bm64_bn64_bk64_g8_w4_s3_sk1_tma_pdl2",  # the prefetch reads raw pointers, not TMA
+        "tg_bm64_bn64_bk64_g8_w4_s3_sk1_pdl3",
         "tg_bm128",
         "tg_bm96_bn128_bk64_g8_w8_s4_sk1",
         "tg_bm128_bn128_bk64_g8_w8_s4_sk2",
@@ -215,6 +219,9 @@ GPU_CONFIGS = [
     "tg_bm128_bn256_bk64_g8_w8_s3_sk1_tma",
     "tg_bm64_bn128_bk128_g8_w4_s4_sk4f_tma",
     "tg_bm32_bn64_bk128_g8_w4_s4_sk1",
+    "tg_bm64_bn64_bk128_g8_w4_s4_sk3f_pdl2",
+    "tg_bm128_bn128_bk64_g8_w8_s4_sk1_p_pdl2",
+    "tg_bm64_bn128_bk128_g8_w4_s4_sk4f_tma_pdl1",
 ]
 
 
@@ -228,6 +235,8 @@ def test_gpu_matches_fp32_reference(gpu, name, dtype):
     cfg = parse_config(name)
     if cfg.tma and not hardware(gpu).tma:
         pytest.skip("TMA needs Hopper")
+    if cfg.pdl and not hardware(gpu).pdl:
+        pytest.skip("programmatic dependent launch needs CUDA sm90+")
     for m, n, k, bias, layout in [
         (37, 1000, 1032, True, "contiguous"),
         (300, 1280, 4096, False, "strided"),

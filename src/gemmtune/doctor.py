@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 
 import torch
@@ -16,6 +17,20 @@ def _version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def _pdl_status(dev: torch.device) -> str:
+    from .kernels._common import HAS_PDL, HAS_TRITON, pdl_enabled
+
+    if not HAS_TRITON:
+        return "off (triton not installed)"
+    if pdl_enabled(dev):
+        return "on (GEMMTUNE_PDL=0 turns it off)"
+    if not HAS_PDL:
+        return "off (this Triton has no gdc_wait)"
+    if os.environ.get("GEMMTUNE_PDL", "1") == "0":
+        return "off (GEMMTUNE_PDL=0)"
+    return "off (needs CUDA sm90+)"
 
 
 def environment_report() -> dict[str, object]:
@@ -44,6 +59,7 @@ def environment_report() -> dict[str, object]:
         report["gpu count"] = torch.cuda.device_count()
     else:
         report["device name"] = platform.processor() or "cpu"
+    report["programmatic dependent launch"] = _pdl_status(dev)
     rows = {}
     for name, b in backends.all_backends().items():
         rows[name] = "available" if b.is_available(dev) else f"unavailable: {b.unavailable_reason(dev)}"

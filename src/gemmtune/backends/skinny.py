@@ -1,10 +1,16 @@
-"""Triton small-M ("skinny") GEMMs for decode: the kernel configs of kernels/skinny.py as solutions.
+"""Triton small-M ("skinny", decode-time) GEMMs: the kernel configs of kernels/skinny.py as solutions.
 
 A solution's kernel_name is the config string (skinny_dot_bn64_bk256_sk4_w4_s4_fx) and its solidx
 the crc of that string, so a table row means the same kernel after a restart or a change of the
 candidate list. The list for a shape is pruned to configs whose grid fills the GPU (split-K chosen
 from the SM count and the tile's shared-memory occupancy): 8 tensor-core tiles, each split one also
-with a partials + reduce-kernel variant, and up to 4 CUDA-core tiles for M <= 4 (8 to 20 per shape).
+with a partials + reduce-kernel variant, and up to 4 CUDA-core tiles for M <= 4 (8 to 20 per shape);
+on sm90+ CUDA each (but the reduce-kernel ones) also comes as two programmatic-dependent-launch
+variants (`_pdl2`, `_pdl3`: see kernels/skinny.py), so 24 to 50 per shape.
+
+PDL variants gain when the kernel before the GEMM triggers its dependents early (gemmtune's own norm,
+activation and GEMM kernels do) and lose a little behind one that does not (a torch kernel, SDPA):
+measured in benchmarks/results/skinny_h100.md. GEMMTUNE_PDL=0 runs every PDL row as its plain config.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 import triton
 
 from ..kernels import skinny as ks
+from ..kernels._common import pdl_enabled
 from ..kernels.skinny import REDUCE_FIXUP, REDUCE_NONE, SkinnyConfig
 from ..keys import GemmKey
 from .base import Backend, Runner, Solution, stable_solidx
@@ -44,6 +51,10 @@ _DOT_TILES = (
 )
 # CUDA-core tiles (block_n, block_k, num_warps), for M <= 4; 8 rows x 512 won most M=1 shapes.
 _GEMV_TILES = ((8, 512, 4), (8, 1024, 4), (16, 512, 8), (16, 256, 4))
+# Programmatic-dependent-launch variants offered per config (1 or 2 weight tiles prefetched into L2
+# before waiting): on an H100 these won 25 of 36 decode cases, by up to 1.2x on 16-25 MB weights
+# (benchmarks/results/skinny_h100.md), when the kernel before them triggers early.
+_PDL_VARIANTS = (2, 3)
 
 
 @functools.cache
@@ -107,6 +118,8 @@ def _configs(key: GemmKey, device: torch.device) -> list[SkinnyConfig]:
             out.append(cfg)
             if cfg.uses_dot and cfg.split_k > 1:  # partials + reduce kernel: measured within 2% of the fix-up
                 out.append(dataclasses.replace(cfg, reduce=ks.REDUCE_KERNEL))
+    if pdl_enabled(device):
+        out += [dataclasses.replace(c, pdl=p) for c in out if c.reduce != ks.REDUCE_KERNEL for p in _PDL_VARIANTS]
     return list(dict.fromkeys(out))
 
 
@@ -177,6 +190,8 @@ class SkinnyBackend(Backend):
 
 
 def _make_runner(cfg: SkinnyConfig, key: GemmKey, device: torch.device) -> Runner:
+    if cfg.pdl and not pdl_enabled(device):
+        cfg = dataclasses.replace(cfg, pdl=0)  # same kernel, plain launch
     n, k, out_dtype = key.N, key.K, key.outdtype
     # The FIXUP counters live as long as the runner (they are back at 0 after every launch); one
     # runner must therefore not run on two streams at the same time.

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels._common import pdl_enabled
 from ..kernels.triton_gemm import TensorDescriptor, TGConfig, TGKernel, check_operands, parse_config
 from ..keys import GemmKey
 from .base import Backend, Runner, Solution, stable_solidx
@@ -30,6 +31,7 @@ class Hardware(NamedTuple):
     sms: int
     smem: int  # bytes of shared memory one program may use
     tma: bool  # Hopper or newer with a Triton that has host TMA descriptors
+    pdl: bool = False  # programmatic dependent launch (sm90+ CUDA, GEMMTUNE_PDL not 0)
 
 
 @functools.cache
@@ -43,7 +45,7 @@ def _hardware(device_type: str, index: int | None) -> Hardware:
 
 
 def hardware(device: torch.device) -> Hardware:
-    return _hardware(device.type, device.index)
+    return _hardware(device.type, device.index)._replace(pdl=pdl_enabled(device))
 
 
 def _next_pow2(v: int) -> int:
@@ -88,6 +90,9 @@ _COMPUTE_TILES = [
 _SPLITS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 SPLIT_MODES = ("f", "r")  # in-kernel fixup, separate reduce kernel
 SMEM_MARGIN = 4 * 1024  # barriers and the epilogue's scratch
+# Up to this M a GEMM is short enough (5-30 us) that a launch's fixed cost shows, so each config also
+# comes as a programmatic-dependent-launch variant (pdl2 with a weight prefetch; pdl1 with TMA).
+PDL_MAX_M = 256
 
 
 def _tiles_for(key: GemmKey) -> list[tuple[int, int, int, int, int]]:
@@ -144,6 +149,8 @@ def config_space(key: GemmKey, hw: Hardware) -> list[TGConfig]:
             out.append(cfg)
             if tma_ok:
                 out.append(TGConfig(**{**cfg.__dict__, "tma": True}))
+    if hw.pdl and key.M <= PDL_MAX_M:
+        out += [TGConfig(**{**c.__dict__, "pdl": 1 if c.tma else 2}) for c in out]
     return out
 
 
@@ -204,6 +211,8 @@ class TritonGemmBackend(Backend):
         cfg = parse_config(solution.kernel_name)
         if cfg is None or not self.supports(solution, key, device):
             raise ValueError(f"triton cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
+        if cfg.pdl and not pdl_enabled(device):
+            cfg = TGConfig(**{**cfg.__dict__, "pdl": 0})  # the same kernel, plain launch
         kern = TGKernel(cfg, device, lock_tiles=_cdiv(max(key.M, 1), cfg.bm) * _cdiv(key.N, cfg.bn))
         N, K, out_dtype = key.N, key.K, key.outdtype
 

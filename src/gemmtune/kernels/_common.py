@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 try:
@@ -15,6 +18,35 @@ except ImportError:  # the PyTorch references still work
     HAS_TRITON = False
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Programmatic dependent launch (Hopper+, CUDA): a kernel launched with launch_pdl=True may start while
+# the kernel before it finishes; it must gdc_wait() before touching anything that kernel wrote, and
+# gdc_launch_dependents() lets the kernel after it start early in turn. Absent from older Tritons.
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+
+    HAS_PDL = True
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None  # only named inside `if PDL:` branches, never compiled then
+    HAS_PDL = False
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL launches need CUDA sm90+ and a Triton with gdc_wait; GEMMTUNE_PDL=0 turns them off
+    everywhere (tuned PDL rows then run as their plain configs)."""
+    if not HAS_PDL or torch.version.hip or device.type != "cuda" or os.environ.get("GEMMTUNE_PDL", "1") == "0":
+        return False
+    return torch.cuda.is_available() and _capability(device.index) >= (9, 0)
+
+
+def pdl_kwargs(device: torch.device) -> dict:
+    """Launch arguments for a kernel with a `PDL` constexpr that waits on its producer (elementwise kernels)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
 
 
 def empty_out(shape, like: torch.Tensor) -> torch.Tensor:

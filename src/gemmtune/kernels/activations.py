@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, tl, triton  # noqa: F401 - re-exported for callers
+from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
+from ._common import pdl_kwargs as _pdl_kwargs
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -39,10 +40,13 @@ _REFS = {"silu": silu_mul_ref, "gelu_tanh": gelu_tanh_mul_ref}
 if HAS_TRITON:
 
     @triton.jit
-    def _act_mul_kernel(GU, Y, n_cols, stride_row, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    def _act_mul_kernel(GU, Y, n_cols, stride_row, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
+        if PDL:  # see norms.py: let the next GEMM start prefetching, wait for the one that wrote GU
+            gdc_launch_dependents()
+            gdc_wait()
         g = tl.load(GU + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(GU + row * stride_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         if ACT == 0:  # silu
@@ -71,7 +75,14 @@ def _launch(gu: torch.Tensor, act: str) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     grid = (n_rows, triton.cdiv(inter, block))
     _act_mul_kernel[grid](
-        rows2d, y, inter, rows2d.stride(0), ACT=ACTIVATIONS.index(act), BLOCK=block, num_warps=4 if block >= 512 else 1
+        rows2d,
+        y,
+        inter,
+        rows2d.stride(0),
+        ACT=ACTIVATIONS.index(act),
+        BLOCK=block,
+        num_warps=4 if block >= 512 else 1,
+        **_pdl_kwargs(gu.device),
     )
     return y
 

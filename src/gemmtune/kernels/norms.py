@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ._common import HAS_TRITON, tl, triton  # noqa: F401 - re-exported for callers
+from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
+from ._common import pdl_kwargs as _pdl_kwargs
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -57,7 +58,7 @@ if HAS_TRITON:
         X, R, W, Y, S,
         n_rows, inner, sx_outer, sx_inner, sr_outer, sr_inner, C, eps, offset,
         HAS_RES: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # Rows are (outer, inner) pairs so a head-split view ([tokens, heads, D] out of a fused qkv
         # output) is read in place: row r lives at (r // inner) * s_outer + (r % inner) * s_inner.
@@ -67,6 +68,9 @@ if HAS_TRITON:
         rmask = rows < n_rows
         cmask = cols < C
         mask = rmask[:, None] & cmask[None, :]
+        if PDL:  # the next kernel (a GEMM prefetching its weights) may start now; x comes from the last one
+            gdc_launch_dependents()
+            gdc_wait()
         o = rows // inner
         i = rows % inner
         x = tl.load(X + (o * sx_outer + i * sx_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
@@ -138,7 +142,7 @@ def _launch(x, residual, weight, eps, offset, cast_before_weight):
         x, r, weight, y, s if s is not None else y,
         n_rows, inner, sxo, sxi, sro, sri, C, float(eps), float(offset),
         HAS_RES=residual is not None, CAST_BEFORE_W=cast_before_weight,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **_pdl_kwargs(x.device),
     )  # fmt: skip
     return (y, s) if residual is not None else y
 

@@ -21,6 +21,12 @@ deterministic and a CUDA-graph replay matches eager bit for bit. Reductions (`RE
 - KERNEL: programs write partials and a second small kernel sums + bias + cast (two launches).
 - ATOMIC: fp32 atomic_add into a zeroed fp32 buffer (needs a memset, and for a non-fp32 output a
   cast; not deterministic). Kept for measurement only; the backend does not offer it.
+
+Programmatic dependent launch (`pdl` > 0, CUDA sm90+): the kernel is launched with launch_pdl, lets
+the next kernel launch at once, touches its first pdl - 1 weight tiles (into L2) while the previous
+kernel finishes, and waits for that kernel (gdc_wait) before it reads x or writes anything. The
+weight does not depend on the previous kernel, so its first bytes arrive during the previous
+kernel's tail instead of after this kernel's launch.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in kernels
 from .gemm_ref import gemm_ref
 
 REDUCE_NONE, REDUCE_FIXUP, REDUCE_KERNEL, REDUCE_ATOMIC = 0, 1, 2, 3
@@ -42,6 +49,24 @@ KINDS = ("dot", "gemv")
 GEMV_MAX_ROWS = 4  # the gemv accumulator holds BLOCK_M * BLOCK_N * BLOCK_K fp32 values in registers
 DOT_MAX_BLOCK_M = 64
 _SUPPORTED_IN = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _overlap_prologue(w_ptr, rows, stride_wn, k0, K, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Programmatic dependent launch (PDL > 0): let the next kernel start launching, pull this
+    program's first PDL - 1 weight tiles into L2 while the previous kernel (which may be writing x)
+    finishes, then wait for it. The prefetch touches one element per 32-byte sector and discards it:
+    w is re-read after the wait, so a w that the previous kernel wrote is still read right (L2 is
+    coherent; values held in registers would not be)."""
+    if PDL > 0:
+        gdc_launch_dependents()
+        if PDL > 1:
+            STEP: tl.constexpr = 256 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per sector
+            offs_s = tl.arange(0, BLOCK_K // STEP) * STEP
+            for i in tl.static_range(PDL - 1):
+                ks = k0 + i * BLOCK_K + offs_s
+                tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :], mask=ks[None, :] < K, volatile=True)
+        gdc_wait()
 
 
 @triton.jit
@@ -123,6 +148,7 @@ def _skinny_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -137,6 +163,7 @@ def _skinny_dot_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None] * stride_xk
     m_ok = offs_m[None, :] < M
+    _overlap_prologue(w_ptr, rows, stride_wn, k0, K, BLOCK_K, PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
@@ -175,6 +202,7 @@ def _skinny_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -188,6 +216,7 @@ def _skinny_gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk
     m_ok = offs_m[:, None] < M
+    _overlap_prologue(w_ptr, rows, stride_wn, k0, K, BLOCK_K, PDL)
     # Sum over K only once, after the loop: the loop body is loads and FMAs, no cross-thread work.
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):
@@ -224,7 +253,8 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, split_k, stride_ym, HAS_BIA
 _KERNELS = {"dot": _skinny_dot_kernel, "gemv": _skinny_gemv_kernel}
 _REDUCE_BLOCK = 1024
 
-_NAME_RE = re.compile(r"^skinny_(dot|gemv)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)(?:_(fx|rk|at))?$")
+_NAME_RE = re.compile(r"^skinny_(dot|gemv)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)(?:_(fx|rk|at))?(?:_pdl(\d))?$")
+MAX_PDL = 8
 
 
 def _pow2(v: int) -> bool:
@@ -242,6 +272,7 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 3
     reduce: int = REDUCE_NONE
+    pdl: int = 0  # 0: plain launch; n > 0: programmatic dependent launch, n - 1 weight tiles prefetched
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -254,6 +285,8 @@ class SkinnyConfig:
             raise ValueError(f"skinny split_k/num_stages/num_warps out of range: {self}")
         if (self.split_k == 1) != (self.reduce == REDUCE_NONE):
             raise ValueError(f"skinny split_k={self.split_k} needs a reduction iff split_k > 1: {self}")
+        if not 0 <= self.pdl <= MAX_PDL:
+            raise ValueError(f"skinny pdl must be 0..{MAX_PDL}: {self}")
 
     @property
     def uses_dot(self) -> bool:
@@ -263,7 +296,8 @@ class SkinnyConfig:
     def name(self) -> str:
         base = f"skinny_{self.kind}_bn{self.block_n}_bk{self.block_k}_sk{self.split_k}"
         base += f"_w{self.num_warps}_s{self.num_stages}"
-        return base + (f"_{_REDUCE_SUFFIX[self.reduce]}" if self.reduce else "")
+        base += f"_{_REDUCE_SUFFIX[self.reduce]}" if self.reduce else ""
+        return base + (f"_pdl{self.pdl}" if self.pdl else "")
 
     @classmethod
     def parse(cls, name: str) -> SkinnyConfig | None:
@@ -271,9 +305,11 @@ class SkinnyConfig:
         m = _NAME_RE.match(name.strip())
         if not m:
             return None
-        kind, bn, bk, sk, w, s, red = m.groups()
+        kind, bn, bk, sk, w, s, red, pdl = m.groups()
         try:
-            return cls(kind, int(bn), int(bk), int(sk), int(w), int(s), _SUFFIX_REDUCE[red] if red else 0)
+            return cls(
+                kind, int(bn), int(bk), int(sk), int(w), int(s), _SUFFIX_REDUCE[red] if red else 0, int(pdl or 0)
+            )
         except ValueError:
             return None
 
@@ -326,10 +362,19 @@ def make_plan(cfg: SkinnyConfig, m: int, n: int, k: int, dtype: torch.dtype) -> 
     block_m = cfg.block_m(m)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     consts = dict(
-        REDUCE=reduce, EVEN_K=k % cfg.block_k == 0, DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        REDUCE=reduce,
+        EVEN_K=k % cfg.block_k == 0,
+        DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
+    if cfg.pdl:
+        if not HAS_PDL:
+            raise ValueError(f"skinny {cfg.name}: this Triton has no programmatic dependent launch")
+        consts.update(PDL=cfg.pdl, launch_pdl=True)
     return LaunchPlan(grid, split, per, reduce, consts)
 
 
@@ -363,15 +408,35 @@ def launch(
     if reduce == REDUCE_FIXUP and (counters is None or counters.numel() < plan.grid[0] * plan.grid[2]):
         raise ValueError(f"skinny gemm {cfg.name}: counters for M={m} N={n} missing or too small")
     _KERNELS[cfg.kind][plan.grid](
-        x2, w, bias if has_bias else out, out, p, counters if counters is not None else p,
-        m, n, k, plan.iters_per_split,
-        x2.stride(0), x2.stride(1), w.stride(0), out.stride(0),
-        HAS_BIAS=has_bias, **plan.constexprs,
+        x2,
+        w,
+        bias if has_bias else out,
+        out,
+        p,
+        counters if counters is not None else p,
+        m,
+        n,
+        k,
+        plan.iters_per_split,
+        x2.stride(0),
+        x2.stride(1),
+        w.stride(0),
+        out.stride(0),
+        HAS_BIAS=has_bias,
+        **plan.constexprs,
     )
     if reduce == REDUCE_KERNEL:
         _splitk_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
-            p, bias if has_bias else y, y, m, n, plan.split, y.stride(0),
-            HAS_BIAS=has_bias, BLOCK=_REDUCE_BLOCK, num_warps=4,
+            p,
+            bias if has_bias else y,
+            y,
+            m,
+            n,
+            plan.split,
+            y.stride(0),
+            HAS_BIAS=has_bias,
+            BLOCK=_REDUCE_BLOCK,
+            num_warps=4,
         )
     elif out is not y:
         y.copy_(out)

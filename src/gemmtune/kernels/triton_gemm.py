@@ -7,7 +7,9 @@ One kernel body covers every config the `triton` backend offers:
   per-tile counter; the last one to arrive adds all partials in a fixed order, runs the epilogue and
   resets the counter). Both are deterministic;
 - a persistent grid (one program per SM walking the tiles);
-- TMA tensor descriptors on Hopper (out-of-bounds rows and columns are zero-filled by the copy engine).
+- TMA tensor descriptors on Hopper (out-of-bounds rows and columns are zero-filled by the copy engine);
+- programmatic dependent launch (`_pdl1`: start while the previous kernel finishes, wait before reading
+  x; `_pdl2`: also pull the first weight tile into L2 before waiting; see kernels/skinny.py).
 Bias and the output dtype are applied in the epilogue. `triton_gemm_ref` is the plain-PyTorch reference.
 """
 
@@ -20,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in the kernel
 from .gemm_ref import gemm_ref
 
 try:  # host-side TMA descriptors (Triton >= 3.4); absent on older releases
@@ -45,11 +48,14 @@ class TGConfig:
     sk_mode: str = ""  # '' when split_k == 1, else 'r' (reduce kernel) or 'f' (in-kernel fixup)
     persistent: bool = False
     tma: bool = False
+    pdl: int = 0  # 0 plain launch, 1 programmatic dependent launch, 2 that plus a weight-tile prefetch
 
     @property
     def name(self) -> str:
         sk = f"sk{self.split_k}{self.sk_mode}" if self.split_k > 1 else "sk1"
-        tail = ("_p" if self.persistent else "") + ("_tma" if self.tma else "")
+        tail = (
+            ("_p" if self.persistent else "") + ("_tma" if self.tma else "") + (f"_pdl{self.pdl}" if self.pdl else "")
+        )
         return f"tg_bm{self.bm}_bn{self.bn}_bk{self.bk}_g{self.group_m}_w{self.warps}_s{self.stages}_{sk}{tail}"
 
     def smem_bytes(self, elem_bytes: int) -> int:
@@ -66,10 +72,12 @@ class TGConfig:
             raise ValueError(f"{self.name}: split-K > 1 needs mode 'r' or 'f', split-K 1 none")
         if self.persistent and self.split_k > 1:
             raise ValueError(f"{self.name}: the persistent variant does not split K")
+        if self.pdl not in (0, 1, 2) or (self.pdl == 2 and self.tma):
+            raise ValueError(f"{self.name}: pdl must be 0, 1 or 2 (2 only without TMA)")
         return self
 
 
-_NAME_RE = re.compile(r"^tg_bm(\d+)_bn(\d+)_bk(\d+)_g(\d+)_w(\d+)_s(\d+)_sk(\d+)([rf]?)(_p)?(_tma)?$")
+_NAME_RE = re.compile(r"^tg_bm(\d+)_bn(\d+)_bk(\d+)_g(\d+)_w(\d+)_s(\d+)_sk(\d+)([rf]?)(_p)?(_tma)?(?:_pdl(\d))?$")
 
 
 def parse_config(name: str) -> TGConfig | None:
@@ -79,7 +87,8 @@ def parse_config(name: str) -> TGConfig | None:
         return None
     bm, bn, bk, g, w, s, sk = (int(v) for v in m.groups()[:7])
     try:
-        cfg = TGConfig(bm, bn, bk, g, w, s, sk, m.group(8) or "", bool(m.group(9)), bool(m.group(10)))
+        pdl = int(m.group(11) or 0)
+        cfg = TGConfig(bm, bn, bk, g, w, s, sk, m.group(8) or "", bool(m.group(9)), bool(m.group(10)), pdl)
         cfg = cfg.validate()
     except ValueError:
         return None
@@ -96,6 +105,22 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (tile_id % in_group) % size_m
     pid_n = (tile_id % in_group) // size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _pdl_prologue(w, pid_n, kt0, N, K, swn, swk, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    """Let the next kernel launch; with PDL == 2 pull this program's first weight tile into L2 (one
+    element per 32-byte sector, result discarded, so a w the previous kernel wrote is still read
+    right after the wait); then wait for the previous kernel, which may be writing x."""
+    if PDL > 0:
+        gdc_launch_dependents()
+        if PDL > 1 and not USE_TMA:
+            STEP: tl.constexpr = 256 // w.dtype.element_ty.primitive_bitwidth
+            offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+            offs_k = kt0 * BK + tl.arange(0, BK // STEP) * STEP
+            tl.load(w + offs_n[:, None] * swn + offs_k[None, :] * swk, mask=offs_k[None, :] < K, volatile=True)
+        gdc_wait()
 
 
 @triton.jit
@@ -191,10 +216,15 @@ def _tg_kernel(
     NUM_SMS: tl.constexpr,
     INPUT_PREC: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
+    if PDL > 0:  # this program's first tile (the persistent grid's too) and its first K tile
+        _, first_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        first_kt = tl.program_id(1) * tl.cdiv(k_tiles, split_k) if IS_SPLIT else 0
+        _pdl_prologue(w, first_n, first_kt, N, K, swn, swk, BN, BK, USE_TMA, PDL)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -356,6 +386,10 @@ class TGKernel:
             else None
         )
 
+        if cfg.pdl and not HAS_PDL:
+            raise ValueError(f"{cfg.name}: this Triton has no programmatic dependent launch")
+        self._pdl = {"PDL": cfg.pdl, "launch_pdl": True} if cfg.pdl else {}
+
     def tiles(self, M: int, N: int) -> int:
         return triton.cdiv(M, self.cfg.bm) * triton.cdiv(N, self.cfg.bn)
 
@@ -422,6 +456,7 @@ class TGKernel:
             STAGES=cfg.stages,
             num_warps=cfg.warps,
             num_stages=cfg.stages,
+            **self._pdl,
         )
         if cfg.split_k > 1 and cfg.sk_mode == "r":
             _tg_reduce[(tiles,)](
