@@ -50,6 +50,10 @@ LLAMA3_8B = {
 }
 TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 4096}  # fmt: skip
+# One tensor-parallel rank of Llama-3-70B at tp 8 (heads, kv heads, intermediate and vocab split by 8):
+# the per-rank GEMM shapes of the decode suite, without the all-reduces a real tp run adds.
+LLAMA3_70B_TP8_RANK = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 3584, "num_attention_heads": 8,
+                       "num_key_value_heads": 1, "vocab_size": 16032}  # fmt: skip
 CONFIG_FILE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "llama-3-8b.json"
 
 CATEGORIES = [
@@ -64,11 +68,11 @@ def log(*a):
     print(*a, flush=True)
 
 
-def build(n_layers: int, device, tiny: bool):
+def build(n_layers: int, device, tiny: bool, preset: str = "8b"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(TINY if tiny else LLAMA3_8B)
-    if not tiny and CONFIG_FILE.exists():
+    cfg = dict(TINY if tiny else LLAMA3_70B_TP8_RANK if preset == "70b-tp8-rank" else LLAMA3_8B)
+    if not tiny and preset == "8b" and CONFIG_FILE.exists():
         cfg.update(json.loads(CONFIG_FILE.read_text()))
     cfg["num_hidden_layers"] = n_layers
     cfg.pop("torch_dtype", None)
@@ -229,6 +233,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--preset", choices=("8b", "70b-tp8-rank"), default="8b",
+                   help="Llama-3-8B, or one tp-8 rank of Llama-3-70B (its GEMM shapes, no all-reduce)")
     p.add_argument("--config", default=None, help="tuned table for gemmtune (else GEMMTUNE_CONFIG / default)")
     p.add_argument("--out", default=None, help="markdown file to write")
     p.add_argument("--skip", default="", help="comma list of: prefill,eager,graph,profile")
@@ -239,7 +245,7 @@ def main(argv=None):
 
     import gemmtune
 
-    stock = build(args.layers, device, args.tiny)
+    stock = build(args.layers, device, args.tiny, args.preset)
     opt = copy.deepcopy(stock)
     report = gemmtune.optimize(opt, config=args.config)
     vocab = stock.config.vocab_size
@@ -247,7 +253,8 @@ def main(argv=None):
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     head = [
         f"device: {dev_name}; torch {torch.__version__}; transformers {transformers.__version__}",
-        f"model: Llama-3-8B architecture, {args.layers} layers, random weights, "
+        f"model: {'one tp-8 rank of Llama-3-70B (no all-reduce)' if args.preset != '8b' else 'Llama-3-8B'} "
+        f"architecture, {args.layers} layers, random weights, "
         f"{'bf16' if device.type == 'cuda' else 'fp32'}; tuned table: {table_src}",
         f"optimize(): {report.summary().splitlines()[1].strip()}; "
         + ", ".join(f"{k} x{v}" for k, v in sorted(report.counts().items())),

@@ -4,9 +4,9 @@ A solution's kernel_name is the config string (skinny_dot_bn64_bk256_sk4_w4_s4_f
 the crc of that string, so a table row means the same kernel after a restart or a change of the
 candidate list. The list for a shape is pruned to configs whose grid fills the GPU (split-K chosen
 from the SM count and the tile's shared-memory occupancy): 8 tensor-core tiles, each split one also
-with a partials + reduce-kernel variant, and up to 4 CUDA-core tiles for M <= 4 (8 to 20 per shape);
+with a partials + reduce-kernel variant, and up to 4 CUDA-core tiles for M <= 4 (9 to 22 per shape);
 on sm90+ CUDA each (but the reduce-kernel ones) also comes as two programmatic-dependent-launch
-variants (`_pdl2`, `_pdl3`: see kernels/skinny.py), so 24 to 50 per shape.
+variants (`_pdl2`, `_pdl3`: see kernels/skinny.py), so 27 to 54 per shape.
 
 PDL variants gain when the kernel before the GEMM triggers its dependents early (gemmtune's own norm,
 activation and GEMM kernels do) and lose a little behind one that does not (a torch kernel, SDPA):
@@ -42,6 +42,7 @@ _SPLITS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 _DOT_TILES = (
     (16, 256, 4, 4),
     (16, 512, 4, 3),
+    (32, 256, 4, 3),  # +2% over the rest on 4096x4096 at M 4-16 (benchmarks/exp_skinny_tiles.py)
     (32, 256, 4, 4),
     (64, 128, 4, 4),
     (64, 256, 4, 3),
