@@ -33,10 +33,23 @@ except ImportError:
 
 def pdl_enabled(device: torch.device) -> bool:
     """PDL launches need CUDA sm90+ and a Triton with gdc_wait; GEMMTUNE_PDL=0 turns them off
-    everywhere (tuned PDL rows then run as their plain configs)."""
-    if not HAS_PDL or torch.version.hip or device.type != "cuda" or os.environ.get("GEMMTUNE_PDL", "1") == "0":
-        return False
-    return torch.cuda.is_available() and _capability(device.index) >= (9, 0)
+    everywhere (tuned PDL rows then run as their plain configs). Decided once per device (the
+    environment is read then), since elementwise kernels ask on every launch."""
+    key = (device.type, device.index)
+    on = _pdl_on.get(key)
+    if on is None:
+        on = _pdl_on[key] = (
+            HAS_PDL
+            and not torch.version.hip
+            and device.type == "cuda"
+            and os.environ.get("GEMMTUNE_PDL", "1") != "0"
+            and torch.cuda.is_available()
+            and _capability(device.index) >= (9, 0)
+        )
+    return on
+
+
+_pdl_on: dict[tuple[str, int | None], bool] = {}
 
 
 def pdl_kwargs(device: torch.device) -> dict:
