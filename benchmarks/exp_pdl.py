@@ -25,7 +25,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_skinny import SUITE, check_inputs, check_runner, geomean, precompile, with_producer
+from bench_skinny import SUITE, _variant_runner, check_inputs, check_runner, geomean, precompile, with_producer
 from suites import find_models_dir, suite_shapes
 
 from gemmtune.backends.skinny import SkinnyBackend
@@ -34,16 +34,6 @@ from gemmtune.keys import GemmKey
 from gemmtune.tuner.timing import bench_gemm, measure_ceilings, roof_us
 
 PDLS = (1, 2, 3, 5)
-
-
-def runner(cfg, key):
-    counters = ks.new_counters(cfg, key.N, key.M, "cuda")
-
-    def run(x, w, b):
-        y = torch.empty((x.shape[0], key.N), dtype=key.outdtype, device=x.device)
-        return ks.launch(cfg, x, w, b, y, counters)
-
-    return run
 
 
 def main() -> int:
@@ -77,7 +67,7 @@ def main() -> int:
     for idx, ((label, layer, n, k), m) in enumerate(plan):
         key = GemmKey(m, n, k)
         names = [s.kernel_name for s in be.candidates(key, dev) if not s.kernel_name.endswith("_rk")]
-        plain = {nm: runner(ks.SkinnyConfig.parse(nm), key) for nm in names}
+        plain = {nm: _variant_runner(ks.SkinnyConfig.parse(nm), key) for nm in names}
         screen = bench_gemm(key, {"cublas": F.linear, **plain}, dev, args.reps, seed=idx)
         top = sorted((nm for nm in plain if math.isfinite(screen[nm])), key=screen.get)[:2]
         inputs = check_inputs(key, gen)
@@ -86,7 +76,7 @@ def main() -> int:
             base = ks.SkinnyConfig.parse(nm)
             for p in (0, *PDLS):
                 cfg = dataclasses.replace(base, pdl=p)
-                r = runner(cfg, key)
+                r = _variant_runner(cfg, key)
                 err = check_runner(r, key, inputs)
                 if err > 1e-2:
                     print("  BAD", cfg.name, key.describe(), err)

@@ -13,7 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from bench_skinny import check_inputs, check_runner
+from bench_skinny import _variant_runner, check_inputs, check_runner
 
 from gemmtune.backends import skinny as bs
 from gemmtune.kernels import skinny as ks
@@ -37,16 +37,6 @@ EXTRA = [
 CASES = [(4, 4096, 4096), (8, 4096, 4096), (16, 4096, 4096), (16, 5120, 6400), (4, 1280, 8192), (16, 8192, 1024)]
 
 
-def runner(cfg, key):
-    counters = ks.new_counters(cfg, key.N, key.M, "cuda")
-
-    def run(x, w, b):
-        y = torch.empty((x.shape[0], key.N), dtype=key.outdtype, device=x.device)
-        return ks.launch(cfg, x, w, b, y, counters)
-
-    return run
-
-
 def main():
     dev = torch.device("cuda")
     be = bs.SkinnyBackend()
@@ -67,7 +57,7 @@ def main():
         runners = {}
         for name, cfg in {**own, **extra}.items():
             try:
-                r = runner(cfg, key)
+                r = _variant_runner(cfg, key)
                 if check_runner(r, key, inputs) < 1e-2:
                     runners[name] = r
             except Exception as exc:  # noqa: BLE001 - a tile that does not fit is just skipped
