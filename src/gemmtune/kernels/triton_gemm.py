@@ -229,82 +229,28 @@ def _tg_kernel(
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _mainloop(
-                x,
-                w,
-                M,
-                N,
-                K,
-                sxm,
-                sxk,
-                swn,
-                swk,
-                pid_m,
-                pid_n,
-                0,
-                k_tiles,
-                BM,
-                BN,
-                BK,
-                EVEN_K,
-                USE_TMA,
-                INPUT_PREC,
-                STAGES,
-            )
+                x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, 0, k_tiles,
+                BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES,
+            )  # fmt: skip
             _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
     else:
         tile = tl.program_id(0)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        # A split program covers K tiles [kt0, kt1); an unsplit one all of them.
+        kt0 = 0
+        kt1 = k_tiles
+        if IS_SPLIT:
+            per = tl.cdiv(k_tiles, split_k)
+            kt0 = tl.program_id(1) * per
+            kt1 = tl.minimum(kt0 + per, k_tiles)
+        acc = _mainloop(
+            x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, kt0, kt1,
+            BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES,
+        )  # fmt: skip
         if not IS_SPLIT:
-            acc = _mainloop(
-                x,
-                w,
-                M,
-                N,
-                K,
-                sxm,
-                sxk,
-                swn,
-                swk,
-                pid_m,
-                pid_n,
-                0,
-                k_tiles,
-                BM,
-                BN,
-                BK,
-                EVEN_K,
-                USE_TMA,
-                INPUT_PREC,
-                STAGES,
-            )
             _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
         else:
             pid_k = tl.program_id(1)
-            per = tl.cdiv(k_tiles, split_k)
-            kt0 = pid_k * per
-            kt1 = tl.minimum(kt0 + per, k_tiles)
-            acc = _mainloop(
-                x,
-                w,
-                M,
-                N,
-                K,
-                sxm,
-                sxk,
-                swn,
-                swk,
-                pid_m,
-                pid_n,
-                kt0,
-                kt1,
-                BM,
-                BN,
-                BK,
-                EVEN_K,
-                USE_TMA,
-                INPUT_PREC,
-                STAGES,
-            )
             # Partials live per tile as [split_k, BM, BN] blocks: contiguous, no M/N masks needed.
             offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
             tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
