@@ -1,10 +1,11 @@
 """The `blaslt` backend (cuBLASLt algorithms through nvmath-python).
 
 CPU: algorithm names round-trip, a row from another cuBLASLt version is refused with a log line, the
-backend says why it is unavailable. GPU (marked gpu, skipped without nvmath-python): candidates run
-bf16/fp16 (+bias) against an fp32 reference into NaN-poisoned memory, CUDA-graph replay equals eager,
-and a solution written to a table and read back in a fresh process re-creates the same algorithm
-(the same attributes and the same 64-byte cublasLtMatmulAlgo_t).
+backend says why it is unavailable, GEMMTUNE_BLASLT_SEARCH is read. GPU (marked gpu, skipped without
+nvmath-python): candidates run bf16/fp16 (+bias) against an fp32 reference into NaN-poisoned memory,
+the wide search's extra algorithms compute right, CUDA-graph replay equals eager, and a solution
+written to a table and read back in a fresh process re-creates the same algorithm (the same attributes
+and the same 64-byte cublasLtMatmulAlgo_t).
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def test_row_from_another_version_falls_back(monkeypatch, caplog):
         assert be.solution_from_row(0, NAME, 1) is None
     assert "130200" in caplog.text and "130100" in caplog.text and "falling back" in caplog.text
     assert be.solution_from_row(0, "native", 0) is None
+
+
+def test_search_mode_from_env(monkeypatch):
+    monkeypatch.delenv("GEMMTUNE_BLASLT_SEARCH", raising=False)
+    assert bl.search_mode() == "heuristic"
+    monkeypatch.setenv("GEMMTUNE_BLASLT_SEARCH", " Wide ")
+    assert bl.search_mode() == "wide"
+    monkeypatch.setenv("GEMMTUNE_BLASLT_SEARCH", "all")
+    with pytest.raises(ValueError, match="GEMMTUNE_BLASLT_SEARCH='all'"):
+        bl.search_mode()
 
 
 def test_unavailable_on_cpu_says_why():
@@ -92,6 +103,32 @@ def test_gpu_candidates_match_reference(lt, gpu, dtype, bias):
     ref = xs.float() @ w.float().t() + (b.float() if bias else 0)
     assert y.dtype == torch.float32 and y.shape == (7, 11, n)
     assert _rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_wide_search_adds_correct_algorithms(lt, gpu, monkeypatch):
+    """GEMMTUNE_BLASLT_SEARCH=wide offers more algorithms than the heuristic list; a spread sample of
+    the extra ones (other tiles, stages, cluster shapes) computes the GEMM right into poisoned memory."""
+    m, n, k = 77, 1000, 1032
+    key = GemmKey(m, n, k, True, torch.bfloat16, torch.bfloat16)
+    monkeypatch.delenv("GEMMTUNE_BLASLT_SEARCH", raising=False)
+    base = {s.kernel_name for s in lt.candidates(key, gpu)}
+    monkeypatch.setenv("GEMMTUNE_BLASLT_SEARCH", "wide")
+    wide = [s for s in lt.candidates(key, gpu) if s.kernel_name not in base]
+    assert len(wide) > len(base), (len(base), len(wide))
+    assert len({bl.AlgoSpec.parse(s.kernel_name).attrs[1] for s in wide}) > 3  # several tiles
+    g = torch.Generator(device=gpu).manual_seed(2)
+    x = torch.randn(m, k, device=gpu, generator=g).bfloat16()
+    w = (torch.randn(n, k, device=gpu, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, device=gpu, generator=g).bfloat16()
+    ref = x.float() @ w.float().t() + b.float()
+    torch_err = _rel_err(torch.nn.functional.linear(x, w, b), ref)
+    for sol in wide[:: max(1, len(wide) // 24)]:
+        run = lt.make_runner(sol, key, gpu)
+        torch.empty(m * n * 4, dtype=torch.uint8, device=gpu).fill_(255)
+        y = run(x, w, b)
+        assert not torch.isnan(y).any(), sol.kernel_name
+        assert _rel_err(y, ref) <= 2 * torch_err + 1e-3, sol.kernel_name
 
 
 @pytest.mark.gpu

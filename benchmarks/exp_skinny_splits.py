@@ -1,0 +1,173 @@
+"""Experiment: where do the 32-64 MB decode weights lose their last 5-15% of the read roof? (issue 3)
+
+For the decode cases below 85% of the roof, times against cuBLAS, in one run:
+- `own`: every candidate the skinny backend offers (tiles split to fill one wave);
+- `split`: each tensor-core tile at every split-K factor 1..8 (does the fix-up's tail cost more
+  than the idle SMs of an unsplit grid?), plain and PDL;
+- `gemv16`: the CUDA-core kernel let loose up to 16 rows (the backend stops it at 4);
+- `tg`: the triton backend's GEMM configs (TMA loads) at these M;
+- `stages`: tensor-core tiles with 1-2 stages (register loads, no cp.async ring).
+A screen over all of them, then the 6 fastest + cuBLAS re-timed on fresh inputs.
+
+    PYTHONPATH=src python benchmarks/exp_skinny_splits.py [--out DIR] [--families split,gemv16,tg,stages]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import time
+
+import torch
+import torch.nn.functional as F
+from bench_skinny import _variant_runner, check_inputs, check_runner, precompile
+
+from gemmtune.backends import skinny as bs
+from gemmtune.backends import triton_gemm as btg
+from gemmtune.kernels import skinny as ks
+from gemmtune.keys import GemmKey
+from gemmtune.tuner.timing import bench_gemm, measure_ceilings, roof_us
+
+ks.GEMV_MAX_ROWS = 16  # module-level, so the spawned precompile workers see it too
+
+CASES = [
+    (2, 4096, 4096),
+    (4, 4096, 4096),
+    (8, 4096, 4096),
+    (16, 4096, 4096),
+    (8, 6144, 4096),
+    (16, 6144, 4096),
+    (8, 5120, 6400),
+    (16, 5120, 6400),
+    (16, 8192, 3584),
+    (4, 1280, 8192),
+    (8, 8192, 1024),
+]
+SPLITS = (1, 2, 3, 4, 6, 8)
+GEMV_TILES = [(bn, bk, w) for bn in (4, 8, 16) for bk in (128, 256, 512) for w in (4, 8)]
+
+
+LOW_STAGE_TILES = [(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8) for s in (1, 2)]
+
+
+def skinny_variants(key: GemmKey, families) -> dict[str, ks.SkinnyConfig]:
+    out = {}
+    for bn, bk, w, s in bs._DOT_TILES if "split" in families else ():
+        for sk in SPLITS:
+            cfg = ks.SkinnyConfig("dot", bn, bk, sk, w, s, ks.REDUCE_FIXUP if sk > 1 else ks.REDUCE_NONE)
+            if cfg.effective_split(key.K)[0] != sk:
+                continue
+            for p in (0, 2):
+                c = dataclasses.replace(cfg, pdl=p)
+                out["split:" + c.name] = c
+    for bn, bk, w, s in LOW_STAGE_TILES if "stages" in families else ():
+        cfg = bs._config("dot", bn, bk, w, s, key, 132, 228 * 1024)
+        for p in (0, 2):
+            c = dataclasses.replace(cfg, pdl=p)
+            out["stages:" + c.name] = c
+    bm = ks.SkinnyConfig("gemv", 8, 16).block_m(key.M)
+    for bn, bk, w in GEMV_TILES if "gemv16" in families else ():
+        if bm * bn * bk > 128 * 32 * w:
+            continue
+        tiles = -(-key.N // bn)
+        for sk in (1, 2, 4):
+            if sk > 1 and tiles * sk > 132 * 3:
+                continue
+            cfg = ks.SkinnyConfig("gemv", bn, bk, sk, w, 1, ks.REDUCE_FIXUP if sk > 1 else ks.REDUCE_NONE)
+            if cfg.effective_split(key.K)[0] != sk:
+                continue
+            for p in (0, 2):
+                c = dataclasses.replace(cfg, pdl=p)
+                out["gemv16:" + c.name] = c
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--families", default="split,gemv16,tg,stages")
+    args = ap.parse_args()
+    families = set(args.families.split(","))
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    be, tg = bs.SkinnyBackend(), btg.TritonGemmBackend()
+    t0 = time.time()
+    work, tg_jobs = [], []
+    for m, n, k in CASES:
+        key = GemmKey(m, n, k)
+        names = [s.kernel_name for s in be.candidates(key, dev)] + [
+            c.name for c in skinny_variants(key, families).values()
+        ]
+        work.append((key, list(dict.fromkeys(names))))
+        tg_jobs += [(s, key) for s in tg.candidates(key, dev)] if "tg" in families else []
+    errs = precompile(work, 14) + (btg.precompile(tg_jobs, dev, 14) if tg_jobs else [])
+    print(f"precompile {time.time() - t0:.0f} s, {len(errs)} errors", flush=True)
+    for e in errs[:10]:
+        print("  ", e)
+    ceil = measure_ceilings(dev)
+    print("ceilings:", ceil.describe(), flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    results = []
+    for idx, (m, n, k) in enumerate(CASES):
+        key = GemmKey(m, n, k)
+        runners = {}
+        for s in be.candidates(key, dev):
+            runners["own:" + s.kernel_name] = be.make_runner(s, key, dev)
+        for label, cfg in skinny_variants(key, families).items():
+            runners[label] = _variant_runner(cfg, key)
+        for s in tg.candidates(key, dev) if "tg" in families else ():
+            try:
+                runners["tg:" + s.kernel_name] = tg.make_runner(s, key, dev)
+            except Exception as exc:  # noqa: BLE001 - a config that does not build is skipped
+                print("  skip", s.kernel_name, type(exc).__name__)
+        inputs = check_inputs(key, gen)
+        ok = {}
+        for nm, r in runners.items():
+            try:
+                if check_runner(r, key, inputs) < 1e-2:
+                    ok[nm] = r
+                else:
+                    print("  inaccurate", nm)
+            except Exception as exc:  # noqa: BLE001
+                print("  failed", nm, type(exc).__name__, str(exc)[:120])
+        del inputs
+        screen = bench_gemm(key, {"cublas": F.linear, **ok}, dev, reps=args.reps, seed=idx)
+        fin = [nm for nm in sorted(ok, key=lambda nm: screen.get(nm, math.inf)) if math.isfinite(screen[nm])]
+        groups = {}
+        for nm in fin:  # the best of each family, then the next fastest overall
+            groups.setdefault(nm.split(":")[0], nm)
+        pick = list(dict.fromkeys([*groups.values(), *fin[:6]]))
+        conf = bench_gemm(key, {"cublas": F.linear, **{nm: ok[nm] for nm in pick}}, dev, reps=20, seed=100 + idx)
+        roof = roof_us(key, ceil)
+        rank = sorted(pick, key=lambda nm: conf[nm])
+        print(
+            f"M={m} N={n} K={k} roof {roof:.2f} cublas {conf['cublas']:.2f} ({100 * roof / conf['cublas']:.1f}%)",
+            flush=True,
+        )
+        for nm in rank:
+            print(f"    {conf[nm]:7.2f} us {100 * roof / conf[nm]:5.1f}%  screen {screen[nm]:7.2f}  {nm}", flush=True)
+        results.append(
+            {
+                "M": m,
+                "N": n,
+                "K": k,
+                "roof_us": roof,
+                "cublas_us": conf["cublas"],
+                "confirm": {nm: conf[nm] for nm in rank},
+                "screen_top": {nm: screen[nm] for nm in fin[:25]},
+            }
+        )
+    (out_dir / "exp_skinny_splits.json").write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "ceilings": ceil.describe(), "cases": results}, indent=1)
+    )
+    print(f"done in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
