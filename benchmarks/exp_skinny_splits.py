@@ -6,10 +6,12 @@ For the decode cases below 85% of the roof, times against cuBLAS, in one run:
   than the idle SMs of an unsplit grid?), plain and PDL;
 - `gemv16`: the CUDA-core kernel let loose up to 16 rows (the backend stops it at 4);
 - `tg`: the triton backend's GEMM configs (TMA loads) at these M;
-- `stages`: tensor-core tiles with 1-2 stages (register loads, no cp.async ring).
+- `stages`: tensor-core tiles with 1-2 stages (register loads, no cp.async ring);
+- `gemvstages`: the CUDA-core kernel software-pipelined (2-4 stages) so its FMAs hide behind loads.
 A screen over all of them, then the 6 fastest + cuBLAS re-timed on fresh inputs.
 
-    PYTHONPATH=src python benchmarks/exp_skinny_splits.py [--out DIR] [--families split,gemv16,tg,stages]
+    PYTHONPATH=src python benchmarks/exp_skinny_splits.py [--out DIR] [--cases M:N:K,...]
+        [--families split,gemv16,tg,stages,gemvstages]
 """
 
 from __future__ import annotations
@@ -70,6 +72,14 @@ def skinny_variants(key: GemmKey, families) -> dict[str, ks.SkinnyConfig]:
             c = dataclasses.replace(cfg, pdl=p)
             out["stages:" + c.name] = c
     bm = ks.SkinnyConfig("gemv", 8, 16).block_m(key.M)
+    for bn, bk, w in GEMV_TILES if "gemvstages" in families else ():
+        if bm * bn * bk > 128 * 32 * w:
+            continue
+        for st in (2, 3, 4):
+            cfg = bs._config("gemv", bn, bk, w, st, key, 132, 228 * 1024)
+            for p in (0, 2):
+                c = dataclasses.replace(cfg, pdl=p)
+                out["gemvstages:" + c.name] = c
     for bn, bk, w in GEMV_TILES if "gemv16" in families else ():
         if bm * bn * bk > 128 * 32 * w:
             continue
@@ -91,15 +101,17 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--families", default="split,gemv16,tg,stages")
+    ap.add_argument("--cases", default="", help="M:N:K,... (default: the cases below 85%% of the roof)")
     args = ap.parse_args()
     families = set(args.families.split(","))
+    cases = [tuple(map(int, c.split(":"))) for c in args.cases.split(",") if c] or CASES
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     be, tg = bs.SkinnyBackend(), btg.TritonGemmBackend()
     t0 = time.time()
     work, tg_jobs = [], []
-    for m, n, k in CASES:
+    for m, n, k in cases:
         key = GemmKey(m, n, k)
         names = [s.kernel_name for s in be.candidates(key, dev)] + [
             c.name for c in skinny_variants(key, families).values()
@@ -114,7 +126,7 @@ def main():
     print("ceilings:", ceil.describe(), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(5)
     results = []
-    for idx, (m, n, k) in enumerate(CASES):
+    for idx, (m, n, k) in enumerate(cases):
         key = GemmKey(m, n, k)
         runners = {}
         for s in be.candidates(key, dev):
