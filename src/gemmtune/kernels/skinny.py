@@ -5,7 +5,7 @@ stream: split-K so that (N / BLOCK_N) * SPLIT_K programs fill every SM, full-wid
 K-contiguous weight loads with an evict-first hint (w is read once; x stays in cache), fp32
 accumulation, and bias + output cast fused into the epilogue.
 
-Two kernels compute the partial products:
+One kernel (`USE_DOT` picks the inner product; the rest is shared) computes the partial products:
 - `dot`: tensor cores with the operands swapped, acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile^T, so the
   weight tile is the MMA's large dimension and the few token rows its small one (BLOCK_M >= 16).
 - `gemv`: CUDA cores for M <= 4, an elementwise multiply into a [BLOCK_M, BLOCK_N, BLOCK_K] fp32
@@ -126,7 +126,7 @@ def _reduce_splits(
 
 
 @triton.jit(do_not_specialize=["M", "iters_per_split"])
-def _skinny_dot_kernel(
+def _skinny_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
@@ -148,6 +148,7 @@ def _skinny_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
@@ -161,76 +162,32 @@ def _skinny_dot_kernel(
     # The ragged last N tile re-reads valid rows instead of masking: loads stay unmasked and wide.
     rows = offs_n % N
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None] * stride_xk
-    m_ok = offs_m[None, :] < M
+    if USE_DOT:  # x tile [BLOCK_K, BLOCK_M]: the MMA's small operand
+        x_k = offs_k[:, None]
+        x_ok = offs_m[None, :] < M
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + x_k) * stride_xk
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:  # x tile [BLOCK_M, BLOCK_K]; sum over K only once, after the loop (no cross-thread work in it)
+        x_k = offs_k[None, :]
+        x_ok = offs_m[:, None] < M
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + x_k) * stride_xk
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     _overlap_prologue(w_ptr, rows, stride_wn, k0, K, BLOCK_K, PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=m_ok, other=0.0, eviction_policy="evict_last")
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0, eviction_policy="evict_last")
         else:
-            k_ok = (k + offs_k) < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=m_ok & k_ok[:, None], other=0.0, eviction_policy="evict_last")
-        acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+            w = tl.load(w_ptrs, mask=(k + offs_k)[None, :] < K, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=x_ok & ((k + x_k) < K), other=0.0, eviction_policy="evict_last")
+        if USE_DOT:
+            acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+        else:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
-    _reduce_splits(acc, b_ptr, y_ptr, p_ptr, c_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, REDUCE)
-
-
-@triton.jit(do_not_specialize=["M", "iters_per_split"])
-def _skinny_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    p_ptr,
-    c_ptr,
-    M,
-    N,
-    K,
-    iters_per_split,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_ym,
-    HAS_BIAS: tl.constexpr,
-    REDUCE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = 0,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    k0 = pid_k * iters_per_split * BLOCK_K
-    k_end = tl.minimum(k0 + iters_per_split * BLOCK_K, K)
-    rows = offs_n % N
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk
-    m_ok = offs_m[:, None] < M
-    _overlap_prologue(w_ptr, rows, stride_wn, k0, K, BLOCK_K, PDL)
-    # Sum over K only once, after the loop: the loop body is loads and FMAs, no cross-thread work.
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(k0, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=m_ok, other=0.0, eviction_policy="evict_last")
-        else:
-            k_ok = (k + offs_k) < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0, eviction_policy="evict_last")
-        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K * stride_xk
-    acc = tl.trans(tl.sum(acc3, axis=2))  # [BLOCK_N, BLOCK_M], the layout the epilogue takes
+    if not USE_DOT:
+        acc = tl.trans(tl.sum(acc, axis=2))  # [BLOCK_N, BLOCK_M], the layout the epilogue takes
     _reduce_splits(acc, b_ptr, y_ptr, p_ptr, c_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, REDUCE)
 
 
@@ -250,7 +207,6 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, split_k, stride_ym, HAS_BIA
     tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-_KERNELS = {"dot": _skinny_dot_kernel, "gemv": _skinny_gemv_kernel}
 _REDUCE_BLOCK = 1024
 
 _NAME_RE = re.compile(r"^skinny_(dot|gemv)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)(?:_(fx|rk|at))?(?:_pdl(\d))?$")
@@ -368,6 +324,7 @@ def make_plan(cfg: SkinnyConfig, m: int, n: int, k: int, dtype: torch.dtype) -> 
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.uses_dot,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -407,7 +364,7 @@ def launch(
     p = torch.empty((plan.split, m, n), dtype=torch.float32, device=y.device) if reduce in (1, 2) else out
     if reduce == REDUCE_FIXUP and (counters is None or counters.numel() < plan.grid[0] * plan.grid[2]):
         raise ValueError(f"skinny gemm {cfg.name}: counters for M={m} N={n} missing or too small")
-    _KERNELS[cfg.kind][plan.grid](
+    _skinny_kernel[plan.grid](
         x2,
         w,
         bias if has_bias else out,
