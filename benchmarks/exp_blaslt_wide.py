@@ -67,7 +67,7 @@ def main():
         key = GemmKey(m, n, k)
         own = {spec.name: spec for spec, _ in bl.enumerate_algos(key, 0)}
         te = time.time()
-        wide = {spec.name: (spec, algo) for spec, algo in bl.wide_algos(key, 0) if spec.name not in own}
+        wide = {spec.name: (spec, algo) for spec, algo in bl.enumerate_algos(key, 0, wide=True) if spec.name not in own}
         te = time.time() - te
         own_r = runners_for(be, own.values(), key, dev)
         wide_r = runners_for(be, [s for s, _ in wide.values()], key, dev)

@@ -268,11 +268,17 @@ def algo_attrs(algo_bytes: bytes) -> tuple[int, ...]:
     return tuple(_config_get(algo, attr) for attr, _ in _ATTRS)
 
 
-def algo_from_spec(spec: AlgoSpec, prob: _Problem) -> bytes:
-    """Re-create an algorithm struct from its attributes (cublasLtMatmulAlgoInit + config setters)."""
+def _algo_init(prob: _Problem, algo_id: int):
+    """cublasLtMatmulAlgoInit for the problem's types: the algorithm with default config attributes."""
     lt = prob.lt
     algo = _np().zeros(1, dtype=lt.matmul_algo_dtype)
-    lt.matmul_algo_init(prob.handle, prob.compute, _CUDA_R_32F, *prob.types, spec.attrs[0], algo.ctypes.data)
+    lt.matmul_algo_init(prob.handle, prob.compute, _CUDA_R_32F, *prob.types, int(algo_id), algo.ctypes.data)
+    return algo
+
+
+def algo_from_spec(spec: AlgoSpec, prob: _Problem) -> bytes:
+    """Re-create an algorithm struct from its attributes (cublasLtMatmulAlgoInit + config setters)."""
+    algo = _algo_init(prob, spec.attrs[0])
     for (attr, _), value in zip(_ATTRS[1:], spec.attrs[1:], strict=True):
         _config_set(algo, attr, value)
     return bytes(algo.tobytes())
@@ -325,8 +331,9 @@ def _variants(algo: bytes, key: GemmKey) -> list[bytes]:
     return out
 
 
-def enumerate_algos(key: GemmKey, device_index: int) -> list[tuple[AlgoSpec, bytes]]:
-    """The heuristic's ranked list for `key`, then neighbours of its best entries; all checked."""
+def enumerate_algos(key: GemmKey, device_index: int, wide: bool = False) -> list[tuple[AlgoSpec, bytes]]:
+    """The heuristic's ranked list for `key`, then neighbours of its best entries, and with `wide` the
+    whole space (wide_algos); all checked."""
     prob = _Problem(key, key.M, key.K, key.bias, device_index)
     ver = lt_version()
     out: dict[str, tuple[AlgoSpec, bytes]] = {}
@@ -341,6 +348,8 @@ def enumerate_algos(key: GemmKey, device_index: int) -> list[tuple[AlgoSpec, byt
             spec = AlgoSpec(ver, algo_attrs(cand))
             if spec.name not in out and prob.check(cand) is not None:
                 out[spec.name] = (spec, cand)
+    for spec, cand in wide_algos(prob) if wide else ():
+        out.setdefault(spec.name, (spec, cand))
     return list(out.values())
 
 
@@ -367,38 +376,29 @@ def search_mode() -> str:
     return mode
 
 
-def wide_algos(
-    key: GemmKey, device_index: int, clusters=(0, 2, 3, 5), limit: int = WIDE_LIMIT
-) -> list[tuple[AlgoSpec, bytes]]:
-    """Every (algorithm id, tile, stages, cluster shape) the library lists for the key's types that
-    cublasLtMatmulAlgoCheck accepts for the key, split-K 1, custom option 0: the space the heuristic
-    picks from, not only its picks."""
-    prob = _Problem(key, key.M, key.K, key.bias, device_index)
+def wide_algos(prob: _Problem, clusters=(0, 2, 3, 5), limit: int = WIDE_LIMIT) -> list[tuple[AlgoSpec, bytes]]:
+    """Every (algorithm id, tile, stages, cluster shape) the library lists for the problem's types that
+    cublasLtMatmulAlgoCheck accepts for it, split-K 1, custom option 0: the space the heuristic picks
+    from, not only its picks."""
     lt, ver = prob.lt, lt_version()
-    ids = lt.matmul_algo_get_ids(prob.handle, prob.compute, _CUDA_R_32F, *prob.types, 128)
     out: dict[str, tuple[AlgoSpec, bytes]] = {}
-    for algo_id in ids:
-        base = _np().zeros(1, dtype=lt.matmul_algo_dtype)
+    for algo_id in lt.matmul_algo_get_ids(prob.handle, prob.compute, _CUDA_R_32F, *prob.types, 128):
         try:
-            lt.matmul_algo_init(prob.handle, prob.compute, _CUDA_R_32F, *prob.types, int(algo_id), base.ctypes.data)
+            base = bytes(_algo_init(prob, algo_id).tobytes())
         except Exception:  # noqa: BLE001 - an id this problem's types cannot init
             continue
-        base_b = bytes(base.tobytes())
-        tiles = _cap_list(base_b, "TILE_IDS") or [0]
-        stages = _cap_list(base_b, "STAGES_IDS") or [0]
-        for tile in tiles:
-            for stage in stages:
+        for tile in _cap_list(base, "TILE_IDS") or [0]:
+            for stage in _cap_list(base, "STAGES_IDS") or [0]:
                 for cl in clusters:
                     try:
-                        cand = _with_attrs(base_b, TILE_ID=tile, STAGES_ID=stage, CLUSTER_SHAPE_ID=cl)
+                        cand = _with_attrs(base, TILE_ID=tile, STAGES_ID=stage, CLUSTER_SHAPE_ID=cl)
                     except Exception:  # noqa: BLE001 - attribute not settable for this id
                         continue
-                    if prob.check(cand) is None:
-                        continue
-                    spec = AlgoSpec(ver, algo_attrs(cand))
-                    out.setdefault(spec.name, (spec, cand))
-                    if len(out) >= limit:
-                        return list(out.values())
+                    if prob.check(cand) is not None:
+                        spec = AlgoSpec(ver, algo_attrs(cand))
+                        out.setdefault(spec.name, (spec, cand))
+                        if len(out) >= limit:
+                            return list(out.values())
     return list(out.values())
 
 
@@ -423,10 +423,7 @@ class BlasLtBackend(Backend):
     def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
         if not self.is_available(device) or not self._key_ok(key) or key.M < 1:
             return []
-        algos = enumerate_algos(key, _index(device))
-        if search_mode() == "wide":
-            seen = {spec.name for spec, _ in algos}
-            algos += [(spec, a) for spec, a in wide_algos(key, _index(device)) if spec.name not in seen]
+        algos = enumerate_algos(key, _index(device), wide=search_mode() == "wide")
         return [Solution(self.name, spec.name, stable_solidx(spec.name), spec.split_k) for spec, _ in algos]
 
     def default_solution(self, key: GemmKey, device: torch.device) -> Solution | None:
