@@ -26,6 +26,16 @@ def kernel_results(test_file: str, run_cases, cases, gpu_cases):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def compare(y, y_ref, y32, shape, dtype, scale: float) -> dict:
+    """A kernel output against its same-dtype reference and an fp32 one, errors relative to `scale`."""
+    return {
+        "shape_ok": tuple(y.shape) == tuple(shape) and y.dtype == dtype,
+        "nan": bool(torch.isnan(y).any().item()),
+        "vs_ref": (y.float() - y_ref.float()).abs().max().item() / scale,
+        "vs_fp32": (y.float() - y32).abs().max().item() / scale,
+    }
+
+
 @contextlib.contextmanager
 def nan_outputs(module):
     """Make `module._empty` hand out NaN-filled outputs, so an element a kernel skips fails the check."""

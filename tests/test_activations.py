@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results, nan_outputs
+from kernel_cases import compare, kernel_results, nan_outputs
 
 from gemmtune.kernels import activations as A
 
@@ -54,13 +54,8 @@ def _run_cases(cases, device: str) -> dict:
         y = A.act_mul(gu, act, impl="triton")
         y_ref = refs[act](gu)
         y32 = refs[act](gu.float())
-        scale = y32.abs().max().item() or 1.0
-        out[name] = {
-            "shape_ok": tuple(y.shape) == (*gu.shape[:-1], gu.shape[-1] // 2) and y.dtype == gu.dtype,
-            "nan": bool(torch.isnan(y).any().item()),
-            "vs_ref": (y.float() - y_ref.float()).abs().max().item() / scale,
-            "vs_fp32": (y.float() - y32).abs().max().item() / scale,
-        }
+        out_shape = (*gu.shape[:-1], gu.shape[-1] // 2)
+        out[name] = compare(y, y_ref, y32, out_shape, gu.dtype, y32.abs().max().item() or 1.0)
     return out
 
 

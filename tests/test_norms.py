@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results, nan_outputs
+from kernel_cases import compare, kernel_results, nan_outputs
 
 from gemmtune.kernels import norms
 
@@ -70,13 +70,7 @@ def _run_cases(cases, device: str) -> dict:
             y32 = norms.rmsnorm_ref(x.float(), w.float(), 1e-6, **kw)
             sum_err = 0.0
         scale = y_ref.float().abs().max().item() or 1.0
-        out[name] = {
-            "shape_ok": tuple(y.shape) == tuple(x.shape) and y.dtype == x.dtype,
-            "nan": bool(torch.isnan(y).any().item()),
-            "vs_ref": (y.float() - y_ref.float()).abs().max().item() / scale,
-            "vs_fp32": (y.float() - y32).abs().max().item() / scale,
-            "sum": sum_err,
-        }
+        out[name] = {**compare(y, y_ref, y32, x.shape, x.dtype, scale), "sum": sum_err}
     return out
 
 
