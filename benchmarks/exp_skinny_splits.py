@@ -6,12 +6,13 @@ For the decode cases below 85% of the roof, times against cuBLAS, in one run:
   than the idle SMs of an unsplit grid?), plain and PDL;
 - `gemv16`: the CUDA-core kernel let loose up to 16 rows (the backend stops it at 4);
 - `tg`: the triton backend's GEMM configs (TMA loads) at these M;
+- `tiles`: 12 more tensor-core tiles (block sizes, warps, stages), each split to fill one wave;
 - `stages`: tensor-core tiles with 1-2 stages (register loads, no cp.async ring);
 - `gemvstages`: the CUDA-core kernel software-pipelined (2-4 stages) so its FMAs hide behind loads.
 A screen over all of them, then the 6 fastest + cuBLAS re-timed on fresh inputs.
 
     PYTHONPATH=src python benchmarks/exp_skinny_splits.py [--out DIR] [--cases M:N:K,...]
-        [--families split,gemv16,tg,stages,gemvstages]
+        [--families split,gemv16,tg,tiles,stages,gemvstages]
 """
 
 from __future__ import annotations
@@ -51,49 +52,58 @@ CASES = [
 ]
 SPLITS = (1, 2, 3, 4, 6, 8)
 GEMV_TILES = [(bn, bk, w) for bn in (4, 8, 16) for bk in (128, 256, 512) for w in (4, 8)]
-
-
 LOW_STAGE_TILES = [(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8) for s in (1, 2)]
+# Session 2's extra tensor-core tiles (block_n, block_k, warps, stages); 32x256/3 won and joined the backend.
+EXTRA_TILES = [
+    (32, 512, 4, 2),
+    (32, 512, 4, 3),
+    (64, 512, 4, 2),
+    (64, 256, 8, 2),
+    (16, 1024, 4, 2),
+    (16, 512, 4, 2),
+    (32, 256, 4, 3),
+    (32, 256, 8, 4),
+    (64, 128, 4, 6),
+    (64, 256, 4, 2),
+    (128, 256, 8, 3),
+    (32, 128, 4, 6),
+]
+
+
+def _split_cfg(kind, bn, bk, sk, w, s, key):
+    """The config with split-K `sk`, or None when K gives that split no work."""
+    cfg = ks.SkinnyConfig(kind, bn, bk, sk, w, s, ks.REDUCE_FIXUP if sk > 1 else ks.REDUCE_NONE)
+    return cfg if cfg.effective_split(key.K)[0] == sk else None
 
 
 def skinny_variants(key: GemmKey, families) -> dict[str, ks.SkinnyConfig]:
-    out = {}
-    for bn, bk, w, s in bs._DOT_TILES if "split" in families else ():
-        for sk in SPLITS:
-            cfg = ks.SkinnyConfig("dot", bn, bk, sk, w, s, ks.REDUCE_FIXUP if sk > 1 else ks.REDUCE_NONE)
-            if cfg.effective_split(key.K)[0] != sk:
-                continue
-            for p in (0, 2):
-                c = dataclasses.replace(cfg, pdl=p)
-                out["split:" + c.name] = c
-    for bn, bk, w, s in LOW_STAGE_TILES if "stages" in families else ():
-        cfg = bs._config("dot", bn, bk, w, s, key, 132, 228 * 1024)
-        for p in (0, 2):
-            c = dataclasses.replace(cfg, pdl=p)
-            out["stages:" + c.name] = c
+    """{family:name: config} of the studied families, each config plain and with PDL (pdl2)."""
+    sms, _, smem_sm = bs._device_limits("cuda", 0)
     bm = ks.SkinnyConfig("gemv", 8, 16).block_m(key.M)
-    for bn, bk, w in GEMV_TILES if "gemvstages" in families else ():
-        if bm * bn * bk > 128 * 32 * w:
-            continue
-        for st in (2, 3, 4):
-            cfg = bs._config("gemv", bn, bk, w, st, key, 132, 228 * 1024)
-            for p in (0, 2):
-                c = dataclasses.replace(cfg, pdl=p)
-                out["gemvstages:" + c.name] = c
-    for bn, bk, w in GEMV_TILES if "gemv16" in families else ():
-        if bm * bn * bk > 128 * 32 * w:
-            continue
-        tiles = -(-key.N // bn)
-        for sk in (1, 2, 4):
-            if sk > 1 and tiles * sk > 132 * 3:
-                continue
-            cfg = ks.SkinnyConfig("gemv", bn, bk, sk, w, 1, ks.REDUCE_FIXUP if sk > 1 else ks.REDUCE_NONE)
-            if cfg.effective_split(key.K)[0] != sk:
-                continue
-            for p in (0, 2):
-                c = dataclasses.replace(cfg, pdl=p)
-                out["gemv16:" + c.name] = c
-    return out
+    fits = lambda bn, bk, w: bm * bn * bk <= 128 * 32 * w  # noqa: E731 - the gemv register bound
+    cfgs = []  # (family, config)
+    if "split" in families:
+        cfgs += [("split", _split_cfg("dot", *t[:2], sk, *t[2:], key)) for t in bs._DOT_TILES for sk in SPLITS]
+    if "tiles" in families:
+        cfgs += [("tiles", bs._config("dot", *t, key, sms, smem_sm)) for t in EXTRA_TILES]
+    if "stages" in families:
+        cfgs += [("stages", bs._config("dot", *t, key, sms, smem_sm)) for t in LOW_STAGE_TILES]
+    if "gemvstages" in families:
+        cfgs += [
+            ("gemvstages", bs._config("gemv", bn, bk, w, st, key, sms, smem_sm))
+            for bn, bk, w in GEMV_TILES
+            if fits(bn, bk, w)
+            for st in (2, 3, 4)
+        ]
+    if "gemv16" in families:
+        cfgs += [
+            ("gemv16", _split_cfg("gemv", bn, bk, sk, w, 1, key))
+            for bn, bk, w in GEMV_TILES
+            if fits(bn, bk, w)
+            for sk in (1, 2, 4)
+            if sk == 1 or -(-key.N // bn) * sk <= 3 * sms
+        ]
+    return {f"{fam}:{c.name}": c for fam, cfg in cfgs if cfg for c in (cfg, dataclasses.replace(cfg, pdl=2))}
 
 
 def main():

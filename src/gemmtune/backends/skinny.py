@@ -42,7 +42,7 @@ _SPLITS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 _DOT_TILES = (
     (16, 256, 4, 4),
     (16, 512, 4, 3),
-    (32, 256, 4, 3),  # +2% over the rest on 4096x4096 at M 4-16 (benchmarks/exp_skinny_tiles.py)
+    (32, 256, 4, 3),  # +2% over the rest on 4096x4096 at M 4-16 (exp_skinny_splits.py --families tiles)
     (32, 256, 4, 4),
     (64, 128, 4, 4),
     (64, 256, 4, 3),
