@@ -155,7 +155,7 @@ def test_dispatch_uses_table_row_and_caches(clean_dispatch):
     assert res.row is not None and res.solution.libtype == "torch" and not res.note
     calls = []
     orig = clean_dispatch.resolve
-    clean_dispatch.resolve = lambda k, d: calls.append(k) or orig(k, d)
+    clean_dispatch.resolve = lambda k, d, *fam: calls.append(k) or orig(k, d, *fam)
     try:
         for _ in range(3):
             gemmtune.gemm(torch.randn(4, 16), torch.randn(8, 16))

@@ -6,7 +6,7 @@ from . import tuned_gemm
 from .configs import ConfigTable
 from .dispatch import get_dispatcher, resolve, set_capture, set_config
 from .keys import GemmKey
-from .ops import gemm
+from .ops import batched_gemm, gemm
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ def __getattr__(name):
 __all__ = [
     "ConfigTable",
     "GemmKey",
+    "batched_gemm",
     "gemm",
     "get_dispatcher",
     "load_config",

@@ -1,8 +1,12 @@
-"""Shape capture: record every distinct GEMM a run dispatches, with call counts, in aiter's untuned CSV.
+"""Shape capture: record every distinct key a run dispatches, with call counts, in aiter's untuned CSV
+of the key's family.
 
-A shape is written the first time it is seen (so a crash loses no shape) and counts are flushed at
-exit. Every write is a locked read-merge-write of the whole file, renamed into place, so several
-processes capturing into one file lose nothing and the file is always valid.
+`GEMMTUNE_CAPTURE=shapes.csv` records a16w16 GEMMs into shapes.csv and every other family into a file
+beside it named for the family (`shapes.batched.csv`, `shapes.a8w8.csv` ...), each in that family's
+untuned columns plus `count`. A shape is written the first time it is seen (so a crash loses no shape)
+and counts are flushed at exit. Every write is a locked read-merge-write of the whole file, renamed
+into place, so several processes capturing into one file lose nothing and the file is always valid.
+A tuned table is never a capture target: capture refuses a file that has tuned-table columns.
 """
 
 from __future__ import annotations
@@ -11,78 +15,105 @@ import atexit
 import os
 import threading
 
-import torch
-
-from .configs.io import locked, read_records, write_atomic
-from .configs.schema import UNTUNED_COLUMNS, parse_column, positive_int
+from . import families
+from .configs.io import locked, read_csv, write_atomic
+from .configs.schema import UNTUNED_COLUMNS, parse_key
 from .errors import ShapesFileError
-from .keys import GemmKey, dtype_name, parse_bool, parse_dtype
+from .families import Family
+from .keys import GemmKey
 
 CAPTURE_COLUMNS = [*UNTUNED_COLUMNS, "count"]
+# Columns only a tuned table has: a file with any of them is a table, never a shape list.
+TUNED_ONLY = frozenset({"us", "libtype", "kernelName", "solidx", "kernelId", "us1", "kernelName1"})
 
 
-def key_to_record(key: GemmKey) -> list[str]:
-    return [
-        str(key.M), str(key.N), str(key.K), str(key.bias), dtype_name(key.dtype),
-        dtype_name(key.outdtype), str(key.scaleAB), str(key.bpreshuffle),
-    ]  # fmt: skip
+def key_to_record(key, family: Family | None = None) -> list[str]:
+    fam = family or families.get("a16w16")
+    rec = fam.key_record(key)
+    return [rec[c] for c in fam.untuned_columns]
 
 
-def parse_shape_record(rec: dict[str, str], path: str, line: int) -> GemmKey:
-    """One untuned-CSV record -> GemmKey (only M, N, K are required); errors name file:line."""
-
-    def get(col, conv, default=None):
-        return parse_column(rec, col, conv, default, path, line, error=ShapesFileError)
-
-    dtype = get("dtype", parse_dtype, torch.bfloat16)
-    outdtype = get("outdtype", parse_dtype, dtype)
-    return GemmKey(
-        get("M", positive_int), get("N", positive_int), get("K", positive_int), get("bias", parse_bool, False),
-        dtype, outdtype, get("scaleAB", parse_bool, False), get("bpreshuffle", parse_bool, False),
-    )  # fmt: skip
+def capture_path(path: str, family: Family) -> str:
+    """Where `family`'s shapes go when capture is pointed at `path` (a16w16: path itself)."""
+    if family.name == "a16w16":
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.{family.name}{ext or '.csv'}"
 
 
-def read_shapes(path: str) -> list[tuple[GemmKey, int]]:
-    """(key, count) for each record of an untuned/capture CSV; duplicate keys are summed, order kept."""
-    header, records = read_records(path)
-    missing = [c for c in ("M", "N", "K") if c not in header]
-    if missing:
-        raise ShapesFileError(f"{path}:1: missing column(s) {', '.join(missing)} (need at least M,N,K)")
-    out: dict[GemmKey, int] = {}
-    for line, rec in records:
-        key = parse_shape_record(rec, path, line)
+def read_shape_list(path: str, family: Family | str | None = None) -> tuple[Family, list[tuple[tuple, int]]]:
+    """(family, [(key, count)]) of an untuned/capture CSV; duplicate keys are summed, order kept. The
+    family is the one named, else the header's (and the file name's, where headers are alike)."""
+    text = read_csv(path, ShapesFileError)
+    header = text.header
+    if family is None:
+        try:
+            fam = families.detect(header, path)
+        except Exception as exc:  # noqa: BLE001 - reworded as a shape-list error
+            raise ShapesFileError(str(exc).replace("fit no GEMM family", "fit no GEMM family's shape list")) from None
+    else:
+        fam = families.get(family) if isinstance(family, str) else family
+        if not families.fits(fam, header):
+            missing = sorted(fam.signature - set(header))
+            what = f"missing column(s) {', '.join(missing)}" if missing else f"columns {','.join(header)}"
+            raise ShapesFileError(f"{path}:1: not a {fam.name} shape list: {what} "
+                                  f"(expected {','.join(fam.untuned_columns)})")  # fmt: skip
+    out: dict[tuple, int] = {}
+    for line, rec in text.records:
+        key = parse_key(fam, rec, path, line, ShapesFileError)
         count = rec.get("count", "").strip()
         try:
             n = int(count) if count else 0
         except ValueError:
             raise ShapesFileError(f"{path}:{line}: column 'count': bad value {count!r}") from None
         out[key] = out.get(key, 0) + n
-    return list(out.items())
+    return fam, list(out.items())
+
+
+def read_shapes(path: str, family: Family | str | None = "a16w16") -> list[tuple[GemmKey, int]]:
+    """(key, count) for each record of an untuned/capture CSV of `family` (a16w16 by default)."""
+    return read_shape_list(path, family)[1]
+
+
+def refuse_tuned_table(path: str) -> None:
+    """ShapesFileError if `path` exists and is a tuned table (capture would destroy its results)."""
+    if not os.path.exists(path):
+        return
+    header = read_csv(path, ShapesFileError).header
+    tuned = sorted(TUNED_ONLY & set(header))
+    if tuned:
+        raise ShapesFileError(
+            f"{path} is a tuned table (it has {', '.join(tuned)} columns), not a shape list: capture would "
+            "overwrite it; capture into another file"
+        )
 
 
 class ShapeCapture:
-    """Collects (key -> calls) for one process and merges it into `path` under a file lock."""
+    """Collects (key -> calls) of one family for one process and merges it into `path` under a lock."""
 
-    def __init__(self, path: str):
-        self.path = os.path.abspath(path)
-        self.counts: dict[GemmKey, int] = {}
-        self._flushed: dict[GemmKey, int] = {}
+    def __init__(self, path: str, family: Family | str = "a16w16"):
+        self.family = families.get(family) if isinstance(family, str) else family
+        self.path = os.path.abspath(capture_path(path, self.family))
+        refuse_tuned_table(self.path)
+        self.columns = [*self.family.untuned_columns, "count"]
+        self.counts: dict[tuple, int] = {}
+        self._flushed: dict[tuple, int] = {}
         self._lock = threading.Lock()
         atexit.register(self.flush)
 
-    def add_key(self, key: GemmKey) -> None:
+    def add_key(self, key) -> None:
         """A key seen for the first time in this process: count it and write it out now."""
         with self._lock:
             self.counts.setdefault(key, 0)
         self.flush()
 
-    def counting(self, key: GemmKey, runner):
+    def counting(self, key, runner):
         """Wrap `runner` so each call is counted (only installed while capture is on)."""
         counts = self.counts
 
-        def run(x, w, bias):
+        def run(*args):
             counts[key] += 1
-            return runner(x, w, bias)
+            return runner(*args)
 
         return run
 
@@ -95,8 +126,32 @@ class ShapeCapture:
         if not pending:
             return
         with locked(self.path):
-            merged: dict[GemmKey, int] = dict(read_shapes(self.path)) if os.path.exists(self.path) else {}
+            refuse_tuned_table(self.path)  # another process may have put a table there meanwhile
+            merged: dict = dict(read_shapes(self.path, self.family)) if os.path.exists(self.path) else {}
             for key, delta in pending.items():
                 merged[key] = merged.get(key, 0) + delta
-            write_atomic(self.path, CAPTURE_COLUMNS, ([*key_to_record(k), str(c)] for k, c in merged.items()))
+            rows = ([*key_to_record(k, self.family), str(c)] for k, c in merged.items())
+            write_atomic(self.path, self.columns, rows)
         self._flushed.update(snapshot)
+
+
+class CaptureSet:
+    """The ShapeCaptures of every family for one capture path, made on first use."""
+
+    def __init__(self, path: str):
+        self.path = path
+        refuse_tuned_table(os.path.abspath(path))
+        self._by_family: dict[str, ShapeCapture] = {}
+
+    def for_family(self, family: Family) -> ShapeCapture:
+        cap = self._by_family.get(family.name)
+        if cap is None:
+            cap = self._by_family[family.name] = ShapeCapture(self.path, family)
+        return cap
+
+    def flush(self) -> None:
+        for cap in self._by_family.values():
+            cap.flush()
+
+    def files(self) -> list[str]:
+        return [c.path for c in self._by_family.values()]

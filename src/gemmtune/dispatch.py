@@ -1,10 +1,10 @@
-"""Key -> runner resolution, cached. The hot path (ops/gemm.py) does one dict lookup and one call;
-everything here runs once per new call signature.
+"""Key -> runner resolution for every GEMM family, cached. Each op's hot path does one dict lookup and
+one call; everything here runs once per new call signature.
 
-Resolution of a GemmKey on a device:
-1. the tuned row from the table in effect (untuned-M rule in configs/table.py), if its backend is
-   available here, knows the row's solution and supports the key;
-2. otherwise the default backend (vendor BLAS through torch). A row that cannot run here is logged
+Resolution of a key of family F on a device:
+1. the tuned row from F's table in effect (untuned-M rule in configs/table.py), if its backend (F's
+   backend of the row's libtype) is available here, knows the row's solution and supports the key;
+2. otherwise F's default backend (vendor BLAS through torch). A row that cannot run here is logged
    once per key with the reason.
 """
 
@@ -16,16 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import backends
+from . import backends, families
 from .backends.base import Runner, Solution
-from .capture import ShapeCapture
+from .capture import CaptureSet, ShapeCapture
 from .configs.schema import TunedRow
-from .configs.table import ConfigTable, load_paths_env
+from .configs.table import ConfigStore, ConfigTable
 from .device import identity
-from .keys import GemmKey
+from .families import Family
 
 log = logging.getLogger("gemmtune")
 DEFAULT_BACKEND = "torch"
+A16W16 = "a16w16"
 
 
 def _log_enabled() -> bool:
@@ -42,83 +43,103 @@ def _setup_logging() -> None:
 
 @dataclass
 class Resolution:
-    key: GemmKey
+    key: tuple
     solution: Solution
     row: TunedRow | None
     runner: Runner
     note: str = ""
+    family: Family | None = None
 
     def describe(self) -> str:
-        where = f"row {self.row.where} (M={self.row.key.M})" if self.row else "no tuned row"
+        fam = self.family or families.get(A16W16)
+        where = f"row {self.row.where} ({fam.m_field}={self.row.m})" if self.row else "no tuned row"
         note = f"; {self.note}" if self.note else ""
-        return f"{self.key.describe()} -> {self.solution.describe()} [{where}{note}]"
+        return f"{fam.describe(self.key)} -> {self.solution.describe()} [{where}{note}]"
 
 
 class Dispatcher:
-    """Holds the table in effect, the capture sink and the runner cache the hot path reads."""
+    """Holds the tables in effect, the capture sinks and the runner caches the ops' hot paths read."""
 
     def __init__(self) -> None:
-        # The hot path keeps a reference to this dict: it is cleared in place, never rebound.
-        self.runners: dict[tuple, Runner] = {}
-        self._table: ConfigTable | None = None
-        self._table_from_env = True
-        self._capture: ShapeCapture | None = None
+        # The hot paths keep references to these dicts: they are cleared in place, never rebound.
+        self.runners: dict[tuple, Runner] = {}  # a16w16's (gemmtune.gemm)
+        self._caches: dict[str, dict[tuple, Runner]] = {A16W16: self.runners}
+        self._store: ConfigStore | None = None
+        self._store_from_env = True
+        self._capture: CaptureSet | None = None
         self._capture_from_env = True
         self._warned: set[tuple] = set()
         _setup_logging()
 
+    def cache(self, family: str) -> dict[tuple, Runner]:
+        """The runner cache of `family`'s op (one dict per family, kept for the process)."""
+        c = self._caches.get(family)
+        if c is None:
+            c = self._caches[family] = {}
+        return c
+
     # ---- configuration ---------------------------------------------------------------------
-    def table(self) -> ConfigTable:
-        """The table in effect: set by set_config(), else GEMMTUNE_CONFIG, else empty."""
-        if self._table is None:
-            env = os.environ.get("GEMMTUNE_CONFIG")
-            self._table = load_paths_env(env) if env is not None and self._table_from_env else ConfigTable()
-        return self._table
+    def store(self) -> ConfigStore:
+        """The tables in effect: set by set_config(), else the GEMMTUNE_CONFIG* variables, else none."""
+        if self._store is None:
+            self._store = ConfigStore.from_env(os.environ) if self._store_from_env else ConfigStore()
+        return self._store
 
-    def set_config(self, config: ConfigTable | str | list[str] | None) -> ConfigTable:
-        """Use `config` (a table, paths, or None for no table) from now on; clears the cache."""
+    def table(self, family: str = A16W16) -> ConfigTable:
+        return self.store().table(family)
+
+    def set_config(self, config: ConfigStore | ConfigTable | str | list[str] | None) -> ConfigStore:
+        """Use `config` from now on: a store, one family's table, paths (each file to its family), or
+        None for no tables; clears the runner caches."""
         if isinstance(config, (str, list)):
-            config = ConfigTable.load(config)
-        self._table = config if config is not None else ConfigTable()
-        self._table_from_env = False
-        self.runners.clear()
-        return self._table
+            config = ConfigStore.load(config)
+        elif isinstance(config, ConfigTable):
+            table, config = config, ConfigStore()
+            config.tables[table.family.name] = table
+        self._store = config if config is not None else ConfigStore()
+        self._store_from_env = False
+        self.clear_cache()
+        return self._store
 
-    def capture(self) -> ShapeCapture | None:
+    def capture(self, family: Family | None = None) -> ShapeCapture | None:
         if self._capture is None and self._capture_from_env:
             path = os.environ.get("GEMMTUNE_CAPTURE", "").strip()
             self._capture_from_env = False
             if path:
-                self._capture = ShapeCapture(path)
-        return self._capture
+                self._capture = CaptureSet(path)
+        if self._capture is None:
+            return None
+        return self._capture.for_family(family or families.get(A16W16))
 
-    def set_capture(self, path: str | None) -> ShapeCapture | None:
-        """Record shapes into `path` (None stops); clears the cache so counting wrappers apply."""
+    def set_capture(self, path: str | None) -> CaptureSet | None:
+        """Record shapes into `path` (None stops); clears the caches so counting wrappers apply."""
         if self._capture is not None:
             self._capture.flush()
-        self._capture = ShapeCapture(path) if path else None
+        self._capture = CaptureSet(path) if path else None
         self._capture_from_env = False
-        self.runners.clear()
+        self.clear_cache()
         return self._capture
 
     def clear_cache(self) -> None:
-        self.runners.clear()
+        for c in self._caches.values():
+            c.clear()
 
     # ---- resolution ------------------------------------------------------------------------
-    def _warn_once(self, key: GemmKey, msg: str) -> None:
+    def _warn_once(self, key, msg: str) -> None:
         tag = (key, msg)
         if tag not in self._warned:
             self._warned.add(tag)
             log.warning("gemmtune: %s", msg)
 
-    def resolve(self, key: GemmKey, device: torch.device) -> Resolution:
-        """Which solution runs `key` on `device`, and its runner."""
-        row = self.table().lookup(key, identity(device)) if key.M > 0 and key.K > 0 else None
+    def resolve(self, key, device: torch.device, family: str = A16W16) -> Resolution:
+        """Which solution runs `key` of `family` on `device`, and its runner."""
+        fam = families.get(family)
+        row = self.table(family).lookup(key, identity(device)) if _nonempty(key) else None
         if row is not None:
-            backend = backends.get(row.libtype)
+            backend = backends.get(row.libtype, family)
             reason = ""
             if backend is None:
-                reason = f"libtype {row.libtype!r} is not a gemmtune backend"
+                reason = f"libtype {row.libtype!r} is not a gemmtune {family} backend"
             elif not backend.is_available(device):
                 reason = backend.unavailable_reason(device) or f"{row.libtype} is unavailable here"
             else:
@@ -126,32 +147,38 @@ class Dispatcher:
                 if sol is None:
                     reason = f"{row.libtype} does not know solution {row.kernel_name!r} (solidx {row.solidx})"
                 elif not backend.supports(sol, key, device):
-                    reason = f"{sol.describe()} does not support {key.describe()}"
+                    reason = f"{sol.describe()} does not support {fam.describe(key)}"
                 else:
-                    return Resolution(key, sol, row, backend.make_runner(sol, key, device))
+                    return Resolution(key, sol, row, backend.make_runner(sol, key, device), family=fam)
             self._warn_once(key, f"row {row.where} ({row.libtype}) falls back to {DEFAULT_BACKEND}: {reason}")
-            return self._default(key, device, row, note=f"fallback: {reason}")
-        return self._default(key, device, None)
+            return self._default(key, device, fam, row, note=f"fallback: {reason}")
+        return self._default(key, device, fam, None)
 
-    def _default(self, key: GemmKey, device: torch.device, row, note: str = "") -> Resolution:
-        backend = backends.get(DEFAULT_BACKEND)
+    def _default(self, key, device: torch.device, fam: Family, row, note: str = "") -> Resolution:
+        backend = backends.get(fam.default_libtype, fam.name)
+        if backend is None:
+            raise RuntimeError(f"gemmtune: the {fam.name} family has no runnable op here ({fam.unrunnable})")
         sol = backend.default_solution(key, device)
-        return Resolution(key, sol, row, backend.make_runner(sol, key, device), note)
+        return Resolution(key, sol, row, backend.make_runner(sol, key, device), note, fam)
 
-    def runner_for(self, key: GemmKey, device: torch.device, needs_grad: bool) -> Runner:
+    def runner_for(self, key, device: torch.device, needs_grad: bool = False, family: str = A16W16) -> Runner:
         """Resolve, then wrap for autograd and capture as needed; called on a cache miss."""
-        res = self.resolve(key, device)
+        res = self.resolve(key, device, family)
         (log.info if _log_enabled() else log.debug)("%s", res.describe())
         run = res.runner
-        if needs_grad and res.solution.libtype != DEFAULT_BACKEND:
+        if needs_grad and family == A16W16 and res.solution.libtype != DEFAULT_BACKEND:
             from .ops.autograd import with_autograd
 
             run = with_autograd(run)
-        cap = self.capture()
+        cap = self.capture(res.family)
         if cap is not None:
             cap.add_key(key)
             run = cap.counting(key, run)
         return run
+
+
+def _nonempty(key) -> bool:
+    return all(v > 0 for v in key if isinstance(v, int) and not isinstance(v, bool))
 
 
 _dispatcher = Dispatcher()
@@ -161,17 +188,17 @@ def get_dispatcher() -> Dispatcher:
     return _dispatcher
 
 
-def set_config(config: ConfigTable | str | list[str] | None) -> ConfigTable:
-    """Python API for GEMMTUNE_CONFIG: a table, a path, a list of paths (merged), or None."""
+def set_config(config: ConfigStore | ConfigTable | str | list[str] | None) -> ConfigStore:
+    """Python API for the GEMMTUNE_CONFIG* variables: a store, a table, a path or paths, or None."""
     return _dispatcher.set_config(config)
 
 
-def set_capture(path: str | None) -> ShapeCapture | None:
+def set_capture(path: str | None) -> CaptureSet | None:
     """Python API for GEMMTUNE_CAPTURE."""
     return _dispatcher.set_capture(path)
 
 
-def resolve(key: GemmKey, device: torch.device | str | None = None) -> Resolution:
-    """What `gemmtune.gemm` would run for `key` (for tools and tests; not the hot path)."""
+def resolve(key, device: torch.device | str | None = None, family: str = A16W16) -> Resolution:
+    """What the family's op would run for `key` (for tools and tests; not the hot path)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    return _dispatcher.resolve(key, dev)
+    return _dispatcher.resolve(key, dev, family)

@@ -1,5 +1,8 @@
 """Backend registry: each backend says whether it runs here, which solutions fit a shape, and runs one.
 
+Backends are registered per GEMM family under their libtype: `get("torch")` is the a16w16 torch
+backend, `get("torch", "batched")` the batched one (torch.bmm). A backend module may define several.
+
 Built-in backends are imported lazily so that a missing optional dependency (triton, nvmath-python)
 makes that backend unavailable, with the reason kept for `gemmtune doctor`, instead of failing import.
 """
@@ -14,22 +17,22 @@ from .base import Backend, Runner, Solution, stable_solidx
 
 # module path -> class name, in preference order for display.
 _BUILTIN = {
-    "gemmtune.backends.torch_backend": "TorchBackend",
-    "gemmtune.backends.skinny": "SkinnyBackend",
-    "gemmtune.backends.triton_gemm": "TritonGemmBackend",
-    "gemmtune.backends.blaslt": "BlasLtBackend",
+    "gemmtune.backends.torch_backend": ("TorchBackend", "TorchBatchedBackend"),
+    "gemmtune.backends.skinny": ("SkinnyBackend",),
+    "gemmtune.backends.triton_gemm": ("TritonGemmBackend",),
+    "gemmtune.backends.blaslt": ("BlasLtBackend",),
 }
 
-_registry: dict[str, Backend] = {}
+_registry: dict[tuple[str, str], Backend] = {}
 _import_errors: dict[str, str] = {}
 _loaded = False
 
 
 def register(backend: Backend) -> Backend:
-    """Add (or replace) a backend under its `name`, the libtype its table rows carry."""
+    """Add (or replace) a backend under (its family, its `name`: the libtype its table rows carry)."""
     if not backend.name:
         raise ValueError(f"backend {type(backend).__name__} has no name")
-    _registry[backend.name] = backend
+    _registry[(backend.family, backend.name)] = backend
     return backend
 
 
@@ -38,7 +41,7 @@ def _load_builtins() -> None:
     if _loaded:
         return
     _loaded = True
-    for module, cls in _BUILTIN.items():
+    for module, classes in _BUILTIN.items():
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -49,21 +52,29 @@ def _load_builtins() -> None:
         except ImportError as exc:
             _import_errors[module.rsplit(".", 1)[-1]] = str(exc)
             continue
-        register(getattr(mod, cls)())
+        for cls in classes:
+            if hasattr(mod, cls):
+                register(getattr(mod, cls)())
 
 
-def get(name: str) -> Backend | None:
+def get(name: str, family: str = "a16w16") -> Backend | None:
     _load_builtins()
-    return _registry.get(name)
+    return _registry.get((family, name))
 
 
-def all_backends() -> dict[str, Backend]:
+def all_backends(family: str = "a16w16") -> dict[str, Backend]:
+    """The backends of `family`, by libtype."""
     _load_builtins()
-    return dict(_registry)
+    return {n: b for (f, n), b in _registry.items() if f == family}
 
 
-def available(device: torch.device) -> dict[str, Backend]:
-    return {n: b for n, b in all_backends().items() if b.is_available(device)}
+def families_with_backends() -> set[str]:
+    _load_builtins()
+    return {f for f, _ in _registry}
+
+
+def available(device: torch.device, family: str = "a16w16") -> dict[str, Backend]:
+    return {n: b for n, b in all_backends(family).items() if b.is_available(device)}
 
 
 def import_errors() -> dict[str, str]:
@@ -77,6 +88,7 @@ __all__ = [
     "Solution",
     "all_backends",
     "available",
+    "families_with_backends",
     "get",
     "import_errors",
     "register",

@@ -11,10 +11,11 @@ import torch
 
 from ..keys import GemmKey
 
-# A runner computes y[..., N] = x[..., K] @ w[N, K]^T (+ bias) in the key's out dtype. It is bound to
-# one solution and one key (out dtype included) and is what the dispatch cache stores, so it is
-# called as runner(x, w, bias) with nothing else to decide per call.
-Runner = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# A runner computes one call of its family's op: for a16w16 y[..., N] = x[..., K] @ w[N, K]^T (+ bias)
+# in the key's out dtype, called as runner(x, w, bias); other families call runner(*inputs) with the
+# tuple their op builds (families/). It is bound to one solution and one key (out dtype included) and
+# is what the dispatch cache stores, so nothing is left to decide per call.
+Runner = Callable[..., torch.Tensor]
 
 
 def stable_solidx(kernel_name: str) -> int:
@@ -40,9 +41,11 @@ class Solution:
 
 
 class Backend(ABC):
-    """A family of GEMM kernels. Subclasses set `name`, the table's `libtype` for their rows."""
+    """A set of kernels for one GEMM family. Subclasses set `name`, the table's `libtype` for their
+    rows, and `family` (families/: the key type their methods receive)."""
 
     name: str = ""
+    family: str = "a16w16"
 
     @abstractmethod
     def is_available(self, device: torch.device) -> bool:

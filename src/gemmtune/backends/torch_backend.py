@@ -1,4 +1,5 @@
-"""Vendor BLAS through PyTorch (cuBLAS / hipBLAS(Lt) / the CPU BLAS): the default everywhere."""
+"""Vendor BLAS through PyTorch (cuBLAS / hipBLAS(Lt) / the CPU BLAS): the default of every family that
+has an op here (F.linear for a16w16, torch.bmm for batched)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,39 @@ class TorchBackend(Backend):
         if key.outdtype == torch.float32:
             return _linear_in_fp32
         return _cast_runner(key.outdtype)
+
+
+# ---- batched: torch.bmm ----------------------------------------------------------------------------
+BMM = Solution("torch", "native", 0, 0)
+
+
+def _bmm_cast(out_dtype: torch.dtype) -> Runner:
+    def run(a, b):
+        if out_dtype == torch.float32:  # the wider output carries the fp32 accumulation
+            return torch.bmm(a.float(), b.float())
+        return torch.bmm(a, b).to(out_dtype)
+
+    return run
+
+
+class TorchBatchedBackend(Backend):
+    name = "torch"
+    family = "batched"
+
+    def is_available(self, device: torch.device) -> bool:
+        return True
+
+    def candidates(self, key, device: torch.device) -> list[Solution]:
+        return [BMM]
+
+    def default_solution(self, key, device: torch.device) -> Solution:
+        return BMM
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        return BMM if kernel_name == BMM.kernel_name or solidx == 0 else None
+
+    def supports(self, solution: Solution, key, device: torch.device) -> bool:
+        return solution == BMM
+
+    def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
+        return torch.bmm if key.outdtype == key.dtype else _bmm_cast(key.outdtype)

@@ -1,4 +1,4 @@
-"""aiter's CSV schemas, and one parsed row of a tuned table.
+"""One parsed row of a tuned table, in any GEMM family's schema (families/ says which columns).
 
 A row keeps the exact strings it was read with, so a table written back is the same file, and its
 parsed values (key, libtype, us ...) for lookup. Errors name the file, line and column.
@@ -8,32 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..device import ANY_GFX_SENTINEL
 from ..errors import ConfigError
-from ..keys import GemmKey, dtype_name, parse_bool, parse_dtype
+from ..families import Family, get
+from ..families.base import fmt_float, nonneg_float, positive_int
+from ..keys import GemmKey
 
-TUNED_COLUMNS = [
-    "gfx", "cu_num", "M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle",
-    "libtype", "solidx", "splitK", "us", "kernelName", "err_ratio", "tflops", "bw",
-]  # fmt: skip
-UNTUNED_COLUMNS = ["M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle"]
-# Columns a tuned file must have; the rest default (legacy files lack gfx, some lack bias/dtype...).
-REQUIRED_TUNED = ("cu_num", "M", "N", "K", "libtype", "solidx", "us")
-# Older aiter files spell this column errRatio.
-COLUMN_ALIASES = {"errRatio": "err_ratio"}
+_A16W16 = "a16w16"
+TUNED_COLUMNS = list(get(_A16W16).tuned_columns)
+UNTUNED_COLUMNS = list(get(_A16W16).untuned_columns)
 
 
-def _fmt_float(v: float) -> str:
-    return f"{v:.4f}".rstrip("0").rstrip(".") if v else "0"
+def _err_value(text: str) -> float:
+    # aiter's fused-MoE table writes errors as percentages ("0.3%").
+    t = text.strip()
+    return float(t[:-1]) / 100 if t.endswith("%") else float(t)
 
 
 @dataclass
 class TunedRow:
     gfx: str
     cu_num: int
-    key: GemmKey
+    key: tuple
     libtype: str
     solidx: int
     splitk: int
@@ -45,6 +41,11 @@ class TunedRow:
     raw: dict[str, str] = field(default_factory=dict, repr=False)
     source: str = "<memory>"
     line: int = 0
+    family: Family | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.family is None:
+            self.family = get(_A16W16)
 
     @property
     def is_override(self) -> bool:
@@ -56,32 +57,51 @@ class TunedRow:
         return (self.gfx, self.cu_num, *self.key)
 
     @property
+    def m(self) -> int:
+        return self.family.m_of(self.key)
+
+    @property
     def where(self) -> str:
         return f"{self.source}:{self.line}"
 
+    def describe_key(self) -> str:
+        return self.family.describe(self.key)
+
     def value(self, column: str) -> str:
         """The column as written in the file, or formatted from the parsed value for new rows."""
-        if column in self.raw:
-            return self.raw[column]
-        k = self.key
-        computed = {
-            "gfx": self.gfx, "cu_num": str(self.cu_num), "M": str(k.M), "N": str(k.N), "K": str(k.K),
-            "bias": str(k.bias), "dtype": dtype_name(k.dtype), "outdtype": dtype_name(k.outdtype),
-            "scaleAB": str(k.scaleAB), "bpreshuffle": str(k.bpreshuffle), "libtype": self.libtype,
-            "solidx": str(self.solidx), "splitK": str(self.splitk), "us": _fmt_float(self.us),
-            "kernelName": self.kernel_name, "err_ratio": _fmt_float(self.err_ratio),
-            "tflops": f"{self.tflops:.2f}", "bw": f"{self.bw:.2f}",
-        }  # fmt: skip
-        return computed.get(column, "")
+        col = self.family.column_aliases.get(column, column)
+        if col in self.raw:
+            return self.raw[col]
+        return self.computed().get(col, "")
+
+    def computed(self) -> dict[str, str]:
+        r = self.family.roles
+        out = {"gfx": self.gfx, "cu_num": str(self.cu_num), **self.family.key_record(self.key),
+               r.solidx: str(self.solidx), r.splitk: str(self.splitk), r.us: fmt_float(self.us),
+               r.kernel_name: self.kernel_name, r.err_ratio: fmt_float(self.err_ratio),
+               r.tflops: f"{self.tflops:.2f}", r.bw: f"{self.bw:.2f}"}  # fmt: skip
+        if r.libtype:
+            out[r.libtype] = self.libtype
+        return out
 
 
-def normalize_header(header: list[str], path: str) -> list[str]:
-    cols = [COLUMN_ALIASES.get(c.strip(), c.strip()) for c in header]
-    missing = [c for c in REQUIRED_TUNED if c not in cols]
+def required_columns(family: Family) -> list[str]:
+    """Columns a tuned table of `family` must have; the rest default (legacy files lack gfx, dtype ...)."""
+    r = family.roles
+    need = ["cu_num"] + [c.name for c in family.key_columns if c.default is None] + [r.us]
+    if family.name == _A16W16:  # aiter's bf16 tables always name their solution
+        need += [r.libtype, r.solidx]
+    return list(dict.fromkeys(need))
+
+
+def normalize_header(header: list[str], path: str, family: Family | None = None) -> list[str]:
+    family = family or get(_A16W16)
+    cols = [family.column_aliases.get(c.strip(), c.strip()) for c in header]
+    missing = [c for c in required_columns(family) if c not in cols]
     if missing:
         raise ConfigError(
-            f"{path}:1: not a tuned GEMM table: missing column(s) {', '.join(missing)} "
-            f"(expected aiter's columns {','.join(TUNED_COLUMNS)})"
+            f"{path}:1: not a tuned {family.name} table: missing column(s) {', '.join(missing)} "
+            f"(expected aiter's columns {','.join(family.tuned_columns)})"
         )
     dups = {c for c in cols if cols.count(c) > 1}
     if dups:
@@ -103,65 +123,45 @@ def parse_column(raw: dict[str, str], column: str, conv, default, path: str, lin
         raise error(f"{path}:{line}: column {column!r}: bad value {text!r} ({exc})") from None
 
 
-def positive_int(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise ValueError("must be a positive integer")
-    return v
+def parse_key(family: Family, raw: dict[str, str], path: str, line: int, error=ConfigError):
+    """A family's key from one record (tuned or untuned); errors name path:line and the column."""
+    return family.parse_key(raw, lambda col, conv, default: parse_column(raw, col, conv, default, path, line, error))
 
 
-def _nonneg_float(text: str) -> float:
-    v = float(text)
-    if not v >= 0:  # also rejects NaN
-        raise ValueError("must be a number >= 0")
-    return v
-
-
-def parse_tuned_row(raw: dict[str, str], path: str, line: int) -> TunedRow:
-    """One CSV record -> TunedRow; ConfigError names path:line and the column on a bad value."""
+def parse_tuned_row(raw: dict[str, str], path: str, line: int, family: Family | None = None) -> TunedRow:
+    """One CSV record (normalized column names) -> TunedRow; ConfigError names path:line and the column."""
+    family = family or get(_A16W16)
+    r = family.roles
     p = lambda col, conv, default=None: parse_column(raw, col, conv, default, path, line)  # noqa: E731
-    dtype = p("dtype", parse_dtype, torch.bfloat16)
-    key = GemmKey(
-        M=p("M", positive_int),
-        N=p("N", positive_int),
-        K=p("K", positive_int),
-        bias=p("bias", parse_bool, False),
-        dtype=dtype,
-        outdtype=p("outdtype", parse_dtype, dtype),
-        scaleAB=p("scaleAB", parse_bool, False),
-        bpreshuffle=p("bpreshuffle", parse_bool, False),
-    )
-    libtype = p("libtype", str)
-    if not libtype:
-        raise ConfigError(f"{path}:{line}: column 'libtype' is empty")
+    key = parse_key(family, raw, path, line)
+    if r.libtype and r.libtype in raw:
+        libtype = p(r.libtype, str)
+    else:
+        libtype = family.implied_libtype
     return TunedRow(
         gfx=raw.get("gfx", ANY_GFX_SENTINEL).strip(),
         cu_num=p("cu_num", positive_int),
         key=key,
         libtype=libtype,
-        solidx=p("solidx", int),
-        splitk=p("splitK", int, 0),
-        us=p("us", _nonneg_float),
-        kernel_name=raw.get("kernelName", "").strip(),
-        err_ratio=p("err_ratio", float, 0.0),
-        tflops=p("tflops", float, 0.0),
-        bw=p("bw", float, 0.0),
+        solidx=p(r.solidx, int, 0),
+        splitk=p(r.splitk, int, 0),
+        us=p(r.us, nonneg_float),
+        kernel_name=raw.get(r.kernel_name, "").strip(),
+        err_ratio=p(r.err_ratio, _err_value, 0.0),
+        tflops=p(r.tflops, float, 0.0),
+        bw=p(r.bw, float, 0.0),
         raw=raw,
         source=path,
         line=line,
+        family=family,
     )
 
 
 def gemm_bytes(key: GemmKey) -> int:
     """Bytes a GEMM must move at least: A and B read once, C written once (bias ignored)."""
-    a = key.M * key.K * key.dtype.itemsize
-    b = key.N * key.K * key.dtype.itemsize
-    c = key.M * key.N * key.outdtype.itemsize
-    return a + b + c
+    return get(_A16W16).bytes(key)
 
 
-def throughput(key: GemmKey, us: float) -> tuple[float, float]:
+def throughput(key, us: float, family: Family | None = None) -> tuple[float, float]:
     """(TFLOP/s, GB/s) as aiter defines them, with the real element sizes."""
-    if us <= 0:
-        return 0.0, 0.0
-    return 2 * key.M * key.N * key.K / (us * 1e6), gemm_bytes(key) / (us * 1e-6) / 1e9
+    return (family or get(_A16W16)).throughput(key, us)

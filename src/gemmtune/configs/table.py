@@ -1,26 +1,27 @@
-"""A merged set of tuned tables and the lookup rule for a GEMM key on one GPU.
+"""Merged tuned tables, one per GEMM family, and the lookup rule for a key on one GPU.
 
 Merge rule (several files, `GEMMTUNE_CONFIG=a.csv:b.csv`): on a duplicate key an override row
 (us == 0) beats any timed row, the earlier file winning between two overrides; otherwise the lowest
 measured `us` wins. Conflicts are collected and reported once; loading never raises on a duplicate
 and never writes to the files it reads.
 
-Untuned-M rule: a key whose M has no row resolves to the row of the same (N, K, bias, dtypes,
-scaleAB, bpreshuffle) on the same GPU with the nearest tuned M at or above it, else the largest M
-below it. (aiter pads M up a fixed ladder and misses when the padded M has no row.)
+Untuned-M rule: a key whose M has no row resolves to the row of the same shape family (every key
+field but M) on the same GPU with the nearest tuned M at or above it, else the largest M below it.
+(aiter pads M up a fixed ladder and misses when the padded M has no row.)
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .. import families
 from ..device import DeviceIdentity
 from ..errors import ConfigError
-from ..keys import GemmKey
-from .io import read_records, write_atomic
-from .schema import TUNED_COLUMNS, TunedRow, normalize_header, parse_tuned_row
+from ..families import Family
+from .io import CsvText, read_csv, write_atomic
+from .schema import TunedRow, normalize_header, parse_tuned_row
 
 log = logging.getLogger("gemmtune")
 
@@ -34,7 +35,7 @@ class Conflict:
     def describe(self) -> str:
         k = self.kept
         return (
-            f"{k.gfx or '*'}/{k.cu_num} {k.key.describe()}: kept {k.libtype} us={k.us:g} ({k.where}), "
+            f"{k.gfx or '*'}/{k.cu_num} {k.describe_key()}: kept {k.libtype} us={k.us:g} ({k.where}), "
             f"dropped {self.dropped.libtype} us={self.dropped.us:g} ({self.dropped.where})"
         )
 
@@ -45,23 +46,66 @@ def _wins(new: TunedRow, old: TunedRow) -> bool:
     return new.us < old.us
 
 
-def read_table_file(path: str) -> tuple[list[str], list[TunedRow]]:
-    """The file's own header (normalized) and its rows, in file order. Never modifies the file."""
-    header, records = read_records(path)
-    columns = normalize_header(header, path)
+@dataclass
+class TableFile:
+    """One tuned CSV as read: its family, header as written, rows in file order."""
+
+    path: str
+    family: Family
+    raw_header: list[str]
+    rows: list[TunedRow] = field(default_factory=list)
+    final_newline: bool = True
+
+    @property
+    def columns(self) -> list[str]:
+        return families.normalize(self.family, [h.strip() for h in self.raw_header])
+
+    def write(self, path: str | None = None) -> None:
+        """Write the rows back with this file's own header: an unchanged table comes out byte-identical."""
+        cols = self.columns
+        write_atomic(path or self.path, self.raw_header, ([r.value(c) for c in cols] for r in self.rows),
+                     self.final_newline)  # fmt: skip
+
+
+def family_of(text: CsvText, family: Family | str | None = None) -> Family:
+    """The family `text` belongs to: the one named (its header must fit), else detected from the header."""
+    if family is not None:
+        fam = families.get(family) if isinstance(family, str) else family
+        if not families.fits(fam, text.header):
+            found = families.detect(text.header, text.path, _kernel_names(text))
+            raise ConfigError(f"{text.path}:1: expected a {fam.name} table, but its columns are a {found.name} "
+                              f"table's ({','.join(text.header)})")  # fmt: skip
+        return fam
+    return families.detect(text.header, text.path, _kernel_names(text))
+
+
+def _kernel_names(text: CsvText) -> list[str]:
+    return [rec.get("kernelName", rec.get("kernelName1", "")) for _, rec in text.records[:200]]
+
+
+def read_table_file(path: str, family: Family | str | None = None, allow_empty: bool = False) -> TableFile:
+    """A tuned table's family, header and rows, in file order. Never modifies the file. A header with
+    no rows is an error (a table that answers nothing is a mistake) unless `allow_empty`."""
+    text = read_csv(path)
+    fam = family_of(text, family)
+    columns = normalize_header(text.header, path, fam)
     rows = []
-    for line, rec in records:
-        raw = {columns[i]: rec[h] for i, h in enumerate(header)}
-        rows.append(parse_tuned_row(raw, path, line))
-    return columns, rows
+    for line, rec in text.records:
+        raw = {columns[i]: rec[h] for i, h in enumerate(text.header)}
+        rows.append(parse_tuned_row(raw, path, line, fam))
+    if not rows and not allow_empty:
+        raise ConfigError(f"{path}: has a header but no rows (an empty table answers nothing)")
+    return TableFile(path, fam, text.raw_header, rows, text.final_newline)
 
 
 class ConfigTable:
-    """Tuned rows from one or more files, merged, with a per-GPU index for lookups."""
+    """Tuned rows of one family from one or more files, merged, with a per-GPU index for lookups."""
 
-    def __init__(self, rows: list[TunedRow] | None = None, files: list[str] | None = None):
+    def __init__(self, rows: list[TunedRow] | None = None, files: list[str] | None = None,
+                 family: Family | str = "a16w16"):  # fmt: skip
+        self.family: Family = families.get(family) if isinstance(family, str) else family
         self.files: list[str] = list(files or [])
-        self.columns: list[str] = list(TUNED_COLUMNS)
+        self.columns: list[str] = list(self.family.tuned_columns)
         self.conflicts: list[Conflict] = []
         self._rows: dict[tuple, TunedRow] = {}
         self._index: dict[DeviceIdentity, dict[tuple, tuple[list[int], list[TunedRow]]]] = {}
@@ -70,20 +114,27 @@ class ConfigTable:
 
     # ---- building -------------------------------------------------------------------------
     @classmethod
-    def load(cls, paths: list[str] | str) -> ConfigTable:
-        """Read and merge `paths` (a list, or a ':'-separated string as in GEMMTUNE_CONFIG)."""
+    def load(cls, paths: list[str] | str, family: Family | str | None = None) -> ConfigTable:
+        """Read and merge `paths` (a list, or a ':'-separated string) into one family's table. The family
+        is `family`, else the first file's; a file of another family is an error naming both."""
         if isinstance(paths, str):
             paths = [p for p in paths.split(":") if p.strip()]
-        table = cls()
+        table = None
         for path in paths:
-            columns, rows = read_table_file(path)
-            if len(paths) == 1:
-                table.columns = columns  # a single file writes back with its own columns
-            table.files.append(path)
-            for row in rows:
-                table.add(row)
+            tf = read_table_file(path, family if family is not None else (table.family if table else None))
+            if table is None:
+                table = cls(family=tf.family)
+                if len(paths) == 1:
+                    table.columns = tf.columns  # a single file writes back with its own columns
+            table.add_file(tf)
+        table = table or cls(family=family or "a16w16")
         table.report_conflicts()
         return table
+
+    def add_file(self, tf: TableFile) -> None:
+        self.files.append(tf.path)
+        for row in tf.rows:
+            self.add(row)
 
     def add(self, row: TunedRow) -> None:
         full = row.full_key
@@ -105,7 +156,8 @@ class ConfigTable:
         more = (
             f" (+{len(self.conflicts) - 3} more; `gemmtune show-config` lists all)" if len(self.conflicts) > 3 else ""
         )
-        log.warning("gemmtune: %d duplicate config key(s): %s%s", len(self.conflicts), shown, more)
+        log.warning("gemmtune: %d duplicate %s config key(s): %s%s", len(self.conflicts), self.family.name, shown,
+                    more)  # fmt: skip
 
     # ---- reading --------------------------------------------------------------------------
     @property
@@ -124,27 +176,29 @@ class ConfigTable:
         idx = self._index.get(ident)
         if idx is None:
             rank = {g: i for i, g in enumerate(ident.gfx_aliases())}
-            fams: dict[tuple, dict[int, TunedRow]] = {}
+            fam = self.family
+            shapes: dict[tuple, dict[int, TunedRow]] = {}
             for r in self.rows_for(ident):
-                per_m = fams.setdefault(r.key.shape_family(), {})
+                per_m = shapes.setdefault(fam.shape_family(r.key), {})
                 # The most specific gfx wins for one M (sm90-80G over sm90 over a legacy row).
-                old = per_m.get(r.key.M)
+                m = fam.m_of(r.key)
+                old = per_m.get(m)
                 if old is None or rank[r.gfx] < rank[old.gfx]:
-                    per_m[r.key.M] = r
+                    per_m[m] = r
             idx = {}
-            for fam, per_m in fams.items():
+            for shape, per_m in shapes.items():
                 ms = sorted(per_m)
-                idx[fam] = (ms, [per_m[m] for m in ms])
+                idx[shape] = (ms, [per_m[m] for m in ms])
             self._index[ident] = idx
         return idx
 
-    def lookup(self, key: GemmKey, ident: DeviceIdentity) -> TunedRow | None:
+    def lookup(self, key, ident: DeviceIdentity) -> TunedRow | None:
         """The row for `key` on `ident` under the untuned-M rule, or None (use the default backend)."""
-        entry = self._family_index(ident).get(key.shape_family())
+        entry = self._family_index(ident).get(self.family.shape_family(key))
         if entry is None:
             return None
         ms, rows = entry
-        i = bisect.bisect_left(ms, key.M)
+        i = bisect.bisect_left(ms, self.family.m_of(key))
         return rows[i] if i < len(ms) else rows[-1]
 
     # ---- writing --------------------------------------------------------------------------
@@ -154,8 +208,65 @@ class ConfigTable:
         write_atomic(path, cols, ([r.value(c) for c in cols] for r in self._rows.values()))
 
 
+class ConfigStore:
+    """The tables in effect, one ConfigTable per family; files are routed to their family."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, ConfigTable] = {}
+        self.files: list[tuple[str, str]] = []  # (path, family name), in load order
+
+    def table(self, family: Family | str) -> ConfigTable:
+        fam = families.get(family) if isinstance(family, str) else family
+        tab = self.tables.get(fam.name)
+        if tab is None:
+            tab = self.tables[fam.name] = ConfigTable(family=fam)
+        return tab
+
+    def add_file(self, path: str, family: Family | str | None = None) -> TableFile:
+        tf = read_table_file(path, family)
+        self.table(tf.family).add_file(tf)
+        self.files.append((path, tf.family.name))
+        return tf
+
+    @classmethod
+    def load(cls, paths: list[str] | str, family: Family | str | None = None) -> ConfigStore:
+        """Read `paths`; each file goes to the family its header says (or to `family`, if named)."""
+        if isinstance(paths, str):
+            paths = [p for p in paths.split(":") if p.strip()]
+        store = cls()
+        for path in paths:
+            store.add_file(path, family)
+        for tab in store.tables.values():
+            tab.report_conflicts()
+        return store
+
+    @classmethod
+    def from_env(cls, environ) -> ConfigStore:
+        """GEMMTUNE_CONFIG (files of any family, detected by header) and GEMMTUNE_CONFIG_<FAMILY>
+        (files of that family). An empty variable is the same as an unset one; a named file that does
+        not exist is an error, never silently 'no table'."""
+        store = cls()
+        for fam in families.all_families():
+            value = environ.get(fam.env_var, "")
+            forced = None if fam.name == "a16w16" else fam
+            for path in (p for p in value.split(":") if p.strip()):
+                store.add_file(path, forced)
+        for tab in store.tables.values():
+            tab.report_conflicts()
+        return store
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.tables.values())
+
+
+def env_sources(environ) -> list[tuple[str, str]]:
+    """(variable, path) for every table named by a GEMMTUNE_CONFIG* variable, in family order."""
+    return [(fam.env_var, p) for fam in families.all_families()
+            for p in environ.get(fam.env_var, "").split(":") if p.strip()]  # fmt: skip
+
+
 def load_paths_env(value: str) -> ConfigTable:
-    """GEMMTUNE_CONFIG's value -> table; a named file that does not exist is an error, not 'no table'."""
+    """GEMMTUNE_CONFIG's value -> a16w16 table; a named file that does not exist is an error."""
     paths = [p for p in value.split(":") if p.strip()]
     if not paths:
         raise ConfigError("GEMMTUNE_CONFIG is set but names no file")

@@ -1,0 +1,80 @@
+"""a16w16: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), 16-bit (or fp32) inputs; aiter's bf16_tuned_gemm.csv."""
+
+from __future__ import annotations
+
+import torch
+
+from ..keys import GemmKey
+from .base import Family, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
+
+
+class A16W16(Family):
+    name = "a16w16"
+    description = "16-bit GEMM in nn.Linear layout (gemm, gemm_a16w16)"
+    ops = ("gemm", "gemm_a16w16")
+    env_var = "GEMMTUNE_CONFIG"
+    aiter_tables = ("bf16_tuned_gemm.csv",)
+    key_type = GemmKey
+    key_columns = (
+        int_col("M"), int_col("N"), int_col("K"), bool_col("bias"), dtype_col("dtype"),
+        dtype_col("outdtype"), bool_col("scaleAB"), bool_col("bpreshuffle"),
+    )  # fmt: skip
+    tuned_columns = (
+        "gfx", "cu_num", "M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle",
+        "libtype", "solidx", "splitK", "us", "kernelName", "err_ratio", "tflops", "bw",
+    )  # fmt: skip
+    untuned_columns = ("M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle")
+    signature = frozenset({"M", "N", "K"})
+    excludes = frozenset({"B", "q_dtype_w", "kernelId", "token", "act", "alpha", "beta", "pattern"})
+    name_hints = ("bf16", "a16w16")
+
+    def parse_key(self, raw, parse_column):
+        dtype = parse_column("dtype", self.key_columns[4].parse, torch.bfloat16)
+        vals = {c.field: parse_column(c.name, c.parse, dtype if c.name == "outdtype" else c.default)
+                for c in self.key_columns}  # fmt: skip
+        return GemmKey(**vals)
+
+    def describe(self, key: GemmKey) -> str:
+        return key.describe()
+
+    def make_inputs(self, key: GemmKey, device, sets, seed):
+        gen = generator(device, seed)
+        out = []
+        for _ in range(sets):
+            x = randn((key.M, key.K), device, gen, key.dtype)
+            w = randn((key.N, key.K), device, gen, key.dtype, inv_sqrt(key.K))
+            b = randn((key.N,), device, gen, key.dtype) if key.bias else None
+            out.append((x, w, b))
+        return out
+
+    def set_bytes(self, key: GemmKey) -> int:
+        return (key.N + key.M) * key.K * key.dtype.itemsize
+
+    def reference(self, key: GemmKey, inputs):
+        x, w, b = inputs
+        y = fp32_matmul(x.reshape(-1, key.K), w.t())
+        return y + b.float() if b is not None else y
+
+    def output_shape(self, key: GemmKey):
+        return (key.M, key.N)
+
+    def check_variants(self, key: GemmKey, inputs):
+        # The dispatcher also hands runners x [1, M, K] views with padded (non-contiguous) rows.
+        x, w, b = inputs
+        wide = torch.full((key.M, key.K + 8), float("nan"), dtype=x.dtype, device=x.device)
+        wide[:, : key.K] = x
+        return [("x [1, M, K] non-contiguous", (wide[:, : key.K].unsqueeze(0), w, b), (1, key.M, key.N))]
+
+    def bytes(self, key: GemmKey) -> int:
+        return (key.M * key.K + key.N * key.K) * key.dtype.itemsize + key.M * key.N * key.outdtype.itemsize
+
+    def flops(self, key: GemmKey) -> int:
+        return 2 * key.M * key.N * key.K
+
+    def keys_for_model(self, config, tp, ms, dtype):
+        from ..tuner.shapes import gemm_keys, model_gemms
+
+        return gemm_keys(model_gemms(config, tp), ms, dtype)
+
+
+FAMILY = A16W16()

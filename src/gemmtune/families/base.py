@@ -1,0 +1,207 @@
+"""What a GEMM family is: one member of aiter's GEMM system (its op, key, tuned/untuned CSV schemas, env
+var, reference, timing inputs and roofline), so the config store, dispatch, tuner, bench, capture and
+show-config are written once against this interface.
+
+A family's key is a NamedTuple with an `M` field (the token dimension the untuned-M rule walks; the
+fused-MoE family calls it `token` and sets `m_field`). Its runners are called as `runner(*inputs)`
+with one input set made by `make_inputs` (the same tuple the family's op hands its runner).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..keys import dtype_name, parse_bool, parse_dtype
+
+Inputs = tuple  # one input set of a family's runner: runner(*inputs) -> output
+
+
+def positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise ValueError("must be a positive integer")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:  # also rejects NaN
+        raise ValueError("must be a number >= 0")
+    return v
+
+
+def fmt_float(v: float) -> str:
+    return f"{v:.4f}".rstrip("0").rstrip(".") if v else "0"
+
+
+class Column(NamedTuple):
+    """A key column: its CSV header, the key field it fills, how to read and write it, its default
+    (None: required) when a file lacks the column or leaves it empty."""
+
+    name: str
+    field: str
+    parse: Callable[[str], Any]
+    fmt: Callable[[Any], str] = str
+    default: Any = None
+
+
+def int_col(name: str, field: str | None = None, default: int | None = None) -> Column:
+    return Column(name, field or name, positive_int, str, default)
+
+
+def bool_col(name: str, field: str | None = None, default: bool = False) -> Column:
+    return Column(name, field or name, parse_bool, str, default)
+
+
+def dtype_col(name: str, field: str | None = None, default: torch.dtype | None = torch.bfloat16) -> Column:
+    return Column(name, field or name, parse_dtype, dtype_name, default)
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Header names of the solution and metric columns (aiter spells them differently per table)."""
+
+    libtype: str | None = "libtype"  # None: the table has no libtype column (aiter's own kernels only)
+    solidx: str = "solidx"  # 'kernelId' in the quantized / batched tables
+    splitk: str = "splitK"
+    us: str = "us"
+    kernel_name: str = "kernelName"
+    err_ratio: str = "err_ratio"  # 'errRatio' in most non-bf16 tables
+    tflops: str = "tflops"
+    bw: str = "bw"
+
+
+class Family:
+    """Base class; one module per family subclasses it and registers an instance (families/__init__)."""
+
+    name: str = ""  # e.g. "a16w16", "batched"
+    description: str = ""
+    ops: tuple[str, ...] = ()  # the public op names (aiter's spellings)
+    env_var: str = ""  # GEMMTUNE_CONFIG_<NAME>; a16w16 keeps GEMMTUNE_CONFIG
+    aiter_tables: tuple[str, ...] = ()  # aiter's file names for this family (detection hint, docs)
+    key_type: type = tuple
+    key_columns: tuple[Column, ...] = ()
+    m_field: str = "M"
+    roles: Roles = Roles()
+    # Columns a new tuned file of this family gets (aiter's order, gemmtune's extra columns after).
+    tuned_columns: tuple[str, ...] = ()
+    untuned_columns: tuple[str, ...] = ()
+    # Detection: a header belongs here if it has every `signature` column and none of `excludes`.
+    signature: frozenset[str] = frozenset()
+    excludes: frozenset[str] = frozenset()
+    # Substrings of a file name or of kernel names that settle a tie between families with one header.
+    name_hints: tuple[str, ...] = ()
+    kernel_hints: tuple[str, ...] = ()
+    column_aliases: dict[str, str] = {"errRatio": "err_ratio"}  # header spelling -> normalized name
+    # Rows of a file without a libtype column name aiter's own kernels by this libtype.
+    implied_libtype: str = "aiter"
+    default_libtype: str = "torch"
+    # Why the family's op cannot run in this build (None: it can); tables still load either way.
+    unrunnable: str | None = None
+
+    # ---- keys ---------------------------------------------------------------------------------
+    def parse_key(self, raw: dict[str, str], parse_column) -> tuple:
+        """A key from a record; `parse_column(name, conv, default)` names file:line:column on errors."""
+        values = {c.field: parse_column(c.name, c.parse, c.default) for c in self.key_columns}
+        return self.key_type(**values)
+
+    def key_record(self, key) -> dict[str, str]:
+        """The key's columns as written in a CSV."""
+        return {c.name: c.fmt(getattr(key, c.field)) for c in self.key_columns}
+
+    def m_of(self, key) -> int:
+        return getattr(key, self.m_field)
+
+    def with_m(self, key, m: int):
+        return key._replace(**{self.m_field: m})
+
+    def shape_family(self, key) -> tuple:
+        """Everything but M: rows with one shape family answer each other's untuned Ms."""
+        return tuple(v for f, v in zip(key._fields, key) if f != self.m_field)
+
+    def describe(self, key) -> str:
+        return f"{self.name} " + " ".join(f"{c.name}={c.fmt(getattr(key, c.field))}" for c in self.key_columns)
+
+    # ---- computing ------------------------------------------------------------------------------
+    def make_inputs(self, key, device: torch.device, sets: int, seed: int) -> list[Inputs]:
+        """`sets` random input sets (fresh tensors each: rotating them keeps the weights cold)."""
+        raise NotImplementedError(f"family {self.name} has no runnable op yet")
+
+    def set_bytes(self, key) -> int:
+        """Bytes of one input set (to size the rotation past 2x L2)."""
+        return self.bytes(key)
+
+    def reference(self, key, inputs: Inputs) -> torch.Tensor:
+        """The exact result in fp32 (TF32 off), from the same rounded inputs."""
+        raise NotImplementedError(f"family {self.name} has no reference yet")
+
+    def output_shape(self, key) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def out_dtype(self, key) -> torch.dtype:
+        return getattr(key, "outdtype", torch.bfloat16)
+
+    def check_variants(self, key, inputs: Inputs) -> list[tuple[str, Inputs, tuple[int, ...]]]:
+        """Other ways the op may call a runner (non-contiguous views ...): (what, inputs, output shape)."""
+        return []
+
+    def error_threshold(self, key) -> float:
+        """Largest accepted ||y - ref|| / ||ref||."""
+        return {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}.get(self.out_dtype(key), 1e-2)
+
+    def bytes(self, key) -> int:
+        """Bytes the op must move at least (roofline)."""
+        raise NotImplementedError
+
+    def flops(self, key) -> int:
+        raise NotImplementedError
+
+    def roof_us(self, key, read_bw: float, matmul_flops: float) -> float:
+        """max(compute at the ceiling, bytes at the read bandwidth), microseconds. Families on faster
+        tensor-core rates (fp8/int8) scale `matmul_flops` in their override."""
+        return max(self.flops(key) / matmul_flops, self.bytes(key) / read_bw) * 1e6
+
+    def throughput(self, key, us: float) -> tuple[float, float]:
+        """(TFLOP/s, GB/s) as aiter writes them."""
+        if not us > 0:
+            return 0.0, 0.0
+        return self.flops(key) / (us * 1e6), self.bytes(key) / (us * 1e-6) / 1e9
+
+    # ---- shape sources --------------------------------------------------------------------------
+    def keys_for_model(self, config: dict, tp: int, ms: Sequence[int], dtype: torch.dtype) -> list:
+        """The keys of this family a model config runs at token counts `ms` (empty if none)."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"
+
+
+def randn(shape, device, gen, dtype, scale: float = 1.0) -> torch.Tensor:
+    """Random data in fp32 rounded to `dtype` (zeros run faster on GPUs: never time them)."""
+    t = torch.randn(*shape, device=device, dtype=torch.float32, generator=gen)
+    return (t * scale if scale != 1.0 else t).to(dtype)
+
+
+def generator(device: torch.device, seed: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 with TF32 off (the reference every family's check compares against)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return a.float() @ b.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def inv_sqrt(k: int) -> float:
+    return 1.0 / math.sqrt(max(k, 1))
