@@ -169,7 +169,7 @@ def test_bad_candidates_are_rejected_and_reported(fake, tmp_path):
     assert "rejected" in r.output and "fake:wrong" in r.output and "out of memory" in r.output
     profile = prof.read_text()
     assert profile.count("fake,wrong") == 2 and "fake kernel raised" in profile
-    _, rows = read_table_file(str(out))
+    rows = read_table_file(str(out)).rows
     assert {r.libtype for r in rows} <= {"torch", "fake"} and len(rows) == 2
 
 
@@ -219,7 +219,8 @@ def test_tune_end_to_end_writes_honest_rows_and_resumes(tmp_path):
     out = tmp_path / "t.csv"
     rep = tune_file(shapes, str(out), FAST, CPU, progress=False, log=lambda m: None)
     assert len(rep.results) == len(KEYS) and not rep.failures
-    cols, rows = read_table_file(str(out))
+    tf = read_table_file(str(out))
+    cols, rows = tf.columns, tf.rows
     assert cols[:3] == ["gfx", "cu_num", "M"]
     assert [r.key for r in rows] == KEYS
     for r in rows:
@@ -233,7 +234,7 @@ def test_tune_end_to_end_writes_honest_rows_and_resumes(tmp_path):
     assert rep2.skipped == len(KEYS) and not rep2.results
     rep3 = tune_file(shapes, str(out), FAST, CPU, all_shapes=True, progress=False, log=lambda m: None)
     assert len(rep3.results) == len(KEYS)
-    assert [r.key for r in read_table_file(str(out))[1]] == KEYS
+    assert [r.key for r in read_table_file(str(out)).rows] == KEYS
 
 
 def _cli(*args, env=None):
@@ -246,12 +247,12 @@ def test_kill_and_resume_loses_no_finished_row(tmp_path):
     out = tmp_path / "t.csv"
     p = _cli("tune", shapes, "-o", str(out), "--no-progress", "--reps", "5", env={EXIT_AFTER_ENV: "2"})
     assert p.returncode == 17, p.stderr  # killed by the hook right after the 2nd row
-    _, first = read_table_file(str(out))
+    first = read_table_file(str(out)).rows
     assert [r.key for r in first] == KEYS[:2]
     p = _cli("tune", shapes, "-o", str(out), "--no-progress", "--reps", "5")
     assert p.returncode == 0, p.stderr
     assert "2 of 4 shapes already tuned" in p.stderr
-    _, rows = read_table_file(str(out))
+    rows = read_table_file(str(out)).rows
     assert [r.key for r in rows] == KEYS
     assert [r.us for r in rows[:2]] == [r.us for r in first]  # finished rows were kept as they were
     assert not list(tmp_path.glob(".gemmtune-*"))  # no temp files left behind
@@ -266,7 +267,7 @@ def test_crashing_and_hanging_candidates_in_workers_do_not_stop_the_run(fake, tm
     rep = tune_file(shapes, str(out), FAST, CPU, mp_workers=2, timeout=3, profile_file=str(prof), progress=False,
                     log=logs.append)  # fmt: skip
     assert not rep.failures, rep.failures
-    assert {r.key for r in read_table_file(str(out))[1]} == set(keys)  # workers finish in any order
+    assert {r.key for r in read_table_file(str(out)).rows} == set(keys)  # workers finish in any order
     for res in rep.results:
         by = {c.name: c for c in res.candidates}
         assert by["fake:crash"].status == "crashed" and "exited with code 9" in by["fake:crash"].reason

@@ -156,7 +156,7 @@ class ConfigTable:
         more = (
             f" (+{len(self.conflicts) - 3} more; `gemmtune show-config` lists all)" if len(self.conflicts) > 3 else ""
         )
-        log.warning("gemmtune: %d duplicate %s config key(s): %s%s", len(self.conflicts), self.family.name, shown,
+        log.warning("gemmtune: %d duplicate config key(s) (%s): %s%s", len(self.conflicts), self.family.name, shown,
                     more)  # fmt: skip
 
     # ---- reading --------------------------------------------------------------------------

@@ -64,9 +64,15 @@ def detect(header: list[str], path: str = "", kernel_names: list[str] | None = N
     """The family a CSV with `header` belongs to (tuned table or shape list)."""
     matches = [f for f in all_families() if fits(f, header)]
     if not matches:
+        cols = set(header)
+        near = max(all_families(), key=lambda f: (len(f.signature & cols), -len(f.excludes & cols)))
+        missing = sorted(near.signature - cols)
+        why = (f"missing column(s) {', '.join(missing)}" if missing
+               else f"column(s) {', '.join(sorted(near.excludes & cols))} do not belong")  # fmt: skip
         raise ConfigError(
-            f"{path}:1: columns {','.join(header)} fit no GEMM family (known: "
-            + "; ".join(f"{f.name} needs {','.join(sorted(f.signature))}" for f in all_families())
+            f"{path}:1: columns {','.join(header)} fit no GEMM family: {why} for the nearest, {near.name} "
+            f"(aiter's columns {','.join(near.tuned_columns)}; other families: "
+            + "; ".join(f"{f.name} needs {','.join(sorted(f.signature))}" for f in all_families() if f is not near)
             + ")"
         )
     if len(matches) == 1:

@@ -1,10 +1,10 @@
-"""Correctness of one candidate against an fp32 reference, before it is ever timed.
+"""Correctness of one candidate against an fp32 reference, before it is ever timed (any GEMM family).
 
-Metric: rel_err = ||y - ref||_F / ||ref||_F over all M*N elements, with ref = x.float() @ w.float()^T
-(+ bias) computed in fp32 (TF32 off) from the same rounded inputs. So the metric measures only what
-the kernel adds: accumulation order and the rounding of its output.
+Metric: rel_err = ||y - ref||_F / ||ref||_F over all output elements, with ref the family's reference
+(a16w16: x.float() @ w.float()^T (+ bias), TF32 off) computed from the same rounded inputs. So the
+metric measures only what the kernel adds: accumulation order and the rounding of its output.
 
-Thresholds (by output dtype; `--err-ratio` replaces them):
+Thresholds (the family's `error_threshold`; for 16-bit GEMMs by output dtype; `--err-ratio` replaces them):
   bfloat16 1e-2   output rounding alone gives ~2e-3 (unit roundoff 2^-8 over random data)
   float16  2e-3   output rounding alone gives ~3e-4 (2^-11)
   float32  1e-4   fp32 accumulation of 16-bit products gives ~1e-6; TF32 (~1e-3) is rejected
@@ -15,8 +15,9 @@ a NaN-filled block of the output's size is allocated and freed right before the 
 caching allocator (and usually malloc) hands back as the output. A kernel that skips part of its
 output then leaves NaN behind. The graph check replays into a captured output filled with NaN.
 
-Checked calls: 2-D x; x with a leading batch dim and padded (non-contiguous) rows, as the dispatcher
-can pass; on CUDA, a CUDA-graph replay, which must reproduce the eager result.
+Checked calls: the input set as made; the family's other call forms (`check_variants`: for a16w16,
+x with a leading batch dim and padded, non-contiguous rows, as the dispatcher can pass); on CUDA, a
+CUDA-graph replay, which must reproduce the eager result.
 """
 
 from __future__ import annotations
@@ -26,17 +27,21 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import families
 from ..backends.base import Runner
-from ..keys import GemmKey
-
-THRESHOLDS = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+from ..families import Family
+from ..families.base import THRESHOLDS  # noqa: F401 - re-exported: the thresholds this module documents
 CATASTROPHIC = 0.5
 
 
-def threshold_for(key: GemmKey, err_ratio: float | None = None) -> float:
+def _fam(family: Family | None) -> Family:
+    return family or families.get("a16w16")
+
+
+def threshold_for(key, err_ratio: float | None = None, family: Family | None = None) -> float:
     if err_ratio is not None:
         return err_ratio
-    return THRESHOLDS.get(key.outdtype, THRESHOLDS.get(key.dtype, 1e-2))
+    return _fam(family).error_threshold(key)
 
 
 @dataclass
@@ -46,17 +51,9 @@ class CheckResult:
     reason: str = ""
 
 
-def reference(key: GemmKey, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """fp32 x @ w^T (+ b) with TF32 off."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        y = x.float() @ w.float().t()
-        if b is not None:
-            y += b.float()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-    return y
+def reference(key, *inputs, family: Family | None = None) -> torch.Tensor:
+    """The family's fp32 reference of one input set (a16w16: x @ w^T (+ b), TF32 off)."""
+    return _fam(family).reference(key, inputs)
 
 
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -74,22 +71,14 @@ def _poison_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> N
     torch.full((numel,), float("nan"), dtype=dtype, device=device)
 
 
-def _strided_view(x: torch.Tensor) -> torch.Tensor:
-    """The same values as x [M, K], as a [1, M, K] view with padded rows (non-contiguous)."""
-    M, K = x.shape
-    wide = torch.full((M, K + 8), float("nan"), dtype=x.dtype, device=x.device)
-    wide[:, :K] = x
-    return wide[:, :K].unsqueeze(0)
-
-
-def _judge(y, key: GemmKey, shape: tuple, ref: torch.Tensor, limit: float, what: str) -> tuple[float, str]:
+def _judge(y, fam: Family, key, shape: tuple, ref: torch.Tensor, limit: float, what: str) -> tuple[float, str]:
     if not isinstance(y, torch.Tensor):
         return math.nan, f"{what}: returned {type(y).__name__}, not a tensor"
-    if tuple(y.shape) != shape:
-        return math.nan, f"{what}: output shape {tuple(y.shape)}, expected {shape}"
-    if y.dtype != key.outdtype:
-        return math.nan, f"{what}: output dtype {y.dtype}, expected {key.outdtype}"
-    err = rel_error(y.reshape(key.M, key.N), ref)
+    if tuple(y.shape) != tuple(shape):
+        return math.nan, f"{what}: output shape {tuple(y.shape)}, expected {tuple(shape)}"
+    if y.dtype != fam.out_dtype(key):
+        return math.nan, f"{what}: output dtype {y.dtype}, expected {fam.out_dtype(key)}"
+    err = rel_error(y.reshape(ref.shape), ref)
     if math.isinf(err):
         return math.nan, f"{what}: output has NaN/Inf (unwritten or overflowed elements)"
     cap = min(limit, CATASTROPHIC)
@@ -100,59 +89,50 @@ def _judge(y, key: GemmKey, shape: tuple, ref: torch.Tensor, limit: float, what:
 
 def check_runner(
     runner: Runner,
-    key: GemmKey,
+    key,
     inputs: tuple,
     ref: torch.Tensor,
     err_ratio: float | None = None,
     graph: bool = True,
+    family: Family | None = None,
 ) -> CheckResult:
-    """Run `runner` on `inputs` (x [M, K], w, bias) every way the dispatcher may call it; judge vs `ref`."""
-    x, w, b = inputs
-    dev = x.device
-    limit = threshold_for(key, err_ratio)
+    """Run `runner` on `inputs` every way the family's op may call it; judge each output vs `ref`."""
+    fam = _fam(family)
+    dev = next(t for t in inputs if isinstance(t, torch.Tensor)).device
+    limit = threshold_for(key, err_ratio, fam)
+    out_shape = fam.output_shape(key)
+    numel = math.prod(out_shape)
     worst = 0.0
-
-    def verdict(y, shape, what):
-        nonlocal worst
-        err, why = _judge(y, key, shape, ref, limit, what)
-        if not why:
-            worst = max(worst, err)
-        return err, why
-
-    _poison_allocator(key.M * key.N, key.outdtype, dev)
-    y = runner(x, w, b)
-    err, why = verdict(y, (key.M, key.N), "eager")
-    if why:
-        return CheckResult(False, err, why)
-    eager = y.clone()
-    del y
-
-    _poison_allocator(key.M * key.N, key.outdtype, dev)
-    y3 = runner(_strided_view(x), w, b)
-    err, why = verdict(y3, (1, key.M, key.N), "x [1, M, K] non-contiguous")
-    if why:
-        return CheckResult(False, err, why)
-    del y3
+    eager = None
+    for what, args, shape in [("eager", inputs, out_shape), *fam.check_variants(key, inputs)]:
+        _poison_allocator(numel, fam.out_dtype(key), dev)
+        y = runner(*args)
+        err, why = _judge(y, fam, key, shape, ref, limit, what)
+        if why:
+            return CheckResult(False, err, why)
+        worst = max(worst, err)
+        if eager is None:
+            eager = y.clone()
+        del y
 
     if graph and dev.type == "cuda":
-        err, why = _graph_check(runner, key, (x, w, b), eager, ref, limit)
+        err, why = _graph_check(runner, fam, key, inputs, eager, ref, limit)
         if why:
             return CheckResult(False, err, why)
         worst = max(worst, err)
     return CheckResult(True, worst)
 
 
-def _graph_check(runner, key, inputs, eager, ref, limit) -> tuple[float, str]:
-    x, w, b = inputs
+def _graph_check(runner, fam: Family, key, inputs, eager, ref, limit) -> tuple[float, str]:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        runner(x, w, b)  # warm-up outside the graph (workspaces, compilation)
+        runner(*inputs)  # warm-up outside the graph (workspaces, compilation)
     torch.cuda.current_stream().wait_stream(stream)
     g = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(g):
-            y = runner(x, w, b)
+            y = runner(*inputs)
     except Exception as exc:  # noqa: BLE001 - a runner that cannot be captured is rejected, not fatal
         torch.cuda.synchronize()
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -160,10 +140,10 @@ def _graph_check(runner, key, inputs, eager, ref, limit) -> tuple[float, str]:
     y.fill_(float("nan"))  # the replay must write every element again
     g.replay()
     torch.cuda.synchronize()
-    err, why = _judge(y, key, (key.M, key.N), ref, limit, "CUDA graph replay")
+    err, why = _judge(y, fam, key, fam.output_shape(key), ref, limit, "CUDA graph replay")
     if why:
         return err, why
-    drift = rel_error(y, eager.float())
+    drift = rel_error(y.reshape(eager.shape), eager.float())
     if drift > limit:
         return drift, f"CUDA graph replay differs from the eager result (rel {drift:.3g})"
     return err, ""

@@ -1,4 +1,5 @@
-"""Tune one shape: check every candidate, screen them cheaply, time the finalists against the default.
+"""Tune one key of any GEMM family: check every candidate, screen them cheaply, time the finalists
+against the family's default.
 
 1. Candidates: every solution of every selected backend that supports the key (the vendor default,
    torch's default_solution, is always timed, whatever --libtype says).
@@ -24,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import backends
-from ..backends.base import Backend, Solution
-from ..keys import GemmKey
+from .. import backends, families
+from ..backends.base import Backend, Runner, Solution
+from ..families import Family
 from .check import check_runner, reference
 from .timing import bench_gemm, make_inputs, measure_ceilings, roof_us
 
@@ -75,7 +76,7 @@ class CandidateResult:
 
 @dataclass
 class ShapeResult:
-    key: GemmKey
+    key: tuple
     winner: CandidateResult
     us: float
     default: CandidateResult
@@ -86,6 +87,7 @@ class ShapeResult:
     candidates: list[CandidateResult] = field(default_factory=list)
     seconds: float = 0.0
     note: str = ""
+    family: str = "a16w16"
 
     @property
     def speedup(self) -> float:
@@ -103,15 +105,18 @@ def _no_heartbeat(names: list[str], phase: str) -> None:
     pass
 
 
-def shape_seed(key: GemmKey, seed: int) -> int:
+def shape_seed(key, seed: int, family: Family | None = None) -> int:
     """A fresh, reproducible seed per shape."""
-    return (seed * 1_000_003 + zlib.crc32(key.describe().encode())) & 0x7FFFFFFF
+    text = (family or families.get("a16w16")).describe(key)
+    return (seed * 1_000_003 + zlib.crc32(text.encode())) & 0x7FFFFFFF
 
 
-def select_backends(device: torch.device, libtypes: list[str] | None) -> dict[str, Backend]:
+def select_backends(device: torch.device, libtypes: list[str] | None, family: str = "a16w16") -> dict[str, Backend]:
     """The backends to draw candidates from; ValueError naming what is known/available otherwise."""
-    known = backends.all_backends()
-    avail = backends.available(device)
+    known = backends.all_backends(family)
+    avail = backends.available(device, family)
+    if not known:
+        raise ValueError(f"the {family} family has no backend in gemmtune yet ({families.get(family).unrunnable})")
     if not libtypes:
         return avail
     unknown = [n for n in libtypes if n not in known]
@@ -159,21 +164,20 @@ def _unique_name(names: dict, cand: CandidateResult) -> str:
     return name
 
 
-def _group_size(key: GemmKey, device: torch.device, sets: int, batch: int) -> int:
+def _group_size(fam: Family, key, device: torch.device, sets: int, batch: int) -> int:
     if device.type != "cuda":
         return max(1, batch)
-    per = sets * key.M * key.N * key.outdtype.itemsize * 2  # graph outputs plus slack for workspaces
+    out_bytes = math.prod(fam.output_shape(key)) * fam.out_dtype(key).itemsize
+    per = sets * out_bytes * 2  # graph outputs plus slack for workspaces
     free, _ = torch.cuda.mem_get_info(device)
     return max(1, min(batch, int(0.25 * free // max(per, 1))))
 
 
-
-
-def _timed(key, runners, device, reps, seed, inputs, heartbeat, phase) -> dict[str, float]:
+def _timed(key, runners, device, reps, seed, inputs, heartbeat, phase, fam: Family) -> dict[str, float]:
     """bench_gemm; if the whole run raises, time each runner alone so one bad runner fails alone."""
     heartbeat(list(runners), phase)
     try:
-        return bench_gemm(key, runners, device=device, reps=reps, seed=seed, inputs=inputs)
+        return bench_gemm(key, runners, device=device, reps=reps, seed=seed, inputs=inputs, family=fam)
     except DeviceLostError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -182,67 +186,52 @@ def _timed(key, runners, device, reps, seed, inputs, heartbeat, phase) -> dict[s
             return {n: math.nan for n in runners}
     out = {}
     for name, run in runners.items():
-        out.update(_timed(key, {name: run}, device, reps, seed, inputs, heartbeat, phase))
+        out.update(_timed(key, {name: run}, device, reps, seed, inputs, heartbeat, phase, fam))
     return out
 
 
-def tune_shape(
-    key: GemmKey,
-    device: torch.device,
-    opts: TuneOptions,
-    exclude: dict[str, tuple[str, str]] | None = None,
-    heartbeat: Heartbeat = _no_heartbeat,
-    isolate: bool = False,
-    log: Callable[[str], None] | None = None,
-) -> ShapeResult:
-    """Tune `key` on `device`. `exclude` maps candidate names to (status, reason) decided elsewhere
-    (a worker that crashed or hung on them); `isolate` screens one candidate at a time."""
-    t0 = time.perf_counter()
-    exclude = exclude or {}
-    seed = shape_seed(key, opts.seed)
-    say = log or (lambda msg: None)
-    torch_backend = backends.get(DEFAULT_LIBTYPE)
-    default_sol = torch_backend.default_solution(key, device)
-    default = CandidateResult.of(default_sol)
+@dataclass
+class _Pool:
+    """The candidates of one key: results by unique name, and what is needed to run each."""
 
-    # -- candidates ---------------------------------------------------------------------------
-    results: dict[str, CandidateResult] = {}
-    sols: dict[str, tuple[Backend, Solution]] = {}
-    for bname, backend in select_backends(device, opts.libtypes).items():
+    results: dict[str, CandidateResult] = field(default_factory=dict)
+    solutions: dict[str, tuple[Backend, Solution]] = field(default_factory=dict)
+    runners: dict[str, Runner] = field(default_factory=dict)  # the ones that passed the check
+
+
+def _gather(fam: Family, key, device, opts: TuneOptions, exclude) -> _Pool:
+    """Every solution of every selected backend that supports the key; `exclude` pre-decides some."""
+    pool = _Pool()
+    for bname, backend in select_backends(device, opts.libtypes, fam.name).items():
         try:
             offered = [s for s in backend.candidates(key, device) if backend.supports(s, key, device)]
         except Exception as exc:  # noqa: BLE001 - a backend that cannot list candidates is reported
             bad = CandidateResult(bname, "<candidates>", -1, 0, FAILED, reason=_describe_exc(exc))
-            results[bad.name] = bad
+            pool.results[bad.name] = bad
             continue
         for sol in offered:
             cand = CandidateResult.of(sol)
-            name = _unique_name(results, cand)
+            name = _unique_name(pool.results, cand)
             if name in exclude:
                 cand.status, cand.reason = exclude[name]
-            results[name] = cand
-            sols[name] = (backend, sol)
+            pool.results[name] = cand
+            pool.solutions[name] = (backend, sol)
+    return pool
 
-    # -- correctness ----------------------------------------------------------------------------
-    inputs = make_inputs(key, device, seed=seed) if device.type == "cuda" else None
-    check_in = inputs[0] if inputs else make_inputs(key, device, sets=1, seed=seed)[0]
-    ref = reference(key, *check_in)
-    runners = {}
-    default_runner = torch_backend.make_runner(default_sol, key, device)
-    default_check = check_runner(default_runner, key, check_in, ref, opts.err_ratio)
-    default.err, default.status = default_check.err, OK if default_check.ok else REJECTED
-    default.reason = default_check.reason
-    for name, cand in results.items():
+
+def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, check_in, ref, heartbeat, say):
+    """Check every pending candidate against the reference; passing ones get a runner in the pool."""
+    for name, cand in pool.results.items():
         if cand.status != "pending":
             continue
         if name == default.name and (cand.solidx, cand.splitk) == (default.solidx, default.splitk):
             cand.status, cand.err, cand.reason = default.status, default.err, default.reason
             continue  # the default itself: timed in the final run under its own name
-        backend, sol = sols[name]
+        backend, sol = pool.solutions[name]
         heartbeat([name], "check")
         try:
             run = backend.make_runner(sol, key, device)
-            verdict = check_runner(run, key, check_in, ref, opts.err_ratio)
+            verdict = check_runner(run, key, check_in, ref, opts.err_ratio, family=fam)
         except DeviceLostError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of a candidate rejects it alone
@@ -253,70 +242,113 @@ def tune_shape(
         cand.err = verdict.err
         if verdict.ok:
             cand.status = OK
-            runners[name] = run
+            pool.runners[name] = run
         else:
             cand.status, cand.reason = REJECTED, verdict.reason
             say(f"  {name}: rejected ({verdict.reason})")
         _sync(device)
-    del ref
 
-    # -- screen ------------------------------------------------------------------------------------
-    finalists = list(runners)
-    if len(runners) > opts.top:
-        sets = len(inputs) if inputs else 1
-        size = 1 if isolate else _group_size(key, device, sets, opts.batch)
-        names = list(runners)
-        for i in range(0, len(names), size):
-            group = {n: runners[n] for n in names[i : i + size]}
-            times = _timed(key, group, device, max(5, opts.screen_reps), seed, inputs, heartbeat, "screen")
-            for n, us in times.items():
-                results[n].screen_us = us
-        timed = [n for n in names if results[n].screen_us == results[n].screen_us]  # not NaN
-        for n in names:
-            if n not in timed:
-                results[n].status, results[n].reason = FAILED, "timing failed (graph capture or launch error)"
-        finalists = sorted(timed, key=lambda n: results[n].screen_us)[: opts.top]
 
-    # -- final ---------------------------------------------------------------------------------------
-    # The default first and last: its two times straddle the finalists, so their spread (the noise)
-    # also covers any drift with position in the round.
-    final = {"default": default_runner, **{n: runners[n] for n in finalists}, "default#2": default_runner}
-    times = _timed(key, final, device, opts.reps, seed, inputs, heartbeat, "final")
+def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolate) -> list[str]:
+    """The `top` fastest passing candidates after a cheap interleaved timing in groups."""
+    if len(pool.runners) <= opts.top:
+        return list(pool.runners)
+    results = pool.results
+    sets = len(inputs) if inputs else 1
+    size = 1 if isolate else _group_size(fam, key, device, sets, opts.batch)
+    names = list(pool.runners)
+    for i in range(0, len(names), size):
+        group = {n: pool.runners[n] for n in names[i : i + size]}
+        times = _timed(key, group, device, max(5, opts.screen_reps), seed, inputs, heartbeat, "screen", fam)
+        for n, us in times.items():
+            results[n].screen_us = us
+    timed = [n for n in names if results[n].screen_us == results[n].screen_us]  # not NaN
+    for n in names:
+        if n not in timed:
+            results[n].status, results[n].reason = FAILED, "timing failed (graph capture or launch error)"
+    return sorted(timed, key=lambda n: results[n].screen_us)[: opts.top]
+
+
+def _final(fam, key, device, opts, pool: _Pool, finalists, default, default_runner, seed, inputs, heartbeat):
+    """The finalists and the default in one accurate run; the default first and last, so their spread
+    (the noise) also covers any drift with position in the round. Returns (default_us, noise)."""
+    final = {"default": default_runner, **{n: pool.runners[n] for n in finalists}, "default#2": default_runner}
+    times = _timed(key, final, device, opts.reps, seed, inputs, heartbeat, "final", fam)
     d1, d2 = times["default"], times["default#2"]
     if not (d1 == d1 and d2 == d2):
-        raise RuntimeError(f"{key.describe()}: the default ({default.name}) could not be timed")
-    default_us = (d1 + d2) / 2
-    noise = abs(d1 - d2) / min(d1, d2)
-    default.us = default_us
+        raise RuntimeError(f"{fam.describe(key)}: the default ({default.name}) could not be timed")
+    default.us = (d1 + d2) / 2
     for n in finalists:
-        results[n].us = times[n]
+        pool.results[n].us = times[n]
         if times[n] != times[n]:
-            results[n].status, results[n].reason = FAILED, "timing failed (graph capture or launch error)"
-    timed = [n for n in finalists if results[n].status == OK]
-    winner, us, kept, note = default, default_us, True, ""
-    if timed:
-        best = min(timed, key=lambda n: results[n].us)
-        gain = default_us / results[best].us - 1
-        need = max(opts.min_gain, noise)
-        if gain > need or default.status != OK:
-            winner, us, kept = results[best], results[best].us, False
-            if default.status != OK:
-                note = f"default failed its check ({default.reason})"
-        else:
-            note = f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
-    roof = roof_us(key, measure_ceilings(device)) if device.type == "cuda" else math.nan
-    cands = list(results.values())
+            pool.results[n].status, pool.results[n].reason = FAILED, "timing failed (graph capture or launch error)"
+    return default.us, abs(d1 - d2) / min(d1, d2)
+
+
+def _decide(pool: _Pool, finalists, default: CandidateResult, noise: float, opts: TuneOptions):
+    """The fastest finalist replaces the default only beyond --min-gain and the noise (or when the
+    default failed its own check). Returns (winner, us, kept_default, note)."""
+    timed = [n for n in finalists if pool.results[n].status == OK]
+    if not timed:
+        return default, default.us, True, ""
+    best = min(timed, key=lambda n: pool.results[n].us)
+    gain = default.us / pool.results[best].us - 1
+    need = max(opts.min_gain, noise)
+    if gain > need or default.status != OK:
+        note = f"default failed its check ({default.reason})" if default.status != OK else ""
+        return pool.results[best], pool.results[best].us, False, note
+    return default, default.us, True, f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
+
+
+def tune_shape(
+    key,
+    device: torch.device,
+    opts: TuneOptions,
+    exclude: dict[str, tuple[str, str]] | None = None,
+    heartbeat: Heartbeat = _no_heartbeat,
+    isolate: bool = False,
+    log: Callable[[str], None] | None = None,
+    family: Family | str = "a16w16",
+) -> ShapeResult:
+    """Tune `key` of `family` on `device`. `exclude` maps candidate names to (status, reason) decided
+    elsewhere (a worker that crashed or hung on them); `isolate` screens one candidate at a time."""
+    t0 = time.perf_counter()
+    fam = families.get(family) if isinstance(family, str) else family
+    seed = shape_seed(key, opts.seed, fam)
+    say = log or (lambda msg: None)
+    torch_backend = backends.get(fam.default_libtype, fam.name)
+    if torch_backend is None:
+        raise ValueError(f"the {fam.name} family has no default backend here ({fam.unrunnable})")
+    default_sol = torch_backend.default_solution(key, device)
+    default = CandidateResult.of(default_sol)
+    pool = _gather(fam, key, device, opts, exclude or {})
+
+    inputs = make_inputs(key, device, seed=seed, family=fam) if device.type == "cuda" else None
+    check_in = inputs[0] if inputs else make_inputs(key, device, sets=1, seed=seed, family=fam)[0]
+    ref = reference(key, *check_in, family=fam)
+    default_runner = torch_backend.make_runner(default_sol, key, device)
+    verdict = check_runner(default_runner, key, check_in, ref, opts.err_ratio, family=fam)
+    default.err, default.status, default.reason = verdict.err, OK if verdict.ok else REJECTED, verdict.reason
+    _check_all(fam, key, device, opts, pool, default, check_in, ref, heartbeat, say)
+    del ref
+
+    finalists = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate)
+    _, noise = _final(fam, key, device, opts, pool, finalists, default, default_runner, seed, inputs, heartbeat)
+    winner, us, kept, note = _decide(pool, finalists, default, noise, opts)
+    roof = roof_us(key, measure_ceilings(device), fam) if device.type == "cuda" else math.nan
+    cands = list(pool.results.values())
     if not any(c.name == default.name for c in cands):
         cands.insert(0, default)
-    return ShapeResult(key, winner, us, default, default_us, noise, roof, kept, cands,
-                       time.perf_counter() - t0, note)  # fmt: skip
+    return ShapeResult(key, winner, us, default, default.us, noise, roof, kept, cands,
+                       time.perf_counter() - t0, note, fam.name)  # fmt: skip
 
 
-def precompile_all(keys: list[GemmKey], device: torch.device, opts: TuneOptions, workers: int = 8) -> list:
+def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
+                   family: str = "a16w16") -> list:  # fmt: skip
     """Let backends that can compile ahead of time (triton: `precompile(jobs, device, workers)`) fill
     their caches for every (candidate, key) in parallel processes before tuning. Returns failures."""
     failures = []
-    for _name, backend in select_backends(device, opts.libtypes).items():
+    for _name, backend in select_backends(device, opts.libtypes, family).items():
         fn = getattr(backend, "precompile", None)
         if fn is None:
             fn = getattr(importlib.import_module(type(backend).__module__), "precompile", None)

@@ -1,4 +1,4 @@
-"""How gemmtune times a GEMM (../shared/BENCHMARKING.md): every speed figure goes through here.
+"""How gemmtune times a GEMM of any family (docs/benchmarking.md): every speed figure goes through here.
 
 - Cold weights: R input sets (x_i, w_i, bias_i) whose bytes together exceed 2x the L2 are rotated.
 - CUDA graphs: R calls (one per set) are captured in one graph; a replay / R is one call's time, so CPU
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import families
 from ..backends.base import Runner
-from ..configs.schema import gemm_bytes
-from ..keys import GemmKey
+from ..families import Family
 
 MAX_SETS = 256  # small shapes would need thousands of sets to cover 2x L2; this keeps graphs small
 _SPACER_CYCLES = 2_000_000  # ~1 ms of GPU sleep at ~2 GHz: longer than queueing 8 contenders' launches
@@ -39,22 +39,14 @@ def l2_bytes(device: torch.device) -> int:
     return int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
 
 
-def make_inputs(key: GemmKey, device: torch.device, sets: int | None = None, seed: int = 0):
-    """Random (x, w, bias) sets; enough of them that their weights and activations exceed 2x L2."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    per_set = key.N * key.K * key.dtype.itemsize + key.M * key.K * key.dtype.itemsize
+def make_inputs(key, device: torch.device, sets: int | None = None, seed: int = 0, family: Family | None = None):
+    """Random input sets of `family` (a16w16 by default); on a GPU enough of them that their bytes
+    exceed 2x L2, so every call reads its weights from HBM."""
+    fam = family or families.get("a16w16")
     if sets is None:
+        per_set = max(fam.set_bytes(key), 1)
         sets = 1 if device.type != "cuda" else min(MAX_SETS, max(2, math.ceil(2 * l2_bytes(device) / per_set) + 1))
-    out = []
-    for _ in range(sets):
-        x = torch.randn(key.M, key.K, device=device, dtype=torch.float32, generator=gen).to(key.dtype)
-        w = (torch.randn(key.N, key.K, device=device, dtype=torch.float32, generator=gen) / math.sqrt(key.K)).to(
-            key.dtype
-        )
-        b = torch.randn(key.N, device=device, dtype=torch.float32, generator=gen).to(key.dtype) if key.bias else None
-        out.append((x, w, b))
-    return out
+    return fam.make_inputs(key, device, sets, seed)
 
 
 def _median(xs: list[float]) -> float:
@@ -109,24 +101,25 @@ def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_pe
 
 
 def bench_gemm(
-    key: GemmKey,
+    key,
     runners: dict[str, Runner],
     device: torch.device | str = "cuda",
     reps: int = 20,
     seed: int = 0,
     inputs=None,
+    family: Family | None = None,
 ) -> dict[str, float]:
     """Microseconds per call of each runner on `key`: graph replay over rotating cold input sets,
     interleaved, median of `reps`. NaN for a runner that failed to run or capture."""
     device = torch.device(device)
     if device.type != "cuda":
-        return _bench_cpu(key, runners, reps, seed)
-    sets = inputs if inputs is not None else make_inputs(key, device, seed=seed)
+        return _bench_cpu(key, runners, reps, seed, family)
+    sets = inputs if inputs is not None else make_inputs(key, device, seed=seed, family=family)
 
     def calls_of(run):
         def all_sets():
-            for x, w, b in sets:
-                run(x, w, b)
+            for args in sets:
+                run(*args)
 
         return all_sets
 
@@ -134,17 +127,17 @@ def bench_gemm(
     return {n: v * 1e3 for n, v in ms.items()}
 
 
-def _bench_cpu(key: GemmKey, runners: dict[str, Runner], reps: int, seed: int) -> dict[str, float]:
+def _bench_cpu(key, runners: dict[str, Runner], reps: int, seed: int, family: Family | None) -> dict[str, float]:
     """Wall-clock median on the CPU (no graphs there); used by CPU tests and CPU-only tuning."""
     import time
 
-    x, w, b = make_inputs(key, torch.device("cpu"), sets=1, seed=seed)[0]
+    args = make_inputs(key, torch.device("cpu"), sets=1, seed=seed, family=family)[0]
     out: dict[str, float] = {}
     times: dict[str, list[float]] = {n: [] for n in runners}
     failed: set[str] = set()
     for name, run in runners.items():
         try:
-            run(x, w, b)
+            run(*args)
         except Exception:  # noqa: BLE001
             failed.add(name)
     for _ in range(reps):
@@ -152,7 +145,7 @@ def _bench_cpu(key: GemmKey, runners: dict[str, Runner], reps: int, seed: int) -
             if name in failed:
                 continue
             t0 = time.perf_counter()
-            run(x, w, b)
+            run(*args)
             times[name].append((time.perf_counter() - t0) * 1e6)
     for name in runners:
         out[name] = float("nan") if name in failed else _median(times[name])
@@ -176,6 +169,6 @@ def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
     return ceil
 
 
-def roof_us(key: GemmKey, ceilings: Ceilings) -> float:
+def roof_us(key, ceilings: Ceilings, family: Family | None = None) -> float:
     """max(compute time at the matmul ceiling, bytes at the read bandwidth), in microseconds."""
-    return max(2 * key.M * key.N * key.K / ceilings.flops, gemm_bytes(key) / ceilings.read_bw) * 1e6
+    return (family or families.get("a16w16")).roof_us(key, ceilings.read_bw, ceilings.flops)

@@ -1,0 +1,93 @@
+"""The tuner's files: the tuned table (one row per finished key, written at once, atomically, under the
+table's lock, in the family's full schema) and the optional per-candidate profile CSV."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+from .. import families
+from ..configs.io import locked, write_atomic
+from ..configs.schema import TunedRow
+from ..configs.table import TableFile, read_table_file
+from ..device import DeviceIdentity
+from ..errors import ConfigError
+from ..families import Family
+from .search import ShapeResult
+
+PROFILE_COLUMNS = [
+    "family", "gfx", "cu_num", "key", "libtype", "kernelName", "solidx", "splitK",
+    "status", "err", "screen_us", "us", "default_us", "winner", "reason",
+]  # fmt: skip
+
+
+def existing_table(path: str, family: Family) -> TableFile:
+    """The output table as it is (empty, in the family's schema, when the file does not exist yet).
+    A file of another family is an error: tuning bf16 keys into an a8w8 table would mix their rows."""
+    if not os.path.exists(path):
+        return TableFile(path, family, list(family.tuned_columns), [])
+    return read_table_file(path, family, allow_empty=True)
+
+
+def done_keys(path: str, ident: DeviceIdentity, family: Family) -> set:
+    return {r.key for r in existing_table(path, family).rows if r.gfx == ident.gfx and r.cu_num == ident.cu_num}
+
+
+def full_header(tf: TableFile) -> list[str]:
+    """The file's header, with any of the family's columns it lacks added in the family's order: a row
+    written into a legacy file (no gfx / dtype / bias ...) must keep its key and GPU, not read back as
+    'bf16, no bias, any arch'. Columns the family does not know stay, after the family's."""
+    have = tf.columns
+    schema = list(tf.family.tuned_columns)
+    if all(c in have for c in (families.normalize(tf.family, schema))):
+        return list(tf.raw_header)
+    extra = [h for h, c in zip(tf.raw_header, have) if c not in families.normalize(tf.family, schema)]
+    return schema + extra
+
+
+def result_row(res: ShapeResult, ident: DeviceIdentity, family: Family) -> TunedRow:
+    w = res.winner
+    tflops, bw = family.throughput(res.key, res.us)
+    err = w.err if math.isfinite(w.err) else 0.0
+    return TunedRow(ident.gfx, ident.cu_num, res.key, w.libtype, w.solidx, w.splitk, res.us, w.kernel_name,
+                    err, tflops, bw, family=family)  # fmt: skip
+
+
+def write_row(path: str, row: TunedRow) -> None:
+    """Replace (or add) the row of the same GPU and key, atomically, under the file's lock."""
+    with locked(path):
+        tf = existing_table(path, row.family)
+        header = full_header(tf)  # old rows keep their meaning: a missing gfx is written empty (any GPU)
+        tf.rows = [r for r in tf.rows if r.full_key != row.full_key] + [row]
+        cols = families.normalize(row.family, [h.strip() for h in header])
+        write_atomic(path, header, ([r.value(c) for c in cols] for r in tf.rows), tf.final_newline)
+
+
+def _fmt(v: float) -> str:
+    return "" if v != v else f"{v:.4g}"
+
+
+def append_profile(path: str, res: ShapeResult, ident: DeviceIdentity, family: Family) -> None:
+    base = [family.name, ident.gfx, str(ident.cu_num), family.describe(res.key)]
+    rows = []
+    for c in res.candidates:
+        us = res.default_us if c.name == res.default.name and c.us != c.us else c.us
+        winner = c is res.winner or c.name == res.winner.name
+        rows.append([*base, c.libtype, c.kernel_name, str(c.solidx), str(c.splitk), c.status, _fmt(c.err),
+                     _fmt(c.screen_us), _fmt(us), _fmt(res.default_us), str(winner), c.reason])  # fmt: skip
+    with locked(path):
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, newline="", encoding="utf-8-sig") as fh:
+                first = next(csv.reader(fh), [])
+            if first != PROFILE_COLUMNS:
+                raise ConfigError(f"{path}:1: not a gemmtune profile file (columns {','.join(first)}); "
+                                  "choose another --profile-file")  # fmt: skip
+            new = False
+        else:
+            new = True
+        with open(path, "a", newline="", encoding="utf-8") as fh:
+            writer = csv.writer(fh, lineterminator="\n")
+            if new:
+                writer.writerow(PROFILE_COLUMNS)
+            writer.writerows(rows)

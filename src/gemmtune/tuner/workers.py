@@ -1,0 +1,264 @@
+"""Tuning in worker processes, so a candidate that crashes or hangs ends a worker, not the run.
+
+One spawned process per GPU (or per CPU worker on a CPU machine), fed one key at a time through a
+pipe. Before each step (a candidate's check, a timing group) the worker sends a heartbeat naming the
+candidates in flight, synchronously, so when the worker dies (segfault, os._exit, a CUDA error that
+kills the context) or stays silent longer than `timeout`, the parent knows which candidate did it:
+that candidate is recorded as crashed/timeout, the worker is restarted, and the key is tuned again
+without it. If several candidates were in flight (a timing group), the key is retried with one
+candidate per group, which pins the culprit down on the next failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+
+import torch
+
+from .search import CRASHED, TIMEOUT, DeviceLostError, TuneOptions, tune_shape
+
+PLUGINS_ENV = "GEMMTUNE_PLUGINS"  # comma list of modules to import (they register extra backends)
+MAX_ATTEMPTS = 4  # worker restarts allowed per key before the key is given up
+STARTUP_TIMEOUT = 600.0
+BAN_AFTER = 2  # a candidate that kills its worker on this many keys is skipped for the rest of the run
+
+
+@dataclass
+class ShapeFailure:
+    """A key that could not be tuned at all (no row is written for it)."""
+
+    key: tuple
+    reason: str
+    family: str = "a16w16"
+
+
+def import_plugins() -> None:
+    """Import the modules named in GEMMTUNE_PLUGINS (in the parent and in every worker)."""
+    import importlib
+
+    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        importlib.import_module(mod)
+
+
+# ---- messages -------------------------------------------------------------------------------------
+@dataclass
+class Task:
+    idx: int
+    key: tuple
+    family: str
+    exclude: dict[str, tuple[str, str]] = field(default_factory=dict)
+    isolate: bool = False
+    attempts: int = 0
+
+
+@dataclass
+class Ready:
+    wid: int
+
+
+@dataclass
+class Beat:
+    idx: int
+    names: list[str]
+    phase: str
+
+
+@dataclass
+class Log:
+    idx: int
+    text: str
+
+
+@dataclass
+class Done:
+    idx: int
+    result: object  # ShapeResult
+
+
+@dataclass
+class Failed:
+    idx: int
+    reason: str
+
+
+@dataclass
+class Lost:
+    idx: int
+    reason: str
+
+
+# ---- the worker process -----------------------------------------------------------------------------
+def _worker_main(wid: int, device_str: str, opts: TuneOptions, conn, plugins: str, verbose: bool) -> None:
+    os.environ[PLUGINS_ENV] = plugins
+    import_plugins()
+    device = torch.device(device_str)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    conn.send(Ready(wid))
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        i = task.idx
+        hb = lambda names, phase: conn.send(Beat(i, list(names), phase))  # noqa: E731
+        say = (lambda msg: conn.send(Log(i, msg))) if verbose else None
+        try:
+            hb([], "setup")
+            res = tune_shape(task.key, device, opts, task.exclude, hb, task.isolate, log=say, family=task.family)
+            conn.send(Done(i, res))
+        except DeviceLostError as exc:
+            conn.send(Lost(i, str(exc)))
+            conn.close()
+            os._exit(3)
+        except Exception as exc:  # noqa: BLE001
+            conn.send(Failed(i, f"{type(exc).__name__}: {exc}"))
+
+
+class _Worker:
+    def __init__(self, ctx, wid: int, device: str, opts: TuneOptions, verbose: bool):
+        self.wid, self.device = wid, device
+        parent, child = ctx.Pipe()
+        self.conn = parent
+        args = (wid, device, opts, child, os.environ.get(PLUGINS_ENV, ""), verbose)
+        self.proc = ctx.Process(target=_worker_main, args=args, daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.started = time.monotonic()
+        self.task: Task | None = None
+        self.inflight: tuple[list[str], str] = ([], "")
+        self.last_hb = time.monotonic()
+
+    def assign(self, task: Task) -> None:
+        self.task = task
+        self.last_hb = time.monotonic()
+        self.inflight = ([], "start")
+        self.conn.send(task)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+    def drain(self, log) -> list:
+        """Handle every message waiting; return the finished results / failures."""
+        out = []
+        while True:
+            try:
+                if not self.conn.poll():
+                    break
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, Ready):
+                self.ready = True
+            elif isinstance(msg, Beat):
+                self.inflight = (msg.names, msg.phase)
+                self.last_hb = time.monotonic()
+            elif isinstance(msg, Log):
+                log(msg.text)
+                self.last_hb = time.monotonic()
+            elif isinstance(msg, (Done, Failed)) and self.task is not None:
+                t = self.task
+                out.append(msg.result if isinstance(msg, Done) else ShapeFailure(t.key, msg.reason, t.family))
+                self.task = None
+            elif isinstance(msg, Lost):
+                log(f"worker {self.wid}: {msg.reason}")
+        return out
+
+
+def worker_devices(device: torch.device, n: int) -> list[str]:
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if n > count:
+            raise ValueError(f"--mp {n} asks for more workers than GPUs here ({count})")
+        return [f"cuda:{i}" for i in range(n)]
+    return [device.type] * n
+
+
+class _Bans:
+    """Strikes against candidates that killed workers; banned ones are excluded from later keys."""
+
+    def __init__(self) -> None:
+        self.strikes: collections.Counter = collections.Counter()
+        self.banned: dict[str, tuple[str, str]] = {}
+
+    def strike(self, name: str, status: str, why: str) -> None:
+        self.strikes[name] += 1
+        if self.strikes[name] >= BAN_AFTER:
+            self.banned[name] = (status, f"{why}; skipped after failing on {BAN_AFTER} shapes")
+
+
+def _on_worker_loss(w: _Worker, hung: bool, timeout: float, pending, log, bans: _Bans, describe):
+    """Record the in-flight candidate(s) as crashed/timed out; requeue the key or give it up."""
+    t = w.task
+    if t is None:
+        return None
+    names, phase = w.inflight
+    status = TIMEOUT if hung else CRASHED
+    why = (f"no progress for {timeout:g}s" if hung else f"worker exited with code {w.proc.exitcode}") + f" ({phase})"
+    log(f"{describe(t)}: worker {w.wid} {'hung' if hung else 'died'} on {', '.join(names) or phase}: {why}")
+    w.task = None
+    exclude, isolate = dict(t.exclude), t.isolate
+    if len(names) == 1 and not names[0].startswith("default"):
+        exclude[names[0]] = (status, why)
+        bans.strike(names[0], status, why)
+    elif len(names) > 1 and not isolate:
+        isolate = True  # several in flight: time one at a time to find which
+    else:
+        return ShapeFailure(t.key, f"worker {'hung' if hung else 'died'} outside any single candidate: {why}",
+                            t.family)  # fmt: skip
+    if t.attempts + 1 >= MAX_ATTEMPTS:
+        return ShapeFailure(t.key, f"gave up after {MAX_ATTEMPTS} worker failures; last: {why}", t.family)
+    pending.appendleft(Task(t.idx, t.key, t.family, exclude, isolate, t.attempts + 1))
+    return None
+
+
+def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: float, log, verbose: bool,
+                family: str = "a16w16", describe=lambda t: str(t.key)):  # fmt: skip
+    """Yield ShapeResult / ShapeFailure for each key, tuned by `n` worker processes."""
+    ctx = mp.get_context("spawn")
+    devices = worker_devices(device, n)
+    workers = [_Worker(ctx, i, d, opts, verbose) for i, d in enumerate(devices)]
+    pending = collections.deque(Task(i, k, family) for i, k in enumerate(keys))
+    bans = _Bans()
+    remaining = len(keys)
+    try:
+        while remaining:
+            for w in workers:
+                if w.ready and w.task is None and pending:
+                    t = pending.popleft()
+                    t.exclude = {**bans.banned, **t.exclude}
+                    w.assign(t)
+            wait([w.conn for w in workers] + [w.proc.sentinel for w in workers], timeout=0.5)
+            for i, w in enumerate(workers):
+                for item in w.drain(log):
+                    remaining -= 1
+                    yield item
+                dead = not w.proc.is_alive()
+                hung = w.task is not None and time.monotonic() - w.last_hb > timeout
+                slow_start = not w.ready and time.monotonic() - w.started > STARTUP_TIMEOUT
+                if slow_start or (dead and not w.ready and w.task is None):
+                    raise RuntimeError(f"tuning worker {w.wid} on {w.device} did not start "
+                                       f"(exit code {w.proc.exitcode})")  # fmt: skip
+                if dead or hung:
+                    item = _on_worker_loss(w, hung, timeout, pending, log, bans, describe)
+                    w.stop()
+                    workers[i] = _Worker(ctx, w.wid, w.device, opts, verbose)
+                    if item is not None:
+                        remaining -= 1
+                        yield item
+    finally:
+        for w in workers:
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            w.proc.join(timeout=2)
+            w.stop()
