@@ -8,7 +8,8 @@ import sys
 
 import click
 
-from ..capture import read_shapes
+from ..capture import read_shape_list, refuse_tuned_table
+from ..errors import GemmtuneError
 
 
 @click.command("capture", context_settings={"ignore_unknown_options": True})
@@ -18,19 +19,32 @@ def capture(output: str, command: tuple[str, ...]) -> None:
     """Run COMMAND and record every GEMM shape it dispatches through gemmtune (with call counts).
 
     The file is aiter's untuned CSV (M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle) plus a count
-    column; several runs (or processes) merge into the same file. Example:
+    column; other GEMM families go beside it (OUTPUT.batched.csv ...). Several runs (or processes)
+    merge into the same files. A tuned table is never a capture target. Example:
 
         gemmtune capture -o shapes.csv -- python serve.py --model ...
     """
+    try:
+        refuse_tuned_table(output)
+    except GemmtuneError as exc:
+        raise click.ClickException(str(exc)) from None
     env = dict(os.environ, GEMMTUNE_CAPTURE=os.path.abspath(output))
     try:
         rc = subprocess.call(list(command), env=env)
     except FileNotFoundError:
         raise click.ClickException(f"command not found: {command[0]}") from None
-    if os.path.exists(output):
-        shapes = read_shapes(output)
+    written = [p for p in _family_files(output) if os.path.exists(p)]
+    for path in written:
+        fam, shapes = read_shape_list(path)
         calls = sum(c for _, c in shapes)
-        click.echo(f"gemmtune: {len(shapes)} distinct shapes, {calls} calls recorded in {output}", err=True)
-    else:
+        click.echo(f"gemmtune: {len(shapes)} distinct shapes, {calls} calls recorded in {path} ({fam.name})", err=True)
+    if not written:
         click.echo(f"gemmtune: no GEMM went through gemmtune; {output} not written", err=True)
     sys.exit(rc)
+
+
+def _family_files(output: str) -> list[str]:
+    from .. import families
+    from ..capture import capture_path
+
+    return [capture_path(output, f) for f in families.all_families()]

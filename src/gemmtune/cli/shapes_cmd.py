@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from .. import families
 from ..capture import key_to_record
 from ..configs.io import write_atomic
 from ..configs.schema import UNTUNED_COLUMNS
@@ -24,8 +25,11 @@ _OUT_HELP = "Untuned CSV to write (aiter's M,N,K,bias,dtype,outdtype,...); defau
 @click.option("--dtype", default=None, help="Input dtype (default: the config's torch_dtype, else bfloat16).")
 @click.option("--outdtype", default=None, help="Output dtype (default: the input dtype).")
 @click.option("--no-lm-head", is_flag=True, help="Leave out the lm_head GEMM.")
+@click.option("--family", default="a16w16", show_default=True,
+              help="GEMM family to emit: a16w16 (the linear layers) or another family the model runs "
+              "(batched: DeepSeek MLA's per-head absorbed projections).")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help=_OUT_HELP)
-def command(model, tp, nsets, dtype, outdtype, no_lm_head, output) -> None:
+def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> None:
     """The GEMM shapes a Hugging Face model runs (one TP rank), as aiter's untuned CSV.
 
     Fused QKV and gate+up as serving engines run them; column-parallel layers split along N,
@@ -41,6 +45,13 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, output) -> None:
         odt = parse_dtype(outdtype) if outdtype else dt
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    if family != "a16w16":
+        _other_family(family, config, source, tp, ms, dt, output)
+        return
+    others = [f.name for f in families.all_families() if f.name != "a16w16" and _keys(f, config, tp, ms[:1], dt)]
+    if others:
+        click.echo(f"gemmtune: {source} also runs {', '.join(others)} GEMMs: --family {others[0]} emits them",
+                   err=True)  # fmt: skip
     if no_lm_head:
         shapes = [s for s in shapes if s.name != "lm_head"]
     pairs = named_keys(shapes, ms, dt, odt)
@@ -53,5 +64,31 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, output) -> None:
             click.echo(f"  {s.name:<22} N={s.N:<7} K={s.K:<7} bias={s.bias} x{s.count}{extra}", err=True)
     else:
         click.echo(",".join(UNTUNED_COLUMNS))
+        for r in rows:
+            click.echo(",".join(r))
+
+
+def _keys(fam, config, tp, ms, dtype) -> list:
+    try:
+        return fam.keys_for_model(config, tp, ms, dtype)
+    except (ModelConfigError, ValueError, NotImplementedError):
+        return []
+
+
+def _other_family(name, config, source, tp, ms, dtype, output) -> None:
+    try:
+        fam = families.get(name)
+        keys = list(dict.fromkeys(fam.keys_for_model(config, tp, ms, dtype)))
+    except (ModelConfigError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if not keys:
+        raise click.ClickException(f"{source} runs no {name} GEMMs that gemmtune knows how to derive")
+    rows = [key_to_record(k, fam) for k in keys]
+    cols = list(fam.untuned_columns)
+    if output:
+        write_atomic(output, cols, rows)
+        click.echo(f"gemmtune: {len(rows)} {name} shapes from {source} (tp={tp}) written to {output}", err=True)
+    else:
+        click.echo(",".join(cols))
         for r in rows:
             click.echo(",".join(r))

@@ -89,6 +89,9 @@ def _log(msg: str) -> None:
     help="Append every candidate's result (status, error, screen and final us, reason) as CSV.",
 )
 @click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
+@click.option("--family", default=None,
+              help="GEMM family of SHAPES (a16w16, batched, ...; default: from its header and file name). "
+              "A list of another family is refused, never tuned as this one.")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Base seed (per shape derived).")
 @click.option(
     "--precompile/--no-precompile",
@@ -100,8 +103,9 @@ def _log(msg: str) -> None:
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
 @click.option("-v", "--verbose", is_flag=True, help="Per-shape and per-rejected-candidate lines.")
 def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, timeout, mp_workers, all_shapes,
-            profile_file, device, seed, precompile, plugin, progress, verbose) -> None:  # fmt: skip
-    """Tune every shape of SHAPES (aiter's untuned CSV, or a capture file) and write the winners.
+            profile_file, device, family, seed, precompile, plugin, progress, verbose) -> None:  # fmt: skip
+    """Tune every shape of SHAPES (aiter's untuned CSV of any GEMM family, or a capture file) and write
+    the winners into OUTPUT, a tuned table of the same family.
 
     For each shape: every candidate is checked against an fp32 reference (wrong, NaN, crashing or
     out-of-memory candidates are rejected), screened, and the finalists timed against the vendor
@@ -124,7 +128,7 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
     try:
         report = tune_file(shapes, output, opts, dev, mp_workers=mp_workers, timeout=timeout,
                            all_shapes=all_shapes, profile_file=profile_file, precompile=precompile,
-                           progress=progress, log=_log, verbose=verbose)  # fmt: skip
+                           progress=progress, log=_log, verbose=verbose, family=family)  # fmt: skip
     except (GemmtuneError, ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in summary_lines(report, output):

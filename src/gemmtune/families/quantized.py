@@ -49,7 +49,8 @@ class BlockKey(NamedTuple):
     outdtype: torch.dtype = torch.bfloat16
 
     def describe(self) -> str:
-        return f"M={self.M} N={self.N} K={self.K} {dtype_name(self.q_dtype_w)} 1x128/128x128 ->{dtype_name(self.outdtype)}"
+        q = dtype_name(self.q_dtype_w)
+        return f"M={self.M} N={self.N} K={self.K} {q} 1x128/128x128 ->{dtype_name(self.outdtype)}"
 
 
 class BatchedQuantKey(NamedTuple):

@@ -31,6 +31,7 @@ from .. import families
 from ..backends.base import Runner
 from ..families import Family
 from ..families.base import THRESHOLDS  # noqa: F401 - re-exported: the thresholds this module documents
+
 CATASTROPHIC = 0.5
 
 

@@ -297,7 +297,8 @@ def _decide(pool: _Pool, finalists, default: CandidateResult, noise: float, opts
     if gain > need or default.status != OK:
         note = f"default failed its check ({default.reason})" if default.status != OK else ""
         return pool.results[best], pool.results[best].us, False, note
-    return default, default.us, True, f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
+    note = f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
+    return default, default.us, True, note
 
 
 def tune_shape(

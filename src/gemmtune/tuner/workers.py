@@ -105,8 +105,8 @@ def _worker_main(wid: int, device_str: str, opts: TuneOptions, conn, plugins: st
         if task is None:
             return
         i = task.idx
-        hb = lambda names, phase: conn.send(Beat(i, list(names), phase))  # noqa: E731
-        say = (lambda msg: conn.send(Log(i, msg))) if verbose else None
+        hb = lambda names, phase, i=i: conn.send(Beat(i, list(names), phase))  # noqa: E731
+        say = (lambda msg, i=i: conn.send(Log(i, msg))) if verbose else None
         try:
             hb([], "setup")
             res = tune_shape(task.key, device, opts, task.exclude, hb, task.isolate, log=say, family=task.family)
