@@ -199,3 +199,17 @@ def test_batched_op_validates_and_matches_bmm():
             gemmtune.batched_gemm(*args)
     compiled = torch.compile(lambda a, b: gemmtune.batched_gemm(a, b) * 2, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(a, b), 2 * ref)
+
+
+def test_one_runner_serves_every_m_of_a_row(monkeypatch):
+    from gemmtune.backends.torch_backend import TorchBackend
+
+    made = []
+    real = TorchBackend.make_runner
+    monkeypatch.setattr(TorchBackend, "make_runner", lambda self, s, k, d: made.append(k.M) or real(self, s, k, d))
+    w = torch.randn(16, 8)
+    for m in (1, 3, 7, 64):
+        gemmtune.gemm(torch.randn(m, 8), w)
+    assert made == [1]  # the default runner was made once, for the first M, and reused
+    gemmtune.gemm(torch.randn(2, 8), torch.randn(12, 8))
+    assert made == [1, 2]  # another N: another runner

@@ -69,6 +69,9 @@ class Dispatcher:
         self._capture: CaptureSet | None = None
         self._capture_from_env = True
         self._warned: set[tuple] = set()
+        # One runner per (family, solution, scope: the key without M for most backends, device), shared
+        # by every M that resolves to it, so a server's hundred batch sizes compile and allocate once.
+        self._shared: dict[tuple, Runner] = {}
         _setup_logging()
 
     def cache(self, family: str) -> dict[tuple, Runner]:
@@ -123,6 +126,14 @@ class Dispatcher:
     def clear_cache(self) -> None:
         for c in self._caches.values():
             c.clear()
+        self._shared.clear()
+
+    def _runner(self, backend, sol: Solution, key, device: torch.device, fam: Family) -> Runner:
+        scope = (fam.name, backend.name, sol, backend.runner_scope(sol, key), device)
+        run = self._shared.get(scope)
+        if run is None:
+            run = self._shared[scope] = backend.make_runner(sol, key, device)
+        return run
 
     # ---- resolution ------------------------------------------------------------------------
     def _warn_once(self, key, msg: str) -> None:
@@ -149,7 +160,7 @@ class Dispatcher:
                 elif not backend.supports(sol, key, device):
                     reason = f"{sol.describe()} does not support {fam.describe(key)}"
                 else:
-                    return Resolution(key, sol, row, backend.make_runner(sol, key, device), family=fam)
+                    return Resolution(key, sol, row, self._runner(backend, sol, key, device, fam), family=fam)
             self._warn_once(key, f"row {row.where} ({row.libtype}) falls back to {DEFAULT_BACKEND}: {reason}")
             return self._default(key, device, fam, row, note=f"fallback: {reason}")
         return self._default(key, device, fam, None)
@@ -159,7 +170,7 @@ class Dispatcher:
         if backend is None:
             raise RuntimeError(f"gemmtune: the {fam.name} family has no runnable op here ({fam.unrunnable})")
         sol = backend.default_solution(key, device)
-        return Resolution(key, sol, row, backend.make_runner(sol, key, device), note, fam)
+        return Resolution(key, sol, row, self._runner(backend, sol, key, device, fam), note, fam)
 
     def runner_for(self, key, device: torch.device, needs_grad: bool = False, family: str = A16W16) -> Runner:
         """Resolve, then wrap for autograd and capture as needed; called on a cache miss."""

@@ -73,3 +73,11 @@ class Backend(ABC):
     @abstractmethod
     def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
         """A callable bound to `solution`; compile/lookup work happens here, not per call."""
+
+    def runner_scope(self, solution: Solution, key) -> tuple:
+        """What a runner made for `key` depends on besides the solution: keys with the same scope share
+        one runner. By default everything but M (runners size their launch from the call's tensors);
+        a backend whose runner bakes M in returns the whole key."""
+        from ..families import get
+
+        return get(self.family).shape_family(key)
