@@ -46,7 +46,7 @@ def test_reference_tables_load_roundtrip_and_every_row_is_found(shared, tmp_path
 
 def test_other_family_table_is_rejected_where_a16w16_is_required(shared):
     a8w8 = shared / "reference" / "aiter-configs" / "a8w8_tuned_gemm.csv"
-    with pytest.raises(ConfigError, match=r"a8w8_tuned_gemm.csv:1: expected a a16w16 table, but its columns are a a8w8"):
+    with pytest.raises(ConfigError, match=r"a8w8_tuned_gemm.csv:1: expected a a16w16 table, but its columns are"):
         ConfigTable.load(str(a8w8), family="a16w16")
     assert ConfigTable.load(str(a8w8)).family.name == "a8w8"  # unnamed: the header decides
 
@@ -129,11 +129,24 @@ def test_other_gpu_rows_are_kept_but_not_used(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "M, expect", [(1, 16), (16, 16), (17, 64), (64, 64), (65, 256), (256, 256), (257, 256), (9999, 256)]
-)
-def test_untuned_m_resolves_to_nearest_at_or_above_else_largest_below(tmp_path, M, expect):
+    "M, expect",
+    [(1, 16), (15, 16), (16, 16), (17, None), (48, None), (49, 64), (64, 64), (65, None), (241, 256), (256, 256),
+     (257, None), (9999, None)],
+)  # fmt: skip
+def test_unverified_rows_answer_only_the_ms_aiter_pads_to_them(tmp_path, M, expect):
     p = write(tmp_path, "t.csv", [row(16, 1.0), row(64, 1.0), row(256, 1.0), row(32, 1.0, N=128)])
-    assert ConfigTable.load(str(p)).lookup(key(M), H100).key.M == expect
+    got = ConfigTable.load(str(p)).lookup(key(M), H100)
+    assert (got.key.M if got else None) == expect
+
+
+@pytest.mark.parametrize("M, expect", [(1, 16), (16, 16), (17, None), (20, 64), (64, 64), (65, 256), (256, 256),
+                                       (257, None)])  # fmt: skip
+def test_verified_ranges_answer_exactly_their_ms(tmp_path, M, expect):
+    header = HEADER + ",M_lo,M_hi"
+    lines = [row(16, 1.0) + ",1,16", row(64, 1.0) + ",20,64", row(256, 1.0) + ",65,256"]
+    p = write(tmp_path, "t.csv", lines, header=header)
+    got = ConfigTable.load(str(p)).lookup(key(M), H100)
+    assert (got.key.M if got else None) == expect
 
 
 def test_family_must_match_entirely(tmp_path):
@@ -199,5 +212,6 @@ def test_nvidia_rows_are_per_product_with_bare_arch_rows_as_fallback(tmp_path):
     table = ConfigTable.load(str(p))
     assert table.lookup(key(16), h100).kernel_name == "h100"  # exact product beats the bare arch
     assert table.lookup(key(16), h200).kernel_name == "any-sm90"  # an H100 row never serves an H200
-    assert table.lookup(key(64), h100).kernel_name == "h100"  # untuned-M rule over the rows that apply
+    assert table.lookup(key(8), h100).kernel_name == "h100"  # the M rule over the rows that apply
+    assert table.lookup(key(64), h100) is None  # the H200's M=64 row is not for this GPU
     assert len(table.rows_for(h100)) == 2 and len(table.rows_for(h200)) == 2

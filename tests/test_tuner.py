@@ -90,7 +90,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv(PLUGINS_ENV, "fake_backend")
     sys.modules.pop("fake_backend", None)
     yield tmp_path
-    backends._registry.pop("fake", None)
+    backends._registry.pop(("a16w16", "fake"), None)
     sys.modules.pop("fake_backend", None)
 
 

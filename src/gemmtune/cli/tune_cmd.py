@@ -10,6 +10,7 @@ import torch
 from ..errors import GemmtuneError
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
 from ..tuner.search import TuneOptions
+from ..tuner.shapes import parse_nsets
 
 
 def _log(msg: str) -> None:
@@ -92,6 +93,12 @@ def _log(msg: str) -> None:
 @click.option("--family", default=None,
               help="GEMM family of SHAPES (a16w16, batched, ...; default: from its header and file name). "
               "A list of another family is refused, never tuned as this one.")  # fmt: skip
+@click.option("--ms", default=None,
+              help="Tune every shape of SHAPES at these Ms instead of the list's own: a comma list, LO..HI "
+              "for the powers of two between, or both (e.g. 1..8192).")  # fmt: skip
+@click.option("--verify-range/--no-verify-range", default=True, show_default=True,
+              help="Time each winner at the middle and lower edge of the M range its row will answer (down "
+              "to the next smaller tuned M) and record the range where it is not slower than the default.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Base seed (per shape derived).")
 @click.option(
     "--precompile/--no-precompile",
@@ -103,7 +110,8 @@ def _log(msg: str) -> None:
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
 @click.option("-v", "--verbose", is_flag=True, help="Per-shape and per-rejected-candidate lines.")
 def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, timeout, mp_workers, all_shapes,
-            profile_file, device, family, seed, precompile, plugin, progress, verbose) -> None:  # fmt: skip
+            profile_file, device, family, ms, verify_range, seed, precompile, plugin, progress,
+            verbose) -> None:  # fmt: skip
     """Tune every shape of SHAPES (aiter's untuned CSV of any GEMM family, or a capture file) and write
     the winners into OUTPUT, a tuned table of the same family.
 
@@ -124,11 +132,15 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
     if err_ratio is not None and not err_ratio > 0:
         raise click.BadParameter("must be > 0", param_hint="--err-ratio")
     opts = TuneOptions(libtypes=libs, err_ratio=err_ratio, min_gain=min_gain, top=top, reps=reps, batch=batch,
-                       seed=seed)  # fmt: skip
+                       seed=seed, verify_range=verify_range)  # fmt: skip
+    try:
+        ladder = parse_nsets(ms) if ms else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--ms") from None
     try:
         report = tune_file(shapes, output, opts, dev, mp_workers=mp_workers, timeout=timeout,
                            all_shapes=all_shapes, profile_file=profile_file, precompile=precompile,
-                           progress=progress, log=_log, verbose=verbose, family=family)  # fmt: skip
+                           progress=progress, log=_log, verbose=verbose, family=family, ms=ladder)  # fmt: skip
     except (GemmtuneError, ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in summary_lines(report, output):

@@ -11,12 +11,24 @@ from dataclasses import dataclass, field
 from ..device import ANY_GFX_SENTINEL
 from ..errors import ConfigError
 from ..families import Family, get
+from ..families.a16w16 import AITER_TUNED_COLUMNS
 from ..families.base import fmt_float, nonneg_float, positive_int
 from ..keys import GemmKey
 
 _A16W16 = "a16w16"
-TUNED_COLUMNS = list(get(_A16W16).tuned_columns)
+TUNED_COLUMNS = list(AITER_TUNED_COLUMNS)  # aiter's 18; gemmtune writes the family's (+ M_lo, M_hi)
 UNTUNED_COLUMNS = list(get(_A16W16).untuned_columns)
+
+
+def aiter_pad_step(m: int) -> int:
+    """aiter's fine M padding: a multiple of 16 up to 256, of 32 up to 1024, of 64 up to 4096, else 128."""
+    return 16 if m <= 256 else 32 if m <= 1024 else 64 if m <= 4096 else 128
+
+
+def aiter_padded_range(m: int) -> tuple[int, int]:
+    """The Ms aiter's lookup pads up to `m` (m itself when m is not on its padding grid)."""
+    step = aiter_pad_step(m)
+    return (m, m) if m % step else (max(1, m - step + 1), m)
 
 
 def _err_value(text: str) -> float:
@@ -42,6 +54,9 @@ class TunedRow:
     source: str = "<memory>"
     line: int = 0
     family: Family | None = field(default=None, repr=False)
+    # The M range the tuner verified this row on (0: not recorded, as in aiter's tables; see m_range).
+    m_lo: int = 0
+    m_hi: int = 0
 
     def __post_init__(self) -> None:
         if self.family is None:
@@ -67,6 +82,13 @@ class TunedRow:
     def describe_key(self) -> str:
         return self.family.describe(self.key)
 
+    def m_range(self) -> tuple[int, int]:
+        """The Ms this row answers. Verified rows: the range the tuner checked. Rows without one (aiter's
+        tables, older gemmtune tables) answer their own M and the Ms aiter itself would pad up to it."""
+        if self.m_lo > 0:
+            return self.m_lo, max(self.m_hi, self.m)
+        return aiter_padded_range(self.m)
+
     def value(self, column: str) -> str:
         """The column as written in the file, or formatted from the parsed value for new rows."""
         col = self.family.column_aliases.get(column, column)
@@ -82,6 +104,8 @@ class TunedRow:
                r.tflops: f"{self.tflops:.2f}", r.bw: f"{self.bw:.2f}"}  # fmt: skip
         if r.libtype:
             out[r.libtype] = self.libtype
+        lo, hi = self.family.range_columns
+        out[lo], out[hi] = (str(self.m_lo), str(self.m_hi)) if self.m_lo > 0 else ("", "")
         return out
 
 
@@ -138,7 +162,10 @@ def parse_tuned_row(raw: dict[str, str], path: str, line: int, family: Family | 
         libtype = p(r.libtype, str)
     else:
         libtype = family.implied_libtype
+    lo_col, hi_col = family.range_columns
     return TunedRow(
+        m_lo=p(lo_col, positive_int, 0),
+        m_hi=p(hi_col, positive_int, 0),
         gfx=raw.get("gfx", ANY_GFX_SENTINEL).strip(),
         cu_num=p("cu_num", positive_int),
         key=key,

@@ -5,9 +5,12 @@ Merge rule (several files, `GEMMTUNE_CONFIG=a.csv:b.csv`): on a duplicate key an
 measured `us` wins. Conflicts are collected and reported once; loading never raises on a duplicate
 and never writes to the files it reads.
 
-Untuned-M rule: a key whose M has no row resolves to the row of the same shape family (every key
-field but M) on the same GPU with the nearest tuned M at or above it, else the largest M below it.
-(aiter pads M up a fixed ladder and misses when the padded M has no row.)
+M rule: a key resolves to the row of its shape family (every key field but M) on this GPU with the
+smallest M at or above its own whose answered range contains its M, else to none (the family's
+default). A row's range is the one the tuner verified it on (`M_lo`..`M_hi`: it timed the winner
+against the default at the range's edges, see tuner/search.py); a row without one (aiter's tables,
+older gemmtune tables) answers its own M and the Ms aiter's own lookup pads up to it (a multiple of
+16 up to 256, of 32 up to 1024, of 64 up to 4096, else 128), never a guess beyond that.
 """
 
 from __future__ import annotations
@@ -193,13 +196,17 @@ class ConfigTable:
         return idx
 
     def lookup(self, key, ident: DeviceIdentity) -> TunedRow | None:
-        """The row for `key` on `ident` under the untuned-M rule, or None (use the default backend)."""
+        """The row for `key` on `ident` under the M rule, or None (use the family's default)."""
         entry = self._family_index(ident).get(self.family.shape_family(key))
         if entry is None:
             return None
         ms, rows = entry
-        i = bisect.bisect_left(ms, self.family.m_of(key))
-        return rows[i] if i < len(ms) else rows[-1]
+        m = self.family.m_of(key)
+        for row in rows[bisect.bisect_left(ms, m) :]:
+            lo, hi = row.m_range()
+            if lo <= m <= hi:
+                return row
+        return None
 
     # ---- writing --------------------------------------------------------------------------
     def write(self, path: str, columns: list[str] | None = None) -> None:

@@ -8,6 +8,13 @@ from ..keys import GemmKey
 from .base import Family, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
 
 
+# aiter's 18 columns; gemmtune's tables add the verified M range after them (aiter reads by name).
+AITER_TUNED_COLUMNS = (
+    "gfx", "cu_num", "M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle",
+    "libtype", "solidx", "splitK", "us", "kernelName", "err_ratio", "tflops", "bw",
+)  # fmt: skip
+
+
 class A16W16(Family):
     name = "a16w16"
     description = "16-bit GEMM in nn.Linear layout (gemm, gemm_a16w16)"
@@ -19,10 +26,7 @@ class A16W16(Family):
         int_col("M"), int_col("N"), int_col("K"), bool_col("bias"), dtype_col("dtype"),
         dtype_col("outdtype"), bool_col("scaleAB"), bool_col("bpreshuffle"),
     )  # fmt: skip
-    tuned_columns = (
-        "gfx", "cu_num", "M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle",
-        "libtype", "solidx", "splitK", "us", "kernelName", "err_ratio", "tflops", "bw",
-    )  # fmt: skip
+    tuned_columns = (*AITER_TUNED_COLUMNS, "M_lo", "M_hi")
     untuned_columns = ("M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle")
     signature = frozenset({"M", "N", "K"})
     excludes = frozenset({"B", "q_dtype_w", "kernelId", "token", "act", "alpha", "beta", "pattern"})

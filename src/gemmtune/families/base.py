@@ -120,6 +120,11 @@ class Family:
     def m_of(self, key) -> int:
         return getattr(key, self.m_field)
 
+    @property
+    def range_columns(self) -> tuple[str, str]:
+        """Columns of the M range a row was verified on (written by gemmtune's tuner, absent in aiter's)."""
+        return (f"{self.m_field}_lo", f"{self.m_field}_hi")
+
     def with_m(self, key, m: int):
         return key._replace(**{self.m_field: m})
 

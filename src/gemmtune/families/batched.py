@@ -4,7 +4,8 @@ Runners take the logical operands, a as a (B, M, K) view and b as a (B, K, N) vi
 strides the caller's layout gives (`transA`/`transB` in the key say which layout was stored: a stored
 as (B, K, M), b stored as (B, N, K)). aiter's own table has no layout columns: its CK kernel reads the
 weight as (B, N, K), so its rows read as transB=True. gemmtune writes aiter's 13 columns, then
-libtype, dtype, outdtype, transA, transB (aiter reads its tables by column name and ignores the rest).
+libtype, dtype, outdtype, transA, transB and the verified M range (aiter reads its tables by column name
+and ignores the rest).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Batched(Family):
     roles = Roles(libtype="libtype", solidx="kernelId", err_ratio="err_ratio")
     tuned_columns = (
         "gfx", "cu_num", "B", "M", "N", "K", "kernelId", "splitK", "us", "kernelName", "tflops", "bw",
-        "errRatio", "libtype", "dtype", "outdtype", "transA", "transB",
+        "errRatio", "libtype", "dtype", "outdtype", "transA", "transB", "M_lo", "M_hi",
     )  # fmt: skip
     untuned_columns = ("B", "M", "N", "K", "dtype", "outdtype", "transA", "transB")
     signature = frozenset({"B", "M", "N", "K"})

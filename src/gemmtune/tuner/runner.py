@@ -54,7 +54,8 @@ def estimated_cost(family: Family, key) -> float:
         return FIXED_COST
 
 
-def run_inprocess(keys: list, device: torch.device, opts: TuneOptions, log: Callable[[str], None], family: Family):
+def run_inprocess(keys: list, device: torch.device, opts: TuneOptions, log: Callable[[str], None], family: Family,
+                  m_lo: dict | None = None):  # fmt: skip
     inflight: list[str] = []
 
     def heartbeat(names, phase):
@@ -62,7 +63,8 @@ def run_inprocess(keys: list, device: torch.device, opts: TuneOptions, log: Call
 
     for key in keys:
         try:
-            yield tune_shape(key, device, opts, heartbeat=heartbeat, log=log, family=family)
+            yield tune_shape(key, device, opts, heartbeat=heartbeat, log=log, family=family,
+                             m_lo=(m_lo or {}).get(key))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - one key failing does not end the run
             from .search import DeviceLostError
 
@@ -74,10 +76,28 @@ def run_inprocess(keys: list, device: torch.device, opts: TuneOptions, log: Call
             yield ShapeFailure(key, f"{type(exc).__name__}: {exc}", family.name)
 
 
-def load_keys(shapes_path: str, family: str | None = None) -> tuple[Family, list]:
-    """The shape list's family and keys, in file order (ShapesFileError names file and line)."""
+def load_keys(shapes_path: str, family: str | None = None, ms: list[int] | None = None) -> tuple[Family, list]:
+    """The shape list's family and keys, in file order (ShapesFileError names file and line); with `ms`,
+    every shape of the list at each of those Ms instead of the list's own."""
     fam, keyed = read_shape_list(shapes_path, family)
-    return fam, [k for k, _ in keyed]
+    keys = [k for k, _ in keyed]
+    if ms:
+        shapes = dict.fromkeys(fam.with_m(k, 1) for k in keys)
+        keys = [fam.with_m(s, m) for s in shapes for m in sorted(set(ms))]
+    return fam, keys
+
+
+def range_floors(fam: Family, keys: list, tuned: list) -> dict:
+    """For each key, the lowest M its row should answer: one above the next smaller M of its shape
+    among the keys and the rows already tuned (1 for the smallest)."""
+    ms_by_shape: dict[tuple, set[int]] = {}
+    for k in [*keys, *tuned]:
+        ms_by_shape.setdefault(fam.shape_family(k), set()).add(fam.m_of(k))
+    out = {}
+    for k in keys:
+        below = [m for m in ms_by_shape[fam.shape_family(k)] if m < fam.m_of(k)]
+        out[k] = max(below) + 1 if below else 1
+    return out
 
 
 class _Progress:
@@ -120,13 +140,16 @@ def tune_file(
     progress: bool = True,
     verbose: bool = False,
     family: str | None = None,
+    ms: list[int] | None = None,
 ) -> RunReport:
     t0 = time.perf_counter()
     import_plugins()
-    fam, keys = load_keys(shapes_path, family)
+    fam, keys = load_keys(shapes_path, family, ms)
     ident = identity(device)
-    done = set() if all_shapes else done_keys(output, ident, fam)  # also validates an existing output file
+    tuned = done_keys(output, ident, fam)  # also validates an existing output file
+    done = set() if all_shapes else tuned
     todo = [k for k in keys if k not in done]
+    floors = range_floors(fam, keys, list(tuned))
     skipped = len(keys) - len(todo)
     if skipped:
         log(f"gemmtune: {skipped} of {len(keys)} shapes already tuned in {output} for "
@@ -145,9 +168,9 @@ def tune_file(
     say = bar.say
     gen: Iterator = (
         run_workers(todo, device, opts, mp_workers, timeout, say, verbose=verbose, family=fam.name,
-                    describe=lambda t: fam.describe(t.key))  # fmt: skip
+                    describe=lambda t: fam.describe(t.key), m_lo=floors)  # fmt: skip
         if mp_workers
-        else run_inprocess(todo, device, opts, say if verbose else (lambda m: None), fam)
+        else run_inprocess(todo, device, opts, say if verbose else (lambda m: None), fam, floors)
     )
     results, failures, written = [], [], 0
     try:

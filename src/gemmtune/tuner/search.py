@@ -12,6 +12,10 @@ against the family's default.
    (BENCHMARKING.md), the default timed first and last (d1, d2): noise = |d1 - d2| / min(d1, d2).
 5. Decision: the fastest finalist replaces the default only if default_us / its_us - 1 exceeds both
    --min-gain and the noise; otherwise the default is kept, so a tuned row never makes a shape slower.
+6. Range: the row will answer the Ms between the previous tuned M of its shape (exclusive) and its own
+   (`m_lo`..M). The winner is checked and timed against the default at the middle of that range and at
+   its lower edge; the range shrinks to the part where it is not slower beyond the noise (down to M
+   alone), and the runtime sends the Ms outside every verified range to the default.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class TuneOptions:
     reps: int = 20
     batch: int = 16
     seed: int = 0
+    verify_range: bool = True  # step 6; off: a row answers only its own M
 
 
 @dataclass
@@ -88,6 +93,8 @@ class ShapeResult:
     seconds: float = 0.0
     note: str = ""
     family: str = "a16w16"
+    m_lo: int = 0  # the verified range the row answers (0: not verified)
+    m_hi: int = 0
 
     @property
     def speedup(self) -> float:
@@ -301,6 +308,44 @@ def _decide(pool: _Pool, finalists, default: CandidateResult, noise: float, opts
     return default, default.us, True, note
 
 
+NOISE_FLOOR = 0.01  # below 1% two timings of the same kernel are no different (A/A rows of `bench`)
+
+
+def _not_slower_at(fam, key, m, device, opts, pool, winner, torch_backend, seed, heartbeat) -> bool:
+    """Is the winner correct at M=m and not slower than the default there beyond the noise?"""
+    km = fam.with_m(key, m)
+    backend, sol = pool.solutions[winner]
+    try:
+        run = backend.make_runner(sol, km, device)
+        sets = make_inputs(km, device, sets=None if device.type == "cuda" else 1, seed=seed + m, family=fam)
+        if not check_runner(run, km, sets[0], reference(km, *sets[0], family=fam), opts.err_ratio, family=fam).ok:
+            return False
+        default = torch_backend.make_runner(torch_backend.default_solution(km, device), km, device)
+        runners = {"default": default, "winner": run, "default#2": default}
+        t = _timed(km, runners, device, max(10, opts.reps // 2), seed + m, sets, heartbeat, "range", fam)
+    except DeviceLostError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a winner that fails at another M does not serve it
+        _after_failure(device, winner, exc)
+        return False
+    d = (t["default"] + t["default#2"]) / 2
+    noise = max(abs(t["default"] - t["default#2"]) / min(t["default"], t["default#2"]), NOISE_FLOOR)
+    return t["winner"] == t["winner"] and t["winner"] <= d * (1 + noise)
+
+
+def _verified_range(fam, key, m_lo, device, opts, pool, winner, torch_backend, seed, heartbeat) -> int:
+    """The lowest M of [m_lo, M] the winner serves: M itself, the middle of the range, or m_lo."""
+    m = fam.m_of(key)
+    if m_lo >= m:
+        return m
+    mid = (m_lo + m) // 2
+    if mid > m_lo and not _not_slower_at(fam, key, mid, device, opts, pool, winner, torch_backend, seed, heartbeat):
+        return m
+    if not _not_slower_at(fam, key, m_lo, device, opts, pool, winner, torch_backend, seed, heartbeat):
+        return mid if mid > m_lo else m
+    return m_lo
+
+
 def tune_shape(
     key,
     device: torch.device,
@@ -310,9 +355,11 @@ def tune_shape(
     isolate: bool = False,
     log: Callable[[str], None] | None = None,
     family: Family | str = "a16w16",
+    m_lo: int | None = None,
 ) -> ShapeResult:
     """Tune `key` of `family` on `device`. `exclude` maps candidate names to (status, reason) decided
-    elsewhere (a worker that crashed or hung on them); `isolate` screens one candidate at a time."""
+    elsewhere (a worker that crashed or hung on them); `isolate` screens one candidate at a time;
+    `m_lo` is the lowest M the row should answer (default: its own M only)."""
     t0 = time.perf_counter()
     fam = families.get(family) if isinstance(family, str) else family
     seed = shape_seed(key, opts.seed, fam)
@@ -336,12 +383,19 @@ def tune_shape(
     finalists = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate)
     _, noise = _final(fam, key, device, opts, pool, finalists, default, default_runner, seed, inputs, heartbeat)
     winner, us, kept, note = _decide(pool, finalists, default, noise, opts)
+    m = fam.m_of(key)
+    lo = m if m_lo is None or not opts.verify_range else min(m_lo, m)
+    if not kept and lo < m:
+        name = next(n for n, c in pool.results.items() if c is winner)
+        lo = _verified_range(fam, key, lo, device, opts, pool, name, torch_backend, seed, heartbeat)
+        if lo > (m_lo or m):
+            note = (note + "; " if note else "") + f"verified on M {lo}..{m} (slower below)"
     roof = roof_us(key, measure_ceilings(device), fam) if device.type == "cuda" else math.nan
     cands = list(pool.results.values())
     if not any(c.name == default.name for c in cands):
         cands.insert(0, default)
     return ShapeResult(key, winner, us, default, default.us, noise, roof, kept, cands,
-                       time.perf_counter() - t0, note, fam.name)  # fmt: skip
+                       time.perf_counter() - t0, note, fam.name, lo, m)  # fmt: skip
 
 
 def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,

@@ -54,6 +54,7 @@ class Task:
     exclude: dict[str, tuple[str, str]] = field(default_factory=dict)
     isolate: bool = False
     attempts: int = 0
+    m_lo: int | None = None
 
 
 @dataclass
@@ -109,7 +110,8 @@ def _worker_main(wid: int, device_str: str, opts: TuneOptions, conn, plugins: st
         say = (lambda msg, i=i: conn.send(Log(i, msg))) if verbose else None
         try:
             hb([], "setup")
-            res = tune_shape(task.key, device, opts, task.exclude, hb, task.isolate, log=say, family=task.family)
+            res = tune_shape(task.key, device, opts, task.exclude, hb, task.isolate, log=say, family=task.family,
+                             m_lo=task.m_lo)  # fmt: skip
             conn.send(Done(i, res))
         except DeviceLostError as exc:
             conn.send(Lost(i, str(exc)))
@@ -216,17 +218,18 @@ def _on_worker_loss(w: _Worker, hung: bool, timeout: float, pending, log, bans: 
                             t.family)  # fmt: skip
     if t.attempts + 1 >= MAX_ATTEMPTS:
         return ShapeFailure(t.key, f"gave up after {MAX_ATTEMPTS} worker failures; last: {why}", t.family)
-    pending.appendleft(Task(t.idx, t.key, t.family, exclude, isolate, t.attempts + 1))
+    pending.appendleft(Task(t.idx, t.key, t.family, exclude, isolate, t.attempts + 1, t.m_lo))
     return None
 
 
 def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: float, log, verbose: bool,
-                family: str = "a16w16", describe=lambda t: str(t.key)):  # fmt: skip
+                family: str = "a16w16", describe=lambda t: str(t.key), m_lo: dict | None = None):  # fmt: skip
     """Yield ShapeResult / ShapeFailure for each key, tuned by `n` worker processes."""
+    m_lo = m_lo or {}
     ctx = mp.get_context("spawn")
     devices = worker_devices(device, n)
     workers = [_Worker(ctx, i, d, opts, verbose) for i, d in enumerate(devices)]
-    pending = collections.deque(Task(i, k, family) for i, k in enumerate(keys))
+    pending = collections.deque(Task(i, k, family, m_lo=m_lo.get(k)) for i, k in enumerate(keys))
     bans = _Bans()
     remaining = len(keys)
     try:
