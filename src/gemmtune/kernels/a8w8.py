@@ -175,9 +175,13 @@ class TileConfig:
 _REDUCE_TILE = (32, 128)
 
 
-def _empty(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Output allocation (tests swap in a NaN-filled one to prove every element is written)."""
-    return torch.empty(shape, device=like.device, dtype=dtype)
+def _empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """Output allocation like `like` (tests swap in a NaN-filled one to prove every element is written)."""
+    return torch.empty(shape, device=like.device, dtype=like.dtype)
+
+
+def _out_like(xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(0, device=xq.device, dtype=dtype)
 
 
 def reduce_partials(p, xs, ws, bias, y, split, apply_scales: bool) -> None:
@@ -219,7 +223,7 @@ def a8w8_launch(cfg: TileConfig, xq, wq, xs, ws, bias, y) -> torch.Tensor:
 def gemm_a8w8_triton(xq, wq, xs, ws, bias=None, out_dtype=torch.bfloat16, cfg: TileConfig | None = None):
     """The checked entry: allocate y and run one config (the backend's runners call a8w8_launch)."""
     cfg = cfg or TileConfig()
-    y = _empty((xq.shape[0], wq.shape[0]), xq, out_dtype)
+    y = _empty((xq.shape[0], wq.shape[0]), _out_like(xq, out_dtype))
     return a8w8_launch(cfg, xq, wq, xs, ws, bias, y)
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .a8w8 import TileConfig, _empty, _tile_ids, reduce_partials
+from .a8w8 import TileConfig, _empty, _out_like, _tile_ids, reduce_partials
 
 GROUP = 128
 
@@ -81,7 +81,7 @@ def blockscale_launch(cfg: TileConfig, xq, wq, xs, ws, y) -> torch.Tensor:
 
 def gemm_blockscale_triton(xq, wq, xs, ws, out_dtype=torch.bfloat16, cfg: TileConfig | None = None):
     cfg = cfg or TileConfig("blockscale")
-    y = _empty((xq.shape[0], wq.shape[0]), xq, out_dtype)
+    y = _empty((xq.shape[0], wq.shape[0]), _out_like(xq, out_dtype))
     return blockscale_launch(cfg, xq, wq, xs, ws, y)
 
 
