@@ -129,11 +129,11 @@ def bench_point(fmt, label, layer, m, n, k, dev, ceil, args, seed):
         run = ok[best]
         qd = key.q_dtype_w
 
-        def with_quant(s):  # quantize a bf16 activation, then the GEMM with the set's weight and scales
+        def with_quant(_x, wq, _xs, *rest):  # quantize a bf16 activation, then the GEMM with this set's weight
             xq, xs = quant(x_bf, qd)
-            return run(xq, *s[1:]) if fam_name == "a8w8_blockscale" else run(xq, s[1], xs, s[3], s[4])
+            return run(xq, wq, xs, *rest)
 
-        calls["tuned+q"] = _calls(with_quant, [(None, *s[1:]) for s in sets])
+        calls["tuned+q"] = _calls(with_quant, sets)
     ms = time_graphs(calls, reps=args.reps, calls_per_graph=len(sets))
     us = {n_: v * 1e3 for n_, v in ms.items()}
     tuned_name = min((n_ for n_ in final_names), key=lambda n_: us.get(n_, float("inf")), default=None)
