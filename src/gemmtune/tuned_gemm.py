@@ -10,6 +10,14 @@ from __future__ import annotations
 import torch
 
 from .ops.gemm import gemm
+from .ops.quantized import (  # noqa: F401 - aiter's 8-bit op names, re-exported
+    gemm_a8w8,
+    gemm_a8w8_blockscale,
+    gemm_a8w8_blockscale_bpreshuffle,
+    gemm_a8w8_bpreshuffle,
+    int8_gemm,
+)
+from .quant.shuffle import shuffle_weight  # noqa: F401
 
 
 def gemm_a16w16(
@@ -26,4 +34,12 @@ def gemm_a16w16(
     return gemm(A, B, bias, otype)
 
 
-__all__ = ["gemm_a16w16"]
+__all__ = [
+    "gemm_a16w16",
+    "gemm_a8w8",
+    "gemm_a8w8_blockscale",
+    "gemm_a8w8_blockscale_bpreshuffle",
+    "gemm_a8w8_bpreshuffle",
+    "int8_gemm",
+    "shuffle_weight",
+]

@@ -21,6 +21,11 @@ _BUILTIN = {
     "gemmtune.backends.skinny": ("SkinnyBackend",),
     "gemmtune.backends.triton_gemm": ("TritonGemmBackend",),
     "gemmtune.backends.blaslt": ("BlasLtBackend",),
+    "gemmtune.backends.quantized": (
+        "TorchA8W8Backend", "TorchA8W8BPreshuffleBackend", "TorchBlockscaleBackend",
+        "TorchBlockscaleBPreshuffleBackend", "TritonA8W8Backend", "TritonA8W8BPreshuffleBackend",
+        "TritonBlockscaleBackend", "TritonBlockscaleBPreshuffleBackend",
+    ),  # fmt: skip
 }
 
 _registry: dict[tuple[str, str], Backend] = {}

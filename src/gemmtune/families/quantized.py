@@ -5,6 +5,15 @@ blocks, with and without pre-shuffle), batched a8w8 and MXFP4 a4w4 block-scale.
 Each loads aiter's table of its name unchanged. Their keys: aiter's columns, then gemmtune's own
 (scale kind, bias, out dtype, libtype) with aiter's implied values as defaults, so aiter rows read
 as what aiter tuned them for. A family whose op this build cannot run keeps its rows and says so.
+
+The runnable ones (ops/quantized.py) hand runners one tuple:
+- a8w8 / a8w8_bpreshuffle: (xq [M, K], wq [N, K], x_scale, w_scale, bias [N] | None) with the scales
+  fp32, per_tensor [1] x [1] or per_token [M, 1] x [1, N]; bias in the out dtype.
+- a8w8_blockscale(_bpreshuffle): (xq [M, K], wq [N, K], x_scale [M, K/128], w_scale [ceil(N/128),
+  K/128]), K % 128 == 0.
+The reference dequantizes (q * scale in fp32) and multiplies in fp32, so a runner's error against
+it is its accumulation and output rounding only. The roofline takes 8-bit tensor cores at twice the
+bf16 matmul rate.
 """
 
 from __future__ import annotations
@@ -14,9 +23,10 @@ from typing import NamedTuple
 import torch
 
 from ..keys import dtype_name
-from .base import Column, Family, Roles, bool_col, dtype_col, int_col
+from ..quant import formats, quantize
+from .base import Column, Family, Roles, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
 
-FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8 = formats.FP8
 
 
 def _scale_kind(text: str) -> str:
@@ -84,9 +94,35 @@ _TAIL = ("kernelId", "splitK", "us", "kernelName", "tflops", "bw", "errRatio")
 class _QuantFamily(Family):
     roles = _QROLES
     implied_libtype = "ck"
+    tensor_core_speedup = 2.0  # fp8 / int8 tensor cores run at twice the bf16 rate (H100, MI300)
 
     def describe(self, key) -> str:
         return f"{self.name} {key.describe()}"
+
+    def output_shape(self, key):
+        return (key.M, key.N)
+
+    def flops(self, key) -> int:
+        return 2 * key.M * key.N * key.K
+
+    def roof_us(self, key, read_bw: float, matmul_flops: float) -> float:
+        return max(self.flops(key) / (matmul_flops * self.tensor_core_speedup), self.bytes(key) / read_bw) * 1e6
+
+    def error_threshold(self, key) -> float:
+        # Against the dequantized fp32 reference only accumulation order and the output cast differ.
+        return {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-3}.get(key.outdtype, 1e-2)
+
+    def _operands(self, key, device, gen):
+        """Random fp32 activations x [M, K] and weights w [N, K] (unit-variance output)."""
+        x = randn((key.M, key.K), device, gen, torch.float32)
+        w = randn((key.N, key.K), device, gen, torch.float32, inv_sqrt(key.K))
+        return x, w
+
+
+def _model_shapes(config, tp):
+    from ..tuner.shapes import model_gemms
+
+    return {(s.N, s.K): None for s in model_gemms(config, tp)}
 
 
 class A8W8(_QuantFamily):
@@ -104,7 +140,48 @@ class A8W8(_QuantFamily):
     excludes = frozenset({"B", "token"})
     name_hints = ("a8w8_tuned", "a8w8_untuned", "a8w8", "int8")
     kernel_hints = ("a8w8_rowwise",)
-    unrunnable = "the a8w8 op is not built yet"
+
+    def make_inputs(self, key: QuantKey, device, sets, seed):
+        gen = generator(device, seed)
+        per_tensor = key.scale == "per_tensor"
+        out = []
+        for _ in range(sets):
+            x, w = self._operands(key, device, gen)
+            if per_tensor:
+                (xq, xs), (wq, ws) = (quantize.quantize_per_tensor(t, key.q_dtype_w) for t in (x, w))
+            else:
+                xq, xs = quantize.quantize_per_token(x, key.q_dtype_w)
+                wq, ws = quantize.quantize_per_channel(w, key.q_dtype_w)
+            b = randn((key.N,), device, gen, key.outdtype) if key.bias else None
+            out.append((xq, wq, xs, ws, b))
+        return out
+
+    def set_bytes(self, key: QuantKey) -> int:
+        return (key.M + key.N) * key.K * key.q_dtype_w.itemsize
+
+    def reference(self, key: QuantKey, inputs):
+        xq, wq, xs, ws, b = inputs
+        y = fp32_matmul(quantize.dequantize(xq, xs.reshape(-1, 1)), quantize.dequantize(wq, ws.reshape(-1, 1)).t())
+        return y + b.float() if b is not None else y
+
+    def check_variants(self, key: QuantKey, inputs):
+        # Runners get xq as the op's 2-D view of x [..., K]: rows need not be packed (a slice of a wider
+        # buffer keeps unit stride along K only).
+        xq, wq, xs, ws, b = inputs
+        wide = torch.zeros((key.M, key.K + 16), dtype=xq.dtype, device=xq.device)
+        wide[:, : key.K] = xq
+        return [("xq rows strided", (wide[:, : key.K], wq, xs, ws, b), (key.M, key.N))]
+
+    def bytes(self, key: QuantKey) -> int:
+        e = key.q_dtype_w.itemsize
+        scales = 8 if key.scale == "per_tensor" else 4 * (key.M + key.N)
+        bias = key.N * key.outdtype.itemsize if key.bias else 0
+        return (key.M + key.N) * key.K * e + key.M * key.N * key.outdtype.itemsize + scales + bias
+
+    def keys_for_model(self, config, tp, ms, dtype):
+        q = dtype if formats.is_quant_dtype(dtype) else formats.FP8
+        return [QuantKey(m, n, k, q, "per_token", False, torch.bfloat16) for n, k in _model_shapes(config, tp)
+                for m in ms]  # fmt: skip
 
 
 class A8W8BPreshuffle(A8W8):
@@ -116,7 +193,6 @@ class A8W8BPreshuffle(A8W8):
     tuned_columns = ("gfx", "cu_num", "M", "N", "K", "q_dtype_w", "libtype", *_TAIL, "scale", "bias", "outdtype")
     name_hints = ("a8w8_bpreshuffle", "bpreshuffle")
     kernel_hints = ("BpreShuffle",)
-    unrunnable = "the a8w8_bpreshuffle op is not built yet"
 
 
 class Blockscale(_QuantFamily):
@@ -133,7 +209,42 @@ class Blockscale(_QuantFamily):
     excludes = frozenset({"B", "token", "bias", "solidx", "scale"})
     name_hints = ("a8w8_blockscale_tuned", "a8w8_blockscale_untuned", "blockscale")
     kernel_hints = ("a8w8_blockscale", "fp8gemm_bf16_blockscale")
-    unrunnable = "the a8w8_blockscale op is not built yet"
+
+    def make_inputs(self, key: BlockKey, device, sets, seed):
+        if key.K % formats.BLOCK:
+            raise ValueError(f"{self.name}: K={key.K} is not a multiple of {formats.BLOCK} (block scales)")
+        gen = generator(device, seed)
+        out = []
+        for _ in range(sets):
+            x, w = self._operands(key, device, gen)
+            xq, xs = quantize.quantize_1x128(x, key.q_dtype_w)
+            wq, ws = quantize.quantize_128x128(w, key.q_dtype_w)
+            out.append((xq, wq, xs, ws))
+        return out
+
+    def set_bytes(self, key: BlockKey) -> int:
+        return (key.M + key.N) * key.K * key.q_dtype_w.itemsize
+
+    def reference(self, key: BlockKey, inputs):
+        xq, wq, xs, ws = inputs
+        return fp32_matmul(quantize.dequantize_1x128(xq, xs), quantize.dequantize_128x128(wq, ws).t())
+
+    def check_variants(self, key: BlockKey, inputs):
+        # The activation scales column-major (M contiguous): the layout cuBLASLt's block-scaled GEMM
+        # and DeepSeek-style quantizers write; runners must take either.
+        xq, wq, xs, ws = inputs
+        return [("x_scale column-major", (xq, wq, xs.t().contiguous().t(), ws), (key.M, key.N))]
+
+    def bytes(self, key: BlockKey) -> int:
+        kb = -(-key.K // formats.BLOCK)
+        nb = -(-key.N // formats.BLOCK)
+        scales = 4 * kb * (key.M + nb)
+        return (key.M + key.N) * key.K * key.q_dtype_w.itemsize + key.M * key.N * key.outdtype.itemsize + scales
+
+    def keys_for_model(self, config, tp, ms, dtype):
+        q = dtype if formats.is_quant_dtype(dtype) else formats.FP8
+        return [BlockKey(m, n, k, q, torch.bfloat16) for n, k in _model_shapes(config, tp) if k % formats.BLOCK == 0
+                for m in ms]  # fmt: skip
 
 
 class BlockscaleBPreshuffle(Blockscale):
@@ -144,7 +255,6 @@ class BlockscaleBPreshuffle(Blockscale):
     aiter_tables = ("a8w8_blockscale_bpreshuffle_tuned_gemm.csv",)
     name_hints = ("a8w8_blockscale_bpreshuffle", "blockscale_bpreshuffle")
     kernel_hints = ("blockscale_BpreShuffle", "blockscale_bpreshuffle")
-    unrunnable = "the a8w8_blockscale_bpreshuffle op is not built yet"
 
 
 class BatchedA8W8(_QuantFamily):

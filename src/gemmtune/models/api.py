@@ -266,6 +266,9 @@ def _undo(model: nn.Module, a: Action) -> None:
     if a.kind == "config":
         _swap_config(model, model.config, a.data["old"])
         return
+    if a.kind == "quantize":
+        a.data["undo"]()
+        return
     mod = _get(model, a.path)
     if a.kind == "fuse":
         fusion.unfuse(mod, a.data["fused"])
@@ -289,6 +292,8 @@ def optimize(
     m_threshold: int | None = None,
     split_bias: bool = False,
     route_linears: bool = True,
+    quantize: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> OptimizeReport:
     """Optimize a loaded Hugging Face causal LM in place (call before torch.compile).
 
@@ -297,6 +302,9 @@ def optimize(
     residual-add + RMSNorm and act*mul. attention: "auto", "flash", "sdpa", "eager" or None (leave
     as is); GEMMTUNE_ATTENTION forces a tier. m_threshold: calls with fewer rows keep F.linear.
     split_bias: bias-free GEMM plus a separate add. route_linears: other nn.Linear via gemmtune.gemm.
+    quantize: "fp8" / "int8" (per-channel weights, per-token activations) or "fp8-block" (128x128 /
+    1x128) runs the linears through the 8-bit ops (models/quantize.py); lm_head only with
+    quantize_lm_head.
     Returns an OptimizeReport; gemmtune.restore(model) (or report.undo()) gives the original back.
     """
     version = check_transformers()
@@ -311,6 +319,10 @@ def optimize(
         attention=attention, m_threshold=m_threshold, split_bias=bool(split_bias),
         route_linears=bool(route_linears), config=None if config is None else repr(config),
     )  # fmt: skip
+    if quantize is not None:
+        from .quantize import check_mode
+
+        opts.update(quantize=check_mode(quantize), quantize_lm_head=bool(quantize_lm_head))
     existing = model.__dict__.get(_REPORT)
     if existing is not None:
         if existing.options == opts:
@@ -350,6 +362,12 @@ def optimize(
     try:
         for a in actions:
             _apply(model, a, route)
+            done.append(a)
+        if quantize is not None:
+            from .quantize import quantize_linears
+
+            a = Action("quantize", "", {"undo": quantize_linears(model, quantize, report, bool(quantize_lm_head))})
+            actions.append(a)
             done.append(a)
     except BaseException:
         for a in reversed(done):

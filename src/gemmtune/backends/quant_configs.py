@@ -1,0 +1,67 @@
+"""The Triton 8-bit tile configs offered per key (kernels/a8w8.py, kernels/blockscale.py).
+
+Small M (decode, M <= 32) is a weight stream: 16/32-row tiles, K split so that the N tiles times the
+splits come close to one wave over the SMs (the skinny kernels' rule, backends/skinny.py). Larger M
+takes the usual compute tiles (64-256 x 64-256, 128-deep K steps, which are 128 bytes of fp8/int8),
+split only when the output tiles alone leave most SMs idle. Block-scale tiles step K by 64 or 128 so
+one step never straddles a 128-wide scale group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ..kernels.a8w8 import TileConfig
+
+_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+# (block_m, block_n, block_k, num_warps, num_stages)
+_SMALL = ((16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 64, 128, 4, 5), (32, 64, 256, 4, 4),
+          (32, 128, 128, 4, 4), (16, 128, 256, 4, 3))  # fmt: skip
+_MID = ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4),
+        (128, 64, 128, 4, 4), (128, 128, 128, 8, 3))  # fmt: skip
+_LARGE = ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
+          (64, 256, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 4, 4))  # fmt: skip
+SMEM = 227 * 1024
+
+
+@functools.cache
+def _sms(device_type: str, index: int | None) -> int:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()
+    ).multi_processor_count
+
+
+def _pick_split(tiles: int, k_iters: int, slots: int) -> int:
+    best, best_waves = 1, tiles / slots
+    for sk in _SPLITS[1:]:
+        per = triton.cdiv(k_iters, sk)
+        if triton.cdiv(k_iters, per) != sk or per < 2:
+            continue
+        waves = tiles * sk / slots
+        if best_waves < waves <= 1.05:
+            best, best_waves = sk, waves
+    return best
+
+
+def tile_configs(kind: str, key, device: torch.device) -> list[TileConfig]:
+    sms = _sms(device.type, device.index)
+    tiles = _SMALL if key.M <= 32 else _MID if key.M <= 256 else _LARGE
+    out = []
+    for bm, bn, bk, w, s in tiles:
+        if kind == "blockscale":
+            bk = min(bk, 128)
+        if (bm + bn) * bk * s > SMEM:
+            continue
+        n_tiles = triton.cdiv(key.M, bm) * triton.cdiv(key.N, bn)
+        # Small tiles fit 2 programs an SM; half a wave of output tiles is enough to stay unsplit.
+        slots = sms * (2 if bm * bn <= 64 * 128 else 1)
+        sk = _pick_split(n_tiles, triton.cdiv(key.K, bk), slots) if n_tiles < slots // 2 or key.M <= 32 else 1
+        group = 8 if key.M > 32 else 1
+        for split in dict.fromkeys((sk, 1)):
+            out.append(TileConfig(kind, bm, bn, bk, group, split, w, s))
+    return list(dict.fromkeys(out))

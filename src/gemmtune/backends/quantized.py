@@ -1,0 +1,337 @@
+"""Backends of the quantized families (families/quantized.py): a8w8 and a8w8_blockscale, each also
+serving its *_bpreshuffle twin (same kernels: on NVIDIA the pre-shuffled layout is the plain K-major
+[N, K] weight both cuBLASLt and the Triton kernels read, see quant/shuffle.py).
+
+torch (the default, libtype "torch"):
+- a8w8: `scaled_mm` (torch._scaled_mm, cuBLASLt fp8: tensorwise, or rowwise = per-token x
+  per-channel), `int_mm` (torch._int_mm, cuBLAS int8 -> int32, then scales in one fused torch
+  expression), `dequant` (q * scale in fp32 or bf16, then a float matmul: any device, any shape).
+- a8w8_blockscale: `scaled_mm_block` (torch._scaled_mm with 1x128 / 128x128 scales, where this torch
+  and GPU have it) and `dequant`.
+`native` (aiter's torch spelling, solidx 0) is the best of these the key and device allow.
+
+triton: kernels/a8w8.py and kernels/blockscale.py configs (kernelName = the config string, solidx its crc).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels._common import HAS_TRITON
+from ..quant import formats
+from ..quant.quantize import dequantize_1x128, dequantize_128x128
+from .base import Backend, Runner, Solution, stable_solidx
+
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _sol(name: str, lib: str = "torch", splitk: int = 0) -> Solution:
+    return Solution(lib, name, 0 if name == "native" else stable_solidx(name), splitk)
+
+
+NATIVE = _sol("native")
+SCALED_MM = _sol("scaled_mm")
+INT_MM = _sol("int_mm")
+DEQUANT = _sol("dequant")
+SCALED_MM_BLOCK = _sol("scaled_mm_block")
+
+
+@functools.cache
+def _capability(device_type: str, index: int | None) -> tuple[int, int]:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return (0, 0)
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
+
+
+def _cuda(device: torch.device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def _tensor_core_fp8(dtype: torch.dtype) -> bool:
+    """The fp8 flavour this build's GPU GEMMs take (OCP e4m3fn on CUDA, fnuz on ROCm MI300)."""
+    return dtype == (formats.FP8_FNUZ if torch.version.hip else formats.FP8) and dtype is not None
+
+
+# ---- a8w8: torch ------------------------------------------------------------------------------------
+def _scaled_mm_ok(key, device) -> bool:
+    if not (_cuda(device) and hasattr(torch, "_scaled_mm") and _tensor_core_fp8(key.q_dtype_w)):
+        return False
+    if key.K % 16 or key.N % 16 or _capability(device.type, device.index) < (8, 9):
+        return False
+    # Rowwise scaling (per-token x per-channel) writes bf16 only.
+    return key.scale == "per_tensor" or key.outdtype == torch.bfloat16
+
+
+def _int_mm_ok(key, device) -> bool:
+    # cuBLAS int8 GEMM: M > 16, K and N multiples of 8.
+    return (_cuda(device) and hasattr(torch, "_int_mm") and key.q_dtype_w == torch.int8 and key.M > 16
+            and key.K % 8 == 0 and key.N % 8 == 0)  # fmt: skip
+
+
+def _scaled_mm_runner(key) -> Runner:
+    out = key.outdtype
+    if key.scale == "per_tensor" and (not key.bias or out != torch.float32):
+
+        def tensorwise(xq, wq, xs, ws, bias):
+            return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=out)
+
+        return tensorwise
+
+    def scaled(xq, wq, xs, ws, bias):
+        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out)
+        return y if bias is None else y.add_(bias)
+
+    return scaled
+
+
+def _int_mm_runner(key) -> Runner:
+    out = key.outdtype
+
+    def run(xq, wq, xs, ws, bias):
+        y = torch._int_mm(xq, wq.t()).float().mul_(xs).mul_(ws)
+        if bias is not None:
+            y.add_(bias)
+        return y.to(out)
+
+    return run
+
+
+def _dequant_runner(key, device) -> Runner:
+    # On a GPU the dequantized operands go through a bf16 matmul (the fp32 one is 30x slower there);
+    # the fp32-out key and the CPU keep fp32.
+    mid = torch.bfloat16 if _cuda(device) and key.outdtype != torch.float32 else torch.float32
+    out = key.outdtype
+
+    def run(xq, wq, xs, ws, bias):
+        x = (xq.to(torch.float32) * xs).to(mid)
+        w = (wq.to(torch.float32) * ws.reshape(-1, 1)).to(mid)
+        return F.linear(x, w, None if bias is None else bias.to(mid)).to(out)
+
+    return run
+
+
+class TorchA8W8Backend(Backend):
+    name = "torch"
+    family = "a8w8"
+
+    def is_available(self, device: torch.device) -> bool:
+        return True
+
+    def _usable(self, key, device) -> list[Solution]:
+        sols = []
+        if _scaled_mm_ok(key, device):
+            sols.append(SCALED_MM)
+        if _int_mm_ok(key, device):
+            sols.append(INT_MM)
+        return sols + [DEQUANT]
+
+    def candidates(self, key, device: torch.device) -> list[Solution]:
+        return self._usable(key, device)
+
+    def default_solution(self, key, device: torch.device) -> Solution:
+        return NATIVE
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        for sol in (NATIVE, SCALED_MM, INT_MM, DEQUANT):
+            if kernel_name == sol.kernel_name:
+                return sol
+        return NATIVE if solidx == 0 else None
+
+    def supports(self, solution: Solution, key, device: torch.device) -> bool:
+        if key.outdtype not in _OUT_DTYPES:
+            return False
+        return solution == NATIVE or solution in self._usable(key, device)
+
+    def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
+        if solution == NATIVE:
+            solution = self._usable(key, device)[0]
+        if solution == SCALED_MM:
+            return _scaled_mm_runner(key)
+        if solution == INT_MM:
+            return _int_mm_runner(key)
+        return _dequant_runner(key, device)
+
+
+class TorchA8W8BPreshuffleBackend(TorchA8W8Backend):
+    family = "a8w8_bpreshuffle"
+
+
+# ---- block-scale: torch -----------------------------------------------------------------------------
+def _blockwise_ok(key, device) -> bool:
+    """cuBLASLt's 1x128 x 128x128 block-scaled fp8 GEMM through torch._scaled_mm: Hopper (sm90) only,
+    N and K multiples of 128, bf16 out; whether this torch/cuBLAS has it is probed once (below)."""
+    if not (_cuda(device) and hasattr(torch, "_scaled_mm") and key.q_dtype_w == formats.FP8 and not torch.version.hip):
+        return False
+    if key.N % 128 or key.K % 128 or key.outdtype != torch.bfloat16:
+        return False
+    return _capability(device.type, device.index)[0] == 9 and _blockwise_probe(device.index)
+
+
+def _scaled_mm_block(xq, wq, xs, ws, out_dtype=torch.bfloat16):
+    # cuBLASLt wants the 1x128 activation scales M-contiguous and the weight's as (K/128, N/128).
+    xs_t = xs if xs.stride(0) == 1 else xs.t().contiguous().t()
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs_t, scale_b=ws.t(), out_dtype=out_dtype)
+
+
+@functools.cache
+def _blockwise_probe(index: int | None) -> bool:
+    """Run the block-scaled _scaled_mm once on a small problem and compare with the dequantized
+    reference. Never during a CUDA-graph capture (it syncs): then it says no for this process."""
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    from ..quant.quantize import quantize_1x128, quantize_128x128
+
+    dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+    try:
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(64, 256, device=dev, generator=g)
+        w = torch.randn(256, 256, device=dev, generator=g)
+        (xq, xs), (wq, ws) = quantize_1x128(x, formats.FP8), quantize_128x128(w, formats.FP8)
+        y = _scaled_mm_block(xq, wq, xs, ws).float()
+        ref = dequantize_1x128(xq, xs) @ dequantize_128x128(wq, ws).t()
+        return bool(((y - ref).norm() / ref.norm()).item() < 1e-2)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def _block_dequant_runner(key, device) -> Runner:
+    mid = torch.bfloat16 if _cuda(device) and key.outdtype != torch.float32 else torch.float32
+    out = key.outdtype
+
+    def run(xq, wq, xs, ws):
+        return F.linear(dequantize_1x128(xq, xs).to(mid), dequantize_128x128(wq, ws).to(mid)).to(out)
+
+    return run
+
+
+class TorchBlockscaleBackend(Backend):
+    name = "torch"
+    family = "a8w8_blockscale"
+
+    def is_available(self, device: torch.device) -> bool:
+        return True
+
+    def _usable(self, key, device) -> list[Solution]:
+        return ([SCALED_MM_BLOCK] if _blockwise_ok(key, device) else []) + [DEQUANT]
+
+    def candidates(self, key, device: torch.device) -> list[Solution]:
+        return self._usable(key, device)
+
+    def default_solution(self, key, device: torch.device) -> Solution:
+        return NATIVE
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        for sol in (NATIVE, SCALED_MM_BLOCK, DEQUANT):
+            if kernel_name == sol.kernel_name:
+                return sol
+        return NATIVE if solidx == 0 else None
+
+    def supports(self, solution: Solution, key, device: torch.device) -> bool:
+        if key.outdtype not in _OUT_DTYPES or key.K % formats.BLOCK:
+            return False
+        return solution == NATIVE or solution in self._usable(key, device)
+
+    def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
+        if solution == NATIVE:
+            solution = self._usable(key, device)[0]
+        if solution == SCALED_MM_BLOCK:
+            out = key.outdtype
+            return lambda xq, wq, xs, ws: _scaled_mm_block(xq, wq, xs, ws, out)
+        return _block_dequant_runner(key, device)
+
+
+class TorchBlockscaleBPreshuffleBackend(TorchBlockscaleBackend):
+    family = "a8w8_blockscale_bpreshuffle"
+
+
+# ---- Triton -----------------------------------------------------------------------------------------
+class _TritonQuantBackend(Backend):
+    name = "triton"
+    kind = "a8w8"
+
+    def is_available(self, device: torch.device) -> bool:
+        return HAS_TRITON and _cuda(device)
+
+    def unavailable_reason(self, device: torch.device) -> str:
+        if not HAS_TRITON:
+            return "triton is not installed"
+        return "" if self.is_available(device) else "the Triton 8-bit GEMMs need a CUDA or ROCm GPU"
+
+    def _key_ok(self, key, device) -> bool:
+        q_ok = key.q_dtype_w == torch.int8 or _tensor_core_fp8(key.q_dtype_w)
+        return (q_ok and key.outdtype in _OUT_DTYPES and key.N * key.K < 2**31 and key.M * key.N < 2**31
+                and key.M > 0)  # fmt: skip
+
+    def candidates(self, key, device: torch.device) -> list[Solution]:
+        if not (self.is_available(device) and self._key_ok(key, device)):
+            return []
+        from .quant_configs import tile_configs
+
+        return [self._solution(c) for c in tile_configs(self.kind, key, torch.device(device))]
+
+    def default_solution(self, key, device: torch.device) -> Solution | None:
+        return None
+
+    def _solution(self, cfg) -> Solution:
+        return Solution(self.name, cfg.name, stable_solidx(cfg.name), cfg.split_k)
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        from ..kernels.a8w8 import TileConfig
+
+        cfg = TileConfig.parse(kernel_name)
+        return self._solution(cfg) if cfg is not None and cfg.kind == self.kind else None
+
+    def supports(self, solution: Solution, key, device: torch.device) -> bool:
+        from ..kernels.a8w8 import TileConfig
+
+        cfg = TileConfig.parse(solution.kernel_name)
+        return cfg is not None and cfg.kind == self.kind and self.is_available(device) and self._key_ok(key, device)
+
+
+class TritonA8W8Backend(_TritonQuantBackend):
+    family = "a8w8"
+    kind = "a8w8"
+
+    def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
+        from ..kernels.a8w8 import TileConfig, a8w8_launch
+
+        cfg = TileConfig.parse(solution.kernel_name)
+        out = key.outdtype
+
+        def run(xq, wq, xs, ws, bias):
+            y = torch.empty((xq.shape[0], wq.shape[0]), device=xq.device, dtype=out)
+            return a8w8_launch(cfg, xq, wq, xs, ws, bias, y)
+
+        return run
+
+
+class TritonA8W8BPreshuffleBackend(TritonA8W8Backend):
+    family = "a8w8_bpreshuffle"
+
+
+class TritonBlockscaleBackend(_TritonQuantBackend):
+    family = "a8w8_blockscale"
+    kind = "blockscale"
+
+    def _key_ok(self, key, device) -> bool:
+        return super()._key_ok(key, device) and key.K % formats.BLOCK == 0
+
+    def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
+        from ..kernels.a8w8 import TileConfig
+        from ..kernels.blockscale import blockscale_launch
+
+        cfg = TileConfig.parse(solution.kernel_name)
+        out = key.outdtype
+
+        def run(xq, wq, xs, ws):
+            y = torch.empty((xq.shape[0], wq.shape[0]), device=xq.device, dtype=out)
+            return blockscale_launch(cfg, xq, wq, xs, ws, y)
+
+        return run
+
+
+class TritonBlockscaleBPreshuffleBackend(TritonBlockscaleBackend):
+    family = "a8w8_blockscale_bpreshuffle"

@@ -1,0 +1,129 @@
+"""optimize(model, quantize="fp8" | "fp8-block" | "int8"): the model's linears through the 8-bit ops.
+
+Each Linear weight (fused q/k/v and gate/up included, since they are quantized after fusion) is
+quantized once: per output channel for "fp8" / "int8", per 128x128 block for "fp8-block". At run
+time each activation row is quantized on the fly (per token, or per 1x128 group for block scales;
+one Triton kernel on a GPU) and the GEMM goes to gemm_a8w8 / gemm_a8w8_blockscale with the
+output in the activation's dtype. lm_head stays 16-bit unless asked (its error reaches the logits
+directly). The quantized weights live in the module's __dict__, not its state_dict, and the 16-bit
+weights are kept, so restore() gives the stock model back and checkpoints are unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..quant import formats, quantize
+
+MODES = {"fp8": ("a8w8", "fp8"), "int8": ("a8w8", "int8"), "fp8-block": ("blockscale", "fp8")}
+_STATE = "_gemmtune_quant"
+
+
+@dataclass
+class QuantState:
+    mode: str
+    wq: torch.Tensor
+    ws: torch.Tensor
+    bias: torch.Tensor | None
+    prev_forward: object  # an instance-level forward this replaced (a routed Linear's), or None
+
+
+def check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(f"gemmtune.optimize: quantize must be one of {sorted(MODES)} or None, got {mode!r}")
+    return mode
+
+
+def _skip_reason(mod: nn.Module, mode: str) -> str | None:
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.dtype.is_floating_point:
+        return "no 2-D float weight"
+    if w.device.type == "meta":
+        return "weights are not materialized"
+    if mode == "fp8-block" and w.shape[1] % formats.BLOCK:
+        return f"K={w.shape[1]} is not a multiple of {formats.BLOCK} (block scales)"
+    if getattr(mod, "_hf_hook", None) is not None:
+        return "an accelerate hook"
+    return None
+
+
+def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
+    from ..kernels.quant import quantize_1x128_triton, quantize_per_token_triton
+    from ..ops.quantized import gemm_a8w8, gemm_a8w8_blockscale
+
+    st: QuantState = self.__dict__[_STATE]
+    out = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+    if st.mode == "fp8-block":
+        xq, xs = quantize_1x128_triton(x, st.wq.dtype)
+        y = gemm_a8w8_blockscale(xq, st.wq, xs, st.ws, out)
+        return y if st.bias is None else y + st.bias.to(out)
+    xq, xs = quantize_per_token_triton(x, st.wq.dtype)
+    bias = None if st.bias is None else st.bias.to(out)
+    return gemm_a8w8(xq, st.wq, xs, st.ws, bias, out)
+
+
+def _quantize_weight(w: torch.Tensor, mode: str, device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    kind, fmt = MODES[mode]
+    dt = formats.native_fp8(device) if fmt == "fp8" else torch.int8
+    with torch.no_grad():
+        if kind == "blockscale":
+            wq, ws = quantize.quantize_128x128(w, dt)
+            back = quantize.dequantize_128x128(wq, ws)
+        else:
+            wq, ws = quantize.quantize_per_channel(w, dt)
+            back = quantize.dequantize(wq, ws.reshape(-1, 1))
+        err = ((back - w.float()).norm() / w.float().norm().clamp(min=1e-30)).item()
+    return wq, ws, err
+
+
+def quantize_linears(model: nn.Module, mode: str, report, lm_head: bool = False):
+    """Quantize every linear of `model` (after fusion); returns the function that undoes it."""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    done: list[nn.Module] = []
+
+    def undo():
+        for mod in reversed(done):
+            st = mod.__dict__.pop(_STATE, None)
+            mod.__dict__.pop("forward", None)
+            if st is not None and st.prev_forward is not None:
+                mod.forward = st.prev_forward
+
+    try:
+        _quantize_all(model, mode, report, lm_head, out_emb, done)
+    except BaseException:
+        undo()
+        raise
+    report.notes.append(f"quantize={mode}: {len(done)} linears run 8-bit (activations quantized per "
+                        f"{'1x128 group' if mode == 'fp8-block' else 'token'} at run time); 16-bit weights kept "
+                        "for restore()")  # fmt: skip
+    return undo
+
+
+def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:
+    from .linear import FusedLinear
+
+    for path, mod in model.named_modules():
+        if type(mod) is not nn.Linear and not isinstance(mod, FusedLinear):
+            continue
+        if mod is out_emb and not lm_head:
+            report.skip(f"quantize: {path}", "lm_head stays 16-bit (quantize_lm_head=True to quantize it)")
+            continue
+        if _STATE in mod.__dict__:
+            continue
+        why = _skip_reason(mod, mode)
+        if why:
+            report.skip(f"quantize: {path}", why)
+            continue
+        wq, ws, err = _quantize_weight(mod.weight.detach(), mode, mod.weight.device)
+        bias = None if mod.bias is None else mod.bias.detach()
+        prev = mod.__dict__.get("forward")
+        mod.__dict__[_STATE] = QuantState(mode, wq, ws, bias, prev)
+        mod.forward = types.MethodType(_quant_forward, mod)
+        done.append(mod)
+        scales = "128x128 blocks" if mode == "fp8-block" else "per channel"
+        report.change(f"quantize: {path} ({mod.weight.shape[0]}x{mod.weight.shape[1]}, {wq.dtype} {scales}, "
+                      f"weight rel err {err:.1e})")  # fmt: skip
