@@ -2,5 +2,6 @@
 
 from .batched import batched_gemm
 from .gemm import gemm, key_of, validate
+from .moe import fused_moe, grouped_gemm, prepare_expert_weights
 
-__all__ = ["batched_gemm", "gemm", "key_of", "validate"]
+__all__ = ["batched_gemm", "fused_moe", "gemm", "grouped_gemm", "key_of", "prepare_expert_weights", "validate"]
