@@ -226,7 +226,11 @@ def sweep_configs(key: MoeKey) -> list[tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmCon
                             kmoe.MoeGemmConfig(2, direct, bm, bn, bk, sk, w, s))  # fmt: skip
                     if pair not in out:
                         out.append(pair)
-    return out
+    # Nearest the heuristic first (block_m, then mode), so a short sweep tries the likely winners.
+    h1 = out[0][0]
+    rest = sorted(out[1:], key=lambda p: (abs(p[0].block_m.bit_length() - h1.block_m.bit_length()),
+                                          p[0].direct != h1.direct))  # fmt: skip
+    return out[:1] + rest
 
 
 def solution_of(c1: kmoe.MoeGemmConfig, c2: kmoe.MoeGemmConfig) -> Solution:
