@@ -252,3 +252,16 @@ def test_gpu_fused_moe_graph_replay_equals_eager(gpu):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gemmtune.fused_moe(x, w1, w2, w, ids))
+
+
+def test_capture_records_fused_moe_keys(tmp_path):
+    path = tmp_path / "cap.csv"
+    gemmtune.set_capture(str(path))
+    x, w1, w2, w, ids = inputs(5, 32, 20, 4, 2)
+    gemmtune.fused_moe(x, w1, w2, w, ids)
+    gemmtune.fused_moe(x, w1, w2, w, ids)
+    gemmtune.set_capture(None)
+    (out,) = tmp_path.glob("cap.fmoe.csv")
+    header, row = out.read_text().splitlines()
+    assert header.startswith("token,model_dim,inter_dim,expert,topk,act_type")
+    assert row.startswith("5,32,20,4,2,ActivationType.Silu,") and row.endswith(",2")  # seen twice
