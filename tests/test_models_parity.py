@@ -159,13 +159,16 @@ def test_option_subsets_keep_parity(opts):
     check_parity(stock, opt)
 
 
-def test_moe_experts_untouched():
+def test_moe_experts_go_to_fused_moe_and_restore():
     stock, opt, report = pair("qwen3_moe")
     layer1 = opt.model.layers[1]  # decoder_sparse_step=2: layer 1 is sparse, layer 0 dense
-    assert "forward" not in layer1.mlp.__dict__
+    assert "forward" not in layer1.mlp.__dict__  # the block (router) stays stock
+    assert "forward" in layer1.mlp.experts.__dict__  # its experts run gemmtune.fused_moe
     assert not any("_gemmtune_route" in m.__dict__ for m in layer1.mlp.modules())
     assert hasattr(opt.model.layers[0].mlp, "gate_up_proj")  # the dense layer is fused
-    assert any(w.startswith("moe:") for w, _ in report.skipped)
+    assert report.counts().get("moe") == 1
+    gemmtune.restore(opt)
+    assert "forward" not in layer1.mlp.experts.__dict__
 
 
 # ---- GPU: bf16 parity ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from . import tuned_gemm
 from .configs import ConfigTable
 from .dispatch import get_dispatcher, resolve, set_capture, set_config
 from .keys import GemmKey
-from .ops import batched_gemm, gemm
+from .ops import batched_gemm, fused_moe, gemm, grouped_gemm, prepare_expert_weights
 
 __version__ = "0.1.0"
 
@@ -29,9 +29,12 @@ __all__ = [
     "ConfigTable",
     "GemmKey",
     "batched_gemm",
+    "fused_moe",
     "gemm",
+    "grouped_gemm",
     "get_dispatcher",
     "load_config",
+    "prepare_expert_weights",
     "resolve",
     "set_capture",
     "set_config",

@@ -26,6 +26,7 @@ _BUILTIN = {
         "TorchBlockscaleBPreshuffleBackend", "TritonA8W8Backend", "TritonA8W8BPreshuffleBackend",
         "TritonBlockscaleBackend", "TritonBlockscaleBPreshuffleBackend",
     ),  # fmt: skip
+    "gemmtune.backends.moe": ("TorchMoeBackend", "TritonMoeBackend"),
 }
 
 _registry: dict[tuple[str, str], Backend] = {}

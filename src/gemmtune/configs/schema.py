@@ -102,8 +102,7 @@ class TunedRow:
                r.solidx: str(self.solidx), r.splitk: str(self.splitk), r.us: fmt_float(self.us),
                r.kernel_name: self.kernel_name, r.err_ratio: fmt_float(self.err_ratio),
                r.tflops: f"{self.tflops:.2f}", r.bw: f"{self.bw:.2f}"}  # fmt: skip
-        if r.libtype:
-            out[r.libtype] = self.libtype
+        out.update(self.family.solution_record(self.libtype, self.kernel_name))
         lo, hi = self.family.range_columns
         out[lo], out[hi] = (str(self.m_lo), str(self.m_hi)) if self.m_lo > 0 else ("", "")
         return out
@@ -158,10 +157,9 @@ def parse_tuned_row(raw: dict[str, str], path: str, line: int, family: Family | 
     r = family.roles
     p = lambda col, conv, default=None: parse_column(raw, col, conv, default, path, line)  # noqa: E731
     key = parse_key(family, raw, path, line)
-    if r.libtype and r.libtype in raw:
-        libtype = p(r.libtype, str)
-    else:
-        libtype = family.implied_libtype
+    if r.libtype and r.libtype in raw and not raw[r.libtype].strip():
+        raise ConfigError(f"{path}:{line}: column {r.libtype!r} is missing or empty")
+    libtype = family.libtype_of(raw)
     lo_col, hi_col = family.range_columns
     return TunedRow(
         m_lo=p(lo_col, positive_int, 0),
@@ -173,7 +171,7 @@ def parse_tuned_row(raw: dict[str, str], path: str, line: int, family: Family | 
         solidx=p(r.solidx, int, 0),
         splitk=p(r.splitk, int, 0),
         us=p(r.us, nonneg_float),
-        kernel_name=raw.get(r.kernel_name, "").strip(),
+        kernel_name=family.kernel_name_of(raw),
         err_ratio=p(r.err_ratio, _err_value, 0.0),
         tflops=p(r.tflops, float, 0.0),
         bw=p(r.bw, float, 0.0),

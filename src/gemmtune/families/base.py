@@ -135,6 +135,23 @@ class Family:
     def describe(self, key) -> str:
         return f"{self.name} " + " ".join(f"{c.name}={c.fmt(getattr(key, c.field))}" for c in self.key_columns)
 
+    # ---- solution columns ---------------------------------------------------------------------
+    def libtype_of(self, raw: dict[str, str]) -> str:
+        """The backend a tuned record names: its libtype column, else `implied_libtype`."""
+        text = raw.get(self.roles.libtype, "").strip() if self.roles.libtype else ""
+        return text or self.implied_libtype
+
+    def kernel_name_of(self, raw: dict[str, str]) -> str:
+        """The solution's kernel name as the backend's solution_from_row reads it."""
+        return raw.get(self.roles.kernel_name, "").strip()
+
+    def solution_record(self, libtype: str, kernel_name: str) -> dict[str, str]:
+        """The solution columns a new row writes (inverse of libtype_of / kernel_name_of)."""
+        out = {self.roles.kernel_name: kernel_name}
+        if self.roles.libtype:
+            out[self.roles.libtype] = libtype
+        return out
+
     # ---- computing ------------------------------------------------------------------------------
     def make_inputs(self, key, device: torch.device, sets: int, seed: int) -> list[Inputs]:
         """`sets` random input sets (fresh tensors each: rotating them keeps the weights cold)."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from . import attention as attn_mod
 from . import families, fusion
+from . import moe as moe_mod
 from .linear import RouteOptions, is_routed, linear_skip_reason, route_linear, unroute_linear
 from .report import OptimizeReport
 from .version import check_transformers
@@ -114,7 +115,12 @@ class _Planner:
         fam, fused_ops = self.family, self.opts["fused_ops"]
         if families.is_moe_block(mlp):
             self.no_route_prefixes.append(path + ".")
-            self.report.skip(f"moe: {path}", "experts left to the grouped-GEMM path (not optimized here)")
+            spec = moe_mod.plan_experts(mlp.experts)
+            if isinstance(spec, str):
+                self.report.skip(f"moe: {path}", spec)
+            else:
+                self.add("moe", _join(path, "experts"), f"{path}.experts -> gemmtune.fused_moe ({spec.describe()})",
+                         spec=spec)  # fmt: skip
             return
         act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"
         act_fn = getattr(mlp, act_attr, None)
@@ -250,6 +256,8 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
         mod.forward = types.MethodType(families.LAYER_FORWARDS[a.data["layout"]], mod)
     elif a.kind == "route":
         route_linear(mod, a.data["opts"])
+    elif a.kind == "moe":
+        moe_mod.apply(mod, a.data["spec"])
     else:
         raise AssertionError(a.kind)
 
@@ -259,6 +267,7 @@ _ATTRS = {
     "mlp": ("forward", "_gemmtune_mlp"),
     "norm": ("forward", "_gemmtune_norm"),
     "layer": ("forward",),
+    "moe": ("forward", "_gemmtune_moe"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from .batched import batched_gemm
 from .gemm import gemm, key_of, validate
+from .moe import fused_moe, grouped_gemm, prepare_expert_weights
 from .quantized import (
     gemm_a8w8,
     gemm_a8w8_blockscale,
@@ -12,12 +13,15 @@ from .quantized import (
 
 __all__ = [
     "batched_gemm",
+    "fused_moe",
     "gemm",
     "gemm_a8w8",
     "gemm_a8w8_blockscale",
     "gemm_a8w8_blockscale_bpreshuffle",
     "gemm_a8w8_bpreshuffle",
+    "grouped_gemm",
     "int8_gemm",
     "key_of",
+    "prepare_expert_weights",
     "validate",
 ]

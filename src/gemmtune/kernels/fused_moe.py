@@ -1,0 +1,383 @@
+"""Triton grouped GEMM over token slots routed to experts, and the routing-weight combine.
+
+A *slot* is one (token, k) pair: slot s = t * TK + j for token t and routing column j < TK, where
+TK = topk + shared (shared experts are extra columns every token takes, weight 1, experts
+E_routed .. E_routed + shared - 1 of the weight tensors). Each slot has a local expert id:
+  e >= 0  the expert of the weight tensors it multiplies,
+  e == -1 routed to an expert another rank holds (expert parallelism): contributes nothing,
+  e == -2 an id out of range: the token's combined output is NaN (never a plausible wrong value).
+
+`moe_gemm` computes C[s] = A[s] @ B[e(s)] for every slot with e(s) >= 0 (other rows of C are never
+written). B is (E, K, N) logically, with any strides (the (E, N, K) storage of Hugging Face's and
+aiter's expert weights is B.transpose(1, 2)). With `gated`, B has 2N columns, gate first, and the
+kernel writes act(A @ B_gate) * (A @ B_up). Rows of A: slot s reads A at
+(s // TK) * stride_at + (s % TK) * stride_aj, so stage 1 reads the token's hidden state (stride_aj =
+0) and stage 2 the slot's own intermediate row.
+
+Two ways to find a program's rows:
+- direct (few slots): the grid is (expert, N tiles, K splits); each program reads every slot's id
+  and gathers the rows routed to its expert, chunk by chunk. No preparation kernel at all, which is
+  what decode needs; experts nobody routed to exit at once.
+- sorted (many slots): moe_align.py sorts slots by expert into BLOCK_M-padded blocks on the device;
+  the grid is (block, N tiles, K splits) and a block's padding rows (slot id == n_slots) are masked.
+
+Split-K (stage 2 only: the gated activation is not linear) writes fp32 partials C[split]; the combine
+kernel sums the splits and the topk columns: out[t] = sum_j w[t, j] * C[t * TK + j].
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._common import HAS_TRITON, tl, triton
+
+ACTS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
+NOT_LOCAL = -1  # routed to an expert of another rank
+BAD_ID = -2  # expert id out of range: poisons the token's output
+DIRECT_MAX_SLOTS = 256  # beyond this the per-program id scan costs more than sorting once
+
+
+def _empty(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Output allocation (tests swap in NaN-filled ones to prove every element is written)."""
+    return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+# ---- configs ------------------------------------------------------------------------------------
+_NAME = re.compile(r"^moe([12])_(direct|sorted)_bm(\d+)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)$")
+
+
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    """One stage's tile config; its name is what a tuned row's kernelName1/kernelName2 holds."""
+
+    stage: int  # 1: gate+up (+ activation), 2: down
+    direct: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    warps: int = 4
+    stages: int = 3
+
+    @property
+    def name(self) -> str:
+        mode = "direct" if self.direct else "sorted"
+        return (f"moe{self.stage}_{mode}_bm{self.block_m}_bn{self.block_n}_bk{self.block_k}_sk{self.split_k}"
+                f"_w{self.warps}_s{self.stages}")  # fmt: skip
+
+    @classmethod
+    def parse(cls, name: str) -> MoeGemmConfig | None:
+        m = _NAME.match(name.strip())
+        if not m:
+            return None
+        st, mode, bm, bn, bk, sk, w, s = m.groups()
+        cfg = cls(int(st), mode == "direct", int(bm), int(bn), int(bk), int(sk), int(w), int(s))
+        return cfg if cfg.valid() else None
+
+    def valid(self) -> bool:
+        pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.block_k, self.warps))
+        return (pow2 and self.block_m >= 16 and self.block_n >= 16 and self.block_k >= 16 and self.split_k >= 1
+                and self.stages >= 1 and (self.stage == 2 or self.split_k == 1))  # fmt: skip
+
+    def fits(self, n_slots: int) -> bool:
+        return not self.direct or n_slots <= DIRECT_MAX_SLOTS
+
+
+# ---- references -----------------------------------------------------------------------------------
+def act_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(x)
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if activation == "none":
+        return x
+    raise ValueError(f"unknown activation {activation!r} (silu, gelu, gelu_tanh)")
+
+
+def local_expert_ids(topk_ids: torch.Tensor, num_routed: int, expert_map: torch.Tensor | None = None,
+                     shared: int = 0, num_local_routed: int | None = None) -> torch.Tensor:  # fmt: skip
+    """(T, topk + shared) int32 local expert id of every slot (see the module doc for -1 / -2).
+
+    topk_ids hold router ids in [0, num_routed); expert_map (num_routed,) maps them to local ids
+    (-1: another rank's expert). Shared experts follow the local routed ones in the weight tensors.
+    """
+    ids = topk_ids.to(torch.int64)
+    ok = (ids >= 0) & (ids < num_routed)
+    safe = torch.where(ok, ids, 0)
+    local = expert_map.to(torch.int64)[safe] if expert_map is not None else safe
+    local = torch.where(ok, local, BAD_ID)
+    if shared:
+        n_local = num_local_routed if num_local_routed is not None else num_routed
+        extra = torch.arange(n_local, n_local + shared, device=ids.device, dtype=torch.int64)
+        local = torch.cat([local, extra.expand(ids.shape[0], shared)], dim=1)
+    return local.to(torch.int32)
+
+
+def slot_weights(topk_weights: torch.Tensor, shared: int = 0) -> torch.Tensor:
+    """(T, topk + shared) fp32 routing weight of every slot (shared experts weigh 1)."""
+    w = topk_weights.float()
+    if shared:
+        w = torch.cat([w, w.new_ones(w.shape[0], shared)], dim=1)
+    return w
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 with TF32 off."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return a.float() @ b.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def moe_gemm_ref(a_rows: torch.Tensor, b: torch.Tensor, local_ids: torch.Tensor, activation: str = "none",
+                 gated: bool = False, weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """fp32 loop reference of moe_gemm: a_rows (S, K) one row per slot, b (E, K, N or 2N), local_ids (S,).
+    Rows of slots with no local expert are NaN (moe_gemm leaves them unwritten)."""
+    n = b.shape[2] // 2 if gated else b.shape[2]
+    out = torch.full((a_rows.shape[0], n), float("nan"), dtype=torch.float32, device=a_rows.device)
+    for e in range(b.shape[0]):
+        rows = (local_ids == e).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        y = _mm32(a_rows[rows], b[e])
+        y = act_ref(y[:, :n], activation) * y[:, n:] if gated else act_ref(y, activation)
+        out[rows] = y if weights is None else y * weights[rows].float().unsqueeze(1)
+    return out
+
+
+def fused_moe_ref(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
+                  shared: int = 0) -> torch.Tensor:  # fmt: skip
+    """fp32 loop-over-experts reference of fused_moe: w1 (E, 2I, H) gate rows first (or (E, I, H) for
+    an ungated MLP), w2 (E, H, I); out (T, H) fp32. A token with an out-of-range expert id gets NaN."""
+    local_routed = w1.shape[0] - shared
+    num_routed = expert_map.shape[0] if expert_map is not None else local_routed
+    ids = local_expert_ids(topk_ids, num_routed, expert_map, shared, local_routed)
+    w = slot_weights(topk_weights, shared)
+    gated = w1.shape[1] == 2 * w2.shape[2]
+    T, TK = ids.shape
+    rows = hidden.unsqueeze(1).expand(T, TK, hidden.shape[1]).reshape(T * TK, -1)
+    h = moe_gemm_ref(rows, w1.transpose(1, 2), ids.reshape(-1), activation, gated)
+    y = moe_gemm_ref(h, w2.transpose(1, 2), ids.reshape(-1))
+    live = (ids >= 0).reshape(-1, 1)
+    y = torch.where(live, y * w.reshape(-1, 1), 0.0).view(T, TK, -1).sum(1)
+    return torch.where((ids == BAD_ID).any(1, keepdim=True), float("nan"), y)
+
+
+# ---- kernels --------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _slot_expert(slots, valid, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+                     num_local_routed, HAS_MAP: tl.constexpr):  # fmt: skip
+        """Local expert id of each slot (-1 other rank / -2 bad id), as local_expert_ids computes it."""
+        t = slots // TK
+        j = slots % TK
+        routed = valid & (j < TOPK)
+        raw = tl.load(ids_ptr + t * stride_it + j * stride_ij, mask=routed, other=0).to(tl.int32)
+        ok = (raw >= 0) & (raw < num_routed)
+        if HAS_MAP:
+            mapped = tl.load(map_ptr + raw, mask=routed & ok, other=-1).to(tl.int32)
+        else:
+            mapped = raw
+        e = tl.where(ok, mapped, -2)
+        e = tl.where(routed, e, num_local_routed + (j - TOPK))
+        return tl.where(valid, e, -1)
+
+    @triton.jit
+    def _act(x, ACT: tl.constexpr):
+        if ACT == 1:  # silu
+            x = x / (1.0 + tl.exp(-x))
+        elif ACT == 2:  # gelu (erf)
+            x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        elif ACT == 3:  # gelu, tanh approximation; tanh(z) = 1 - 2 / (1 + exp(2z))
+            z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            x = 0.5 * x * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
+        return x
+
+    @triton.jit
+    def _tile(a_ptr, b_ptr, c_ptr, w_ptr, slot, row_ok, e, pid_n, pid_k, N, K, TK, TOPK,
+              stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn,
+              stride_wt, stride_wj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+              PREC: tl.constexpr):  # fmt: skip
+        """C[slot] = epilogue(A[slot] @ B[e][:, n tile]) for BLOCK_M slots of one expert."""
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        slot64 = slot.to(tl.int64)
+        a_row = (slot64 // TK) * stride_at + (slot64 % TK) * stride_aj
+        a_ptrs = a_ptr + a_row[:, None] + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+            k_ok = (offs_k + (k0 - pid_k * BLOCK_K)) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PREC)
+            a_ptrs += SPLIT_K * BLOCK_K * stride_ak
+            b_ptrs += SPLIT_K * BLOCK_K * stride_bk
+        if GATED:
+            acc = _act(acc, ACT) * acc_up
+        else:
+            acc = _act(acc, ACT)
+        if MUL_WEIGHT:
+            t = slot // TK
+            j = slot % TK
+            w = tl.load(w_ptr + t * stride_wt + j * stride_wj, mask=row_ok & (j < TOPK), other=1.0)
+            acc = acc * w.to(tl.float32)[:, None]
+        c_ptrs = c_ptr + pid_k * stride_cs + slot64[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _moe_gemm_direct(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, map_ptr, n_slots, N, K, TK, TOPK, num_routed,
+                         num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak, stride_be,
+                         stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt, stride_wj,
+                         SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+        e = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        slots = tl.arange(0, SLOTS)
+        ids = _slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+                           num_local_routed, HAS_MAP)  # fmt: skip
+        hit = (ids == e).to(tl.int32)
+        count = tl.sum(hit, axis=0)
+        rank = tl.cumsum(hit, axis=0) - 1
+        # Gather this expert's slots BLOCK_M at a time: row r of a chunk is the slot whose rank is r.
+        for r0 in range(0, count, BLOCK_M):
+            r = r0 + tl.arange(0, BLOCK_M)
+            match = (hit[None, :] > 0) & (rank[None, :] == r[:, None])
+            slot = tl.sum(tl.where(match, slots[None, :], 0), axis=1)
+            _tile(a_ptr, b_ptr, c_ptr, w_ptr, slot, r < count, e, pid_n, pid_k, N, K, TK, TOPK, stride_at, stride_aj,
+                  stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt, stride_wj,
+                  BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
+
+    @triton.jit
+    def _moe_gemm_sorted(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, block_expert_ptr, n_slots, N, K, TK, TOPK,
+                         stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm,
+                         stride_cn, stride_wt, stride_wj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+        blk = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        e = tl.load(block_expert_ptr + blk)
+        if e >= 0:
+            slot = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+            _tile(a_ptr, b_ptr, c_ptr, w_ptr, slot, slot < n_slots, e, pid_n, pid_k, N, K, TK, TOPK, stride_at,
+                  stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt,
+                  stride_wj, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
+
+    @triton.jit
+    def _combine(c_ptr, w_ptr, ids_ptr, map_ptr, out_ptr, N, TK, TOPK, num_routed, num_local_routed, stride_it,
+                 stride_ij, stride_wt, stride_wj, stride_cs, stride_cm, stride_ot, SPLITS: tl.constexpr,
+                 TK_P2: tl.constexpr, HAS_MAP: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs < N
+        j = tl.arange(0, TK_P2)
+        slots = t * TK + j
+        e = _slot_expert(slots, j < TK, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+                         num_local_routed, HAS_MAP)  # fmt: skip
+        live = e >= 0
+        w = tl.load(w_ptr + t * stride_wt + j * stride_wj, mask=live & (j < TOPK), other=1.0).to(tl.float32)
+        if not MUL_WEIGHT:
+            w = tl.where(live, 1.0, 0.0)
+        w = tl.where(live, w, 0.0)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        rows = slots.to(tl.int64) * stride_cm
+        for s in tl.static_range(SPLITS):
+            part = tl.load(c_ptr + s * stride_cs + rows[:, None] + offs[None, :], mask=live[:, None] & n_ok[None, :],
+                           other=0.0)  # fmt: skip
+            acc += tl.sum(part.to(tl.float32) * w[:, None], axis=0)
+        bad = tl.sum((e == -2).to(tl.int32), axis=0) > 0
+        acc = tl.where(bad, float("nan"), acc)
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ---- launchers ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Routing:
+    """How slots find their experts: the raw ids (+ map) for direct launches and the combine, and the
+    sorted blocks (moe_align) for sorted launches."""
+
+    topk_ids: torch.Tensor  # (T, topk) router ids, int32/int64, any strides
+    topk: int
+    shared: int
+    num_routed: int  # ids range over [0, num_routed)
+    num_local_routed: int  # routed experts in the weight tensors (shared ones follow)
+    expert_map: torch.Tensor | None = None  # (num_routed,) int32 local id or -1
+
+    @property
+    def tk(self) -> int:
+        return self.topk + self.shared
+
+    @property
+    def n_slots(self) -> int:
+        return self.topk_ids.shape[0] * self.tk
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b: torch.Tensor, c: torch.Tensor,
+             routing: Routing, num_experts: int, gated: bool, activation: str = "none",
+             weights: torch.Tensor | None = None, sorted_blocks=None) -> None:  # fmt: skip
+    """Launch one stage into c ((split, S, N) or (S, N)); a is read through (stride_at, stride_aj, a.stride(-1))."""
+    n = b.shape[2] // 2 if gated else b.shape[2]
+    k = b.shape[1]
+    c3 = c if c.dim() == 3 else c.unsqueeze(0)
+    w = weights if weights is not None else c3  # unused pointer when MUL_WEIGHT is off
+    ws = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, GATED=gated,
+                  ACT=ACTS[activation], MUL_WEIGHT=weights is not None, PREC=_prec(a.dtype), num_warps=cfg.warps,
+                  num_stages=cfg.stages)  # fmt: skip
+    strides = (*a_strides, a.stride(-1), b.stride(0), b.stride(1), b.stride(2), c3.stride(0), c3.stride(1),
+               c3.stride(2), *ws)  # fmt: skip
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    if cfg.direct:
+        ids = routing.topk_ids
+        emap = routing.expert_map if routing.expert_map is not None else ids
+        grid = (num_experts, n_tiles, cfg.split_k)
+        _moe_gemm_direct[grid](a, b, c3, w, ids, emap, routing.n_slots, n, k, routing.tk, routing.topk,
+                               routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1), *strides,
+                               SLOTS=max(16, triton.next_power_of_2(routing.n_slots)),
+                               HAS_MAP=routing.expert_map is not None, **common)  # fmt: skip
+    else:
+        sorted_slots, block_expert = sorted_blocks
+        grid = (block_expert.shape[0], n_tiles, cfg.split_k)
+        _moe_gemm_sorted[grid](a, b, c3, w, sorted_slots, block_expert, routing.n_slots, n, k, routing.tk,
+                               routing.topk, *strides, **common)  # fmt: skip
+
+
+def combine(c: torch.Tensor, routing: Routing, topk_weights: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[t] = sum_j w[t, j] * C[t * TK + j] over the slots with a local expert (summing C's splits);
+    NaN for a token with an out-of-range id. topk_weights None: the weights were applied in stage 1."""
+    c3 = c if c.dim() == 3 else c.unsqueeze(0)
+    n = c3.shape[2]
+    ids = routing.topk_ids
+    emap = routing.expert_map if routing.expert_map is not None else ids
+    w = topk_weights if topk_weights is not None else out
+    ws = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    block = min(1024, max(64, triton.next_power_of_2(n)))
+    grid = (ids.shape[0], triton.cdiv(n, block))
+    _combine[grid](c3, w, ids, emap, out, n, routing.tk, routing.topk, routing.num_routed, routing.num_local_routed,
+                   ids.stride(0), ids.stride(1), *ws, c3.stride(0), c3.stride(1), out.stride(0), SPLITS=c3.shape[0],
+                   TK_P2=max(2, triton.next_power_of_2(routing.tk)), HAS_MAP=routing.expert_map is not None,
+                   MUL_WEIGHT=topk_weights is not None, BLOCK_N=block, num_warps=4)  # fmt: skip

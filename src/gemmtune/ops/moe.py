@@ -1,0 +1,330 @@
+"""`gemmtune.fused_moe` and `gemmtune.grouped_gemm`: mixture-of-experts layers on tuned kernels.
+
+fused_moe(hidden (T, H), w1 (E, 2I, H), w2 (E, H, I), topk_weights (T, topk), topk_ids (T, topk))
+  out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, j]
+  with gate_e(x) = x @ w1[e, :I].T, up_e(x) = x @ w1[e, I:].T, down_e(h) = h @ w2[e].T: Hugging Face's
+  expert layout (gate_up_proj (E, 2I, H), gate rows first; down_proj (E, H, I)), aiter's and vLLM's.
+  An ungated w1 (E, I, H) computes act(x @ w1[e].T) instead. Dispatched per MoeKey to the tuned
+  solution of the fmoe family (families/fmoe.py), else the default (backends/moe.py).
+  - doweight_stage1: the routing weight multiplies the activation output (before down) instead of
+    the down output: the same result in exact arithmetic, another rounding (aiter's option).
+  - expert_map (G,) int: expert parallelism. topk_ids are router ids in [0, G); expert_map gives
+    the local expert of each (-1: another rank's, which contributes nothing here).
+  - num_shared_experts S: the last S experts of w1/w2 are shared experts every token takes, weight
+    1, on top of its topk routed ones (DeepSeek-V3's shared expert fused in).
+  - Expert ids out of range: a ValueError naming the first bad id when checked (check_ids: default
+    on unless a CUDA graph is being captured or torch.compile traces; the check syncs with the
+    host); unchecked, the token's output row is NaN, never a plausible wrong value.
+
+grouped_gemm(input, weights, expert_ids, topk=None) -> (T, topk, N)
+  out[t, j] = x_tj @ weights[expert_ids[t, j]], weights (E, K, N) (any strides; weights_transposed
+  takes (E, N, K), e.g. nn.Linear-layout experts). x_tj = input[t] when input is (T, K) (each token
+  goes to its topk experts), input[t, j] when input is (T, topk, K) (one row per routed copy, e.g.
+  the second GEMM of an MoE). expert_ids is (T, topk); a flat (T * topk,) is read as (T, topk) when
+  topk is given. topk, when given, must equal expert_ids' second dim (and input's, when 3-D).
+
+Both are CUDA-graph capturable at a fixed token count: sorting by expert happens on the device, no
+output size depends on the routing. Under torch.compile they go through `torch.ops.gemmtune.*`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import moe as bmoe
+from ..dispatch import get_dispatcher
+from ..families.fmoe import ACT_TYPES, MoeKey
+from ..kernels import fused_moe as kmoe
+from ..kernels.moe_align import moe_align
+
+FAMILY = "fmoe"
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INTS = (torch.int32, torch.int64)
+_dispatcher = get_dispatcher()
+_runners = _dispatcher.cache(FAMILY)  # cleared in place by the dispatcher, never rebound
+_grouped_runners = _dispatcher.cache("fmoe.grouped_gemm")  # grouped_gemm is not tuned: heuristic choice
+_is_compiling = torch.compiler.is_compiling
+
+
+def _d(t) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _should_check(check_ids: bool | None, t: torch.Tensor) -> bool:
+    if check_ids is None:
+        return not (_is_compiling() or _capturing(t))
+    return bool(check_ids)
+
+
+def check_expert_ids(op: str, ids: torch.Tensor, num_routed: int, what: str = "expert id") -> None:
+    """ValueError naming the first id outside [0, num_routed) and where it is (syncs with the host)."""
+    bad = (ids < 0) | (ids >= num_routed)
+    if bool(bad.any()):
+        pos = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"gemmtune.{op}: {what} {int(ids[pos])} at {pos} is out of range [0, {num_routed})")
+
+
+# ---- fused_moe ------------------------------------------------------------------------------------
+def _fused_error(msg: str, hidden, w1, w2) -> ValueError:
+    return ValueError(f"gemmtune.fused_moe: {msg} (hidden {_d(hidden)}, w1 {_d(w1)}, w2 {_d(w2)})")
+
+
+def validate_fused(hidden, w1, w2, topk_weights, topk_ids, activation: str, expert_map, num_shared_experts: int):
+    """Raise naming shapes, dtypes and devices for anything fused_moe cannot compute."""
+    tensors = {"hidden_states": hidden, "w1": w1, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemmtune.fused_moe: {name} must be a tensor, got {type(t).__name__}")
+    if activation not in ACT_TYPES:
+        raise ValueError(f"gemmtune.fused_moe: unknown activation {activation!r} (one of {', '.join(ACT_TYPES)})")
+    if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        raise _fused_error("hidden_states must be 2-D (tokens, hidden), w1 and w2 3-D (experts, out, in)", hidden,
+                           w1, w2)  # fmt: skip
+    T, H = hidden.shape
+    E, inter = w2.shape[0], w2.shape[2]
+    if w1.shape[0] != E:
+        raise _fused_error(f"w1 has {w1.shape[0]} experts, w2 {E}", hidden, w1, w2)
+    if w2.shape[1] != H:
+        hint = " (w2 looks stored (E, I, H): pass w2.transpose(1, 2))" if w2.shape[2] == H else ""
+        raise _fused_error(f"w2 must be (experts, hidden={H}, inter){hint}", hidden, w1, w2)
+    if w1.shape[2] != H or w1.shape[1] not in (inter, 2 * inter):
+        hint = " (w1 looks stored (E, H, 2I): pass w1.transpose(1, 2))" if w1.shape[1] == H else ""
+        want = f"(experts, 2 * inter={2 * inter} or inter={inter}, hidden={H})"
+        raise _fused_error(f"w1 must be {want}{hint}", hidden, w1, w2)
+    if not (hidden.dtype == w1.dtype == w2.dtype) or hidden.dtype not in _FLOATS:
+        raise _fused_error("hidden_states, w1 and w2 must share one dtype of float16/bfloat16/float32", hidden, w1,
+                           w2)  # fmt: skip
+    if topk_ids.dim() != 2 or topk_ids.dtype not in _INTS:
+        raise _fused_error(f"topk_ids must be 2-D (tokens, topk) int32/int64, got {_d(topk_ids)}", hidden, w1, w2)
+    if topk_weights.shape != topk_ids.shape or not topk_weights.dtype.is_floating_point:
+        raise _fused_error(f"topk_weights {_d(topk_weights)} must be floating point with topk_ids' shape "
+                           f"{tuple(topk_ids.shape)}", hidden, w1, w2)  # fmt: skip
+    if topk_ids.shape[0] != T:
+        raise _fused_error(f"topk_ids has {topk_ids.shape[0]} tokens, hidden_states {T}", hidden, w1, w2)
+    if not 0 <= num_shared_experts < E:
+        raise _fused_error(f"num_shared_experts={num_shared_experts} must be in [0, {E})", hidden, w1, w2)
+    if topk_ids.shape[1] < 1 or (expert_map is None and topk_ids.shape[1] > E - num_shared_experts):
+        raise _fused_error(f"topk={topk_ids.shape[1]} must be in [1, {E - num_shared_experts}] routed experts",
+                           hidden, w1, w2)  # fmt: skip
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in _INTS):
+        raise _fused_error(f"expert_map must be 1-D int32/int64 (one local id per router id), got {_d(expert_map)}",
+                           hidden, w1, w2)  # fmt: skip
+    devs = {t.device for t in (*tensors.values(), *([expert_map] if expert_map is not None else []))}
+    if len(devs) != 1:
+        raise _fused_error(f"tensors on several devices: {', '.join(sorted(map(str, devs)))}", hidden, w1, w2)
+
+
+def moe_key(hidden, w1, w2, topk_ids, activation: str, doweight_stage1: bool, expert_map,
+            num_shared_experts: int) -> MoeKey:  # fmt: skip
+    dt = hidden.dtype
+    return MoeKey(hidden.shape[0], hidden.shape[1], w2.shape[2], w1.shape[0], topk_ids.shape[1], ACT_TYPES[activation],
+                  dt, dt, dt, "QuantType.No", w1.shape[1] != w2.shape[2], bool(doweight_stage1),
+                  0 if expert_map is None else expert_map.shape[0], num_shared_experts)  # fmt: skip
+
+
+def _check_fused_ids(w1, topk_ids, expert_map, shared: int) -> None:
+    local_routed = w1.shape[0] - shared
+    check_expert_ids("fused_moe", topk_ids, local_routed if expert_map is None else expert_map.shape[0])
+    if expert_map is not None:
+        bad = (expert_map < -1) | (expert_map >= local_routed)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"gemmtune.fused_moe: expert_map[{i}] = {int(expert_map[i])} is neither -1 nor a "
+                             f"local expert in [0, {local_routed})")  # fmt: skip
+
+
+def _fused_miss(sig, hidden, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map, shared):
+    validate_fused(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map, shared)
+    key = moe_key(hidden, w1, w2, topk_ids, activation, doweight_stage1, expert_map, shared)
+    if key.token == 0:
+        run = _empty_fused(key)
+    else:
+        run = _dispatcher.runner_for(key, hidden.device, family=FAMILY)
+    _runners[sig] = run
+    return run
+
+
+def _empty_fused(key: MoeKey):
+    return lambda hidden, *rest: hidden.new_empty((0, key.model_dim))
+
+
+def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu", *, doweight_stage1: bool = False,
+              expert_map: torch.Tensor | None = None, num_shared_experts: int = 0,
+              check_ids: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """(T, H) mixture-of-experts output in hidden_states' dtype (see the module doc for the semantics)."""
+    if _is_compiling():
+        return torch.ops.gemmtune.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                            doweight_stage1, expert_map, num_shared_experts)  # fmt: skip
+    em = None if expert_map is None else (expert_map.shape, expert_map.dtype, expert_map.device)
+    sig = (hidden_states.shape, w1.shape, w2.shape, topk_ids.shape, topk_weights.shape, hidden_states.dtype, w1.dtype,
+           w2.dtype, topk_ids.dtype, topk_weights.dtype, hidden_states.device, w1.device, w2.device, topk_ids.device,
+           topk_weights.device, activation, doweight_stage1, em, num_shared_experts)  # fmt: skip
+    run = _runners.get(sig)
+    if run is None:
+        run = _fused_miss(sig, hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1,
+                          expert_map, num_shared_experts)  # fmt: skip
+    if _should_check(check_ids, topk_ids):
+        _check_fused_ids(w1, topk_ids, expert_map, num_shared_experts)
+    return run(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
+
+
+@torch.library.custom_op("gemmtune::fused_moe", mutates_args=())
+def _fused_op(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str, doweight_stage1: bool, expert_map: torch.Tensor | None,
+              num_shared_experts: int) -> torch.Tensor:  # fmt: skip
+    with torch.no_grad():
+        return fused_moe(hidden, w1, w2, topk_weights, topk_ids, activation, doweight_stage1=doweight_stage1,
+                         expert_map=expert_map, num_shared_experts=num_shared_experts, check_ids=False)  # fmt: skip
+
+
+@_fused_op.register_fake
+def _fused_fake(hidden, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map, num_shared_experts):
+    validate_fused(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
+    return hidden.new_empty(hidden.shape)
+
+
+# ---- grouped_gemm ---------------------------------------------------------------------------------
+def _grouped_error(msg: str, x, w, ids) -> ValueError:
+    return ValueError(f"gemmtune.grouped_gemm: {msg} (input {_d(x)}, weights {_d(w)}, expert_ids {_d(ids)})")
+
+
+def validate_grouped(x, w, ids, topk: int | None, weights_transposed: bool) -> None:
+    for name, t in (("input", x), ("weights", w), ("expert_ids", ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemmtune.grouped_gemm: {name} must be a tensor, got {type(t).__name__}")
+    if x.dim() not in (2, 3) or w.dim() != 3:
+        raise _grouped_error("input must be (tokens, K) or (tokens, topk, K), weights 3-D", x, w, ids)
+    if ids.dtype not in _INTS or ids.dim() not in (1, 2):
+        raise _grouped_error("expert_ids must be (tokens, topk) int32/int64", x, w, ids)
+    if ids.dim() == 1:
+        if topk is None or topk < 1 or ids.numel() % topk:
+            raise _grouped_error(f"flat expert_ids need topk dividing {ids.numel()} (got topk={topk})", x, w, ids)
+    elif topk is not None and topk != ids.shape[1]:
+        raise _grouped_error(f"topk={topk} does not match expert_ids' {ids.shape[1]} columns", x, w, ids)
+    k_top = topk if ids.dim() == 1 else ids.shape[1]
+    tokens = ids.numel() // max(1, k_top)
+    if x.shape[0] != tokens:
+        raise _grouped_error(f"input has {x.shape[0]} tokens, expert_ids {tokens}", x, w, ids)
+    if x.dim() == 3 and x.shape[1] != k_top:
+        raise _grouped_error(f"input's topk dim {x.shape[1]} does not match topk={k_top}", x, w, ids)
+    K = w.shape[2] if weights_transposed else w.shape[1]
+    if x.shape[-1] != K:
+        other = w.shape[1] if weights_transposed else w.shape[2]
+        hint = ""
+        if other == x.shape[-1]:
+            hint = " (pass weights_transposed=%s)" % (not weights_transposed)
+        lay = "(E, N, K)" if weights_transposed else "(E, K, N)"
+        raise _grouped_error(f"input's K={x.shape[-1]} does not match the weights' K={K} for layout {lay}{hint}",
+                             x, w, ids)  # fmt: skip
+    if x.dtype != w.dtype or x.dtype not in _FLOATS:
+        raise _grouped_error("input and weights must share one dtype of float16/bfloat16/float32", x, w, ids)
+    if len({x.device, w.device, ids.device}) != 1:
+        raise _grouped_error("input, weights and expert_ids must be on one device", x, w, ids)
+
+
+def _grouped_triton(topk: int, num_experts: int):
+    def run(x, w_kn, ids, checked: bool):
+        T = ids.shape[0]
+        r = kmoe.Routing(ids, topk, 0, num_experts, num_experts)
+        shape = (T * topk, w_kn.shape[2])
+        # Rows of bad ids are never written: unless the ids were checked, they start as NaN.
+        c = kmoe._empty(shape, x) if checked else torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
+        cfg = grouped_config(T * topk, num_experts)
+        a_strides = (x.stride(0), x.stride(1) if x.dim() == 3 else 0)
+        blocks = None
+        if not cfg.direct:
+            blocks = moe_align(kmoe.local_expert_ids(ids, num_experts), num_experts, cfg.block_m)
+        kmoe.moe_gemm(cfg, x, a_strides, w_kn, c, r, num_experts, False, "none", None, blocks)
+        return c.view(T, topk, -1)
+
+    return run
+
+
+def grouped_config(slots: int, num_experts: int) -> kmoe.MoeGemmConfig:
+    per = slots / max(1, min(slots, num_experts))
+    bm = 16 if per <= 16 else 32 if per <= 32 else 64 if per <= 256 else 128
+    return kmoe.MoeGemmConfig(2, slots <= 128, bm, 64 if bm < 64 else 128, 128 if bm < 64 else 64, 1,
+                              4 if bm < 128 else 8, 3 if bm < 64 else 4)  # fmt: skip
+
+
+def _grouped_torch(topk: int, num_experts: int, use_grouped_mm: bool):
+    def run(x, w_kn, ids, checked: bool):
+        T = ids.shape[0]
+        flat = kmoe.local_expert_ids(ids, num_experts).reshape(-1)
+        rows = x.reshape(T * topk, -1) if x.dim() == 3 else x.repeat_interleave(topk, 0)
+        if use_grouped_mm:
+            perm, live, offs = bmoe.expert_offsets(flat, num_experts)
+            y = torch._grouped_mm(rows[perm], w_kn, offs=offs)
+            y = torch.where(live, y, float("nan"))  # rows with a bad id: NaN, never stale memory
+            out = torch.empty_like(y).index_copy_(0, perm, y)
+        else:
+            out = torch.full((T * topk, w_kn.shape[2]), float("nan"), dtype=x.dtype, device=x.device)
+            for e in torch.unique(flat[flat >= 0]).tolist():  # eager (host sync)
+                sel = (flat == e).nonzero().flatten()
+                out[sel] = rows[sel] @ w_kn[e]
+        return out.view(T, topk, -1)
+
+    return run
+
+
+def _grouped_miss(sig, x, w, ids, topk, weights_transposed):
+    validate_grouped(x, w, ids, topk, weights_transposed)
+    E = w.shape[0]
+    topk = ids.shape[1]
+    if x.device.type == "cuda" and kmoe.HAS_TRITON:
+        run = _grouped_triton(topk, E)
+    else:
+        run = _grouped_torch(topk, E, bmoe.grouped_mm_usable(x.dtype, x.device) and x.dtype == torch.bfloat16)
+    _grouped_runners[sig] = run
+    return run
+
+
+def grouped_gemm(input: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, topk: int | None = None, *,
+                 weights_transposed: bool = False, check_ids: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """(T, topk, N): each token's rows times its experts' weights (see the module doc)."""
+    if _is_compiling():
+        return torch.ops.gemmtune.grouped_gemm(input, weights, expert_ids, topk, weights_transposed)
+    if isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 1 and topk:
+        expert_ids = expert_ids.view(-1, topk)
+    k_top = expert_ids.shape[-1] if isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 2 else topk
+    sig = (input.shape, weights.shape, expert_ids.shape, input.dtype, weights.dtype, expert_ids.dtype, input.device,
+           weights.device, expert_ids.device, topk, weights_transposed)  # fmt: skip
+    run = _grouped_runners.get(sig)
+    if run is None:
+        run = _grouped_miss(sig, input, weights, expert_ids, topk, weights_transposed)
+    checked = _should_check(check_ids, expert_ids)
+    if checked:
+        check_expert_ids("grouped_gemm", expert_ids, weights.shape[0])
+    if expert_ids.shape[0] == 0:
+        n = weights.shape[1] if weights_transposed else weights.shape[2]
+        return input.new_empty((0, k_top, n))
+    return run(input, weights.transpose(1, 2) if weights_transposed else weights, expert_ids, checked)
+
+
+def prepare_expert_weights(weights: torch.Tensor) -> torch.Tensor:
+    """Experts (E, K, N) re-stored once as (E, N, K) memory, returned as the same (E, K, N) view: the
+    layout torch._grouped_mm needs and the Triton kernels read fastest. Pass it to grouped_gemm as is."""
+    if weights.dim() != 3:
+        raise ValueError(f"gemmtune.prepare_expert_weights: weights must be (E, K, N), got {_d(weights)}")
+    return weights.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@torch.library.custom_op("gemmtune::grouped_gemm", mutates_args=())
+def _grouped_op(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int | None,
+                weights_transposed: bool) -> torch.Tensor:  # fmt: skip
+    with torch.no_grad():
+        return grouped_gemm(x, w, ids, topk, weights_transposed=weights_transposed, check_ids=False)
+
+
+@_grouped_op.register_fake
+def _grouped_fake(x, w, ids, topk, weights_transposed):
+    if ids.dim() == 1 and topk:
+        ids = ids.view(-1, topk)
+    validate_grouped(x, w, ids, topk, weights_transposed)
+    n = w.shape[1] if weights_transposed else w.shape[2]
+    return x.new_empty((ids.shape[0], ids.shape[1], n))
