@@ -52,9 +52,12 @@ def clean_dispatch(monkeypatch):
 
     monkeypatch.delenv("GEMMTUNE_CONFIG", raising=False)
     monkeypatch.delenv("GEMMTUNE_CAPTURE", raising=False)
+    monkeypatch.delenv("GEMMTUNE_TUNE_ONLINE", raising=False)
     d = get_dispatcher()
     d.set_config(None)
     d.set_capture(None)
+    d.set_online_tuning(None)
     yield d
     d.set_config(None)
     d.set_capture(None)
+    d.set_online_tuning(None)

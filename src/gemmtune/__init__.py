@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import tuned_gemm
 from .configs import ConfigTable
-from .dispatch import get_dispatcher, resolve, set_capture, set_config
+from .dispatch import get_dispatcher, resolve, set_capture, set_config, set_online_tuning
 from .keys import GemmKey
 from .ops import batched_gemm, fused_moe, gemm, grouped_gemm, prepare_expert_weights
 
@@ -38,6 +38,7 @@ __all__ = [
     "resolve",
     "set_capture",
     "set_config",
+    "set_online_tuning",
     "tuned_gemm",
     "optimize",
     "restore",

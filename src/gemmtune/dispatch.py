@@ -23,6 +23,7 @@ from .configs.schema import TunedRow
 from .configs.table import ConfigStore, ConfigTable
 from .device import identity
 from .families import Family
+from .online import OnlineTuner
 
 log = logging.getLogger("gemmtune")
 DEFAULT_BACKEND = "torch"
@@ -72,6 +73,8 @@ class Dispatcher:
         # One runner per (family, solution, scope: the key without M for most backends, device), shared
         # by every M that resolves to it, so a server's hundred batch sizes compile and allocate once.
         self._shared: dict[tuple, Runner] = {}
+        self._online: OnlineTuner | None = None
+        self._online_from_env = True
         _setup_logging()
 
     def cache(self, family: str) -> dict[tuple, Runner]:
@@ -123,6 +126,20 @@ class Dispatcher:
         self.clear_cache()
         return self._capture
 
+    def online(self) -> OnlineTuner | None:
+        if self._online is None and self._online_from_env:
+            self._online_from_env = False
+            self._online = OnlineTuner.from_env(os.environ)
+        return self._online
+
+    def set_online_tuning(self, path: str | None, budget_s: float | None = None,
+                          libtypes: list[str] | None = None) -> OnlineTuner | None:  # fmt: skip
+        """Tune keys no table answers at their first eager call into `path` (None: off)."""
+        self._online = OnlineTuner(path, budget_s or 20.0, libtypes) if path else None
+        self._online_from_env = False
+        self.clear_cache()
+        return self._online
+
     def clear_cache(self) -> None:
         for c in self._caches.values():
             c.clear()
@@ -173,8 +190,13 @@ class Dispatcher:
         return Resolution(key, sol, row, self._runner(backend, sol, key, device, fam), note, fam)
 
     def runner_for(self, key, device: torch.device, needs_grad: bool = False, family: str = A16W16) -> Runner:
-        """Resolve, then wrap for autograd and capture as needed; called on a cache miss."""
+        """Resolve (tuning the key first when online tuning is on and no row answers it), then wrap for
+        autograd and capture as needed; called on a cache miss."""
         res = self.resolve(key, device, family)
+        online = self.online()
+        if online is not None and res.row is None and backends.all_backends(family):
+            if online.on_miss(key, res.family, device, self):
+                res = self.resolve(key, device, family)
         (log.info if _log_enabled() else log.debug)("%s", res.describe())
         run = res.runner
         if needs_grad and family == A16W16 and res.solution.libtype != DEFAULT_BACKEND:
@@ -207,6 +229,11 @@ def set_config(config: ConfigStore | ConfigTable | str | list[str] | None) -> Co
 def set_capture(path: str | None) -> CaptureSet | None:
     """Python API for GEMMTUNE_CAPTURE."""
     return _dispatcher.set_capture(path)
+
+
+def set_online_tuning(path: str | None, budget_s: float | None = None, libtypes: list[str] | None = None):
+    """Python API for GEMMTUNE_TUNE_ONLINE (None turns it off)."""
+    return _dispatcher.set_online_tuning(path, budget_s, libtypes)
 
 
 def resolve(key, device: torch.device | str | None = None, family: str = A16W16) -> Resolution:

@@ -37,7 +37,7 @@ from .timing import bench_gemm, make_inputs, measure_ceilings, roof_us
 
 DEFAULT_LIBTYPE = "torch"
 # Statuses a candidate can end in; only "ok" candidates were timed.
-OK, REJECTED, FAILED, CRASHED, TIMEOUT = "ok", "rejected", "failed", "crashed", "timeout"
+OK, REJECTED, FAILED, CRASHED, TIMEOUT, SKIPPED = "ok", "rejected", "failed", "crashed", "timeout", "skipped"
 
 
 class DeviceLostError(RuntimeError):
@@ -56,6 +56,7 @@ class TuneOptions:
     batch: int = 16
     seed: int = 0
     verify_range: bool = True  # step 6; off: a row answers only its own M
+    budget_s: float | None = None  # online tuning: stop checking more candidates after this many seconds
 
 
 @dataclass
@@ -228,8 +229,12 @@ def _gather(fam: Family, key, device, opts: TuneOptions, exclude) -> _Pool:
 
 def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, check_in, ref, heartbeat, say):
     """Check every pending candidate against the reference; passing ones get a runner in the pool."""
+    deadline = time.perf_counter() + opts.budget_s if opts.budget_s else math.inf
     for name, cand in pool.results.items():
         if cand.status != "pending":
+            continue
+        if time.perf_counter() > deadline:
+            cand.status, cand.reason = SKIPPED, f"over the {opts.budget_s:g} s budget"
             continue
         if name == default.name and (cand.solidx, cand.splitk) == (default.solidx, default.splitk):
             cand.status, cand.err, cand.reason = default.status, default.err, default.reason

@@ -1,0 +1,88 @@
+"""Online tuning: missed keys are tuned at their first eager call and appended to the table; never
+while a CUDA graph is captured (queued instead), and off when asked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gemmtune
+from gemmtune import online
+from gemmtune.configs import read_table_file
+from gemmtune.keys import GemmKey
+
+CPU = torch.device("cpu")
+
+
+def test_a_model_run_fills_the_table_and_a_second_run_reuses_it(tmp_path):
+    table = tmp_path / "online.csv"
+    script = (
+        "import torch, gemmtune\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))\n"
+        "x = torch.randn(5, 32)\n"
+        "for _ in range(3):\n"
+        "    y = gemmtune.gemm(torch.relu(gemmtune.gemm(x, m[0].weight, m[0].bias)), m[2].weight, m[2].bias)\n"
+        "assert torch.allclose(y, m(x), atol=1e-5)\n"
+        "print(len(gemmtune.get_dispatcher().online().tuned))\n"
+    )
+    env = {**os.environ, "GEMMTUNE_TUNE_ONLINE": str(table), "GEMMTUNE_TUNE_ONLINE_BUDGET": "5"}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "2" and first.stderr.count("tuned") == 2 and "online" in first.stderr
+    rows = read_table_file(str(table)).rows
+    assert {(r.key.M, r.key.N, r.key.K, r.key.bias) for r in rows} == {(5, 48, 32, True), (5, 16, 48, True)}
+    env["GEMMTUNE_CONFIG"] = str(table)  # the tuned table in effect: nothing left to tune
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout.strip() == "0", second.stderr
+    assert len(read_table_file(str(table)).rows) == 2
+
+
+def test_no_tuning_while_a_graph_is_captured_then_the_queue_is_tuned(tmp_path, monkeypatch):
+    table = tmp_path / "online.csv"
+    tuner = gemmtune.set_online_tuning(str(table), budget_s=5)
+    monkeypatch.setattr(online, "capturing", lambda device: True)
+    w = torch.randn(24, 16)
+    y = gemmtune.gemm(torch.randn(3, 16), w)  # "inside a capture": default now, key queued
+    assert y.shape == (3, 24) and not table.exists()
+    assert [k for k, _, _ in tuner.queue] == [GemmKey(3, 24, 16, False, torch.float32, torch.float32)]
+    monkeypatch.setattr(online, "capturing", lambda device: False)
+    gemmtune.gemm(torch.randn(7, 16), w)  # the next eager miss tunes the queue, then itself
+    assert not tuner.queue and [r.key.M for r in read_table_file(str(table)).rows] == [3, 7]
+
+
+def test_off_switches(monkeypatch, tmp_path):
+    d = gemmtune.get_dispatcher()
+    for value in ("", "0", "off"):
+        monkeypatch.setenv("GEMMTUNE_TUNE_ONLINE", value)
+        d._online, d._online_from_env = None, True
+        assert d.online() is None
+    monkeypatch.setenv("GEMMTUNE_TUNE_ONLINE", str(tmp_path / "t.csv"))
+    d._online, d._online_from_env = None, True
+    assert d.online() is not None
+    gemmtune.set_online_tuning(None)
+    gemmtune.gemm(torch.randn(2, 4), torch.randn(3, 4))
+    assert not (tmp_path / "t.csv").exists()
+
+
+@pytest.mark.gpu
+def test_graph_capture_in_online_mode_neither_tunes_nor_breaks(gpu, tmp_path):
+    table = tmp_path / "online.csv"
+    tuner = gemmtune.set_online_tuning(str(table), budget_s=10)
+    x = torch.randn(6, 512, device=gpu, dtype=torch.bfloat16)
+    w = torch.randn(768, 512, device=gpu, dtype=torch.bfloat16) / 23
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(g):
+        y = gemmtune.gemm(x, w)  # first call of this key happens inside the capture
+    assert not table.exists() and len(tuner.queue) == 1
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w))
+    gemmtune.gemm(torch.randn(9, 512, device=gpu, dtype=torch.bfloat16), w)  # eager: tunes the queue too
+    assert {r.key.M for r in read_table_file(str(table)).rows} == {6, 9}
