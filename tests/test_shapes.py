@@ -21,7 +21,7 @@ from gemmtune.tuner.shapes import (
     parse_nsets,
 )
 
-# (name, N, K) per rank, computed by hand from each config.json in shared/models:
+# (name, N, K) per rank, computed by hand from each config.json in tests/data/models:
 # qkv N = (heads/tp + 2 * max(1, kv/tp)) * head_dim, o K = heads/tp * head_dim,
 # gate_up N = 2 * inter/tp, down K = inter/tp, lm_head N = vocab/tp.
 EXPECTED = {
@@ -58,21 +58,21 @@ def _shapes(config, tp):
 
 
 @pytest.mark.parametrize(("model", "tp"), sorted(EXPECTED))
-def test_shared_model_files_match_hand_computed(shared, model, tp):
-    config = json.loads((shared / "models" / f"{model}.json").read_text())
+def test_model_files_match_hand_computed(model_configs, model, tp):
+    config = json.loads((model_configs / f"{model}.json").read_text())
     assert _shapes(config, tp) == EXPECTED[(model, tp)]
     # The built-in preset of the same name derives the same shapes.
     assert _shapes(PRESETS[model], tp) == EXPECTED[(model, tp)]
     assert not any(s.bias for s in model_gemms(config, tp))
 
 
-def test_every_shared_model_is_covered(shared):
-    files = {p.stem for p in (shared / "models").glob("*.json")}
+def test_every_model_file_is_covered(model_configs):
+    files = {p.stem for p in model_configs.glob("*.json")}
     assert files == {m for m, _ in EXPECTED}
 
 
-def test_tiny_llama_tp8_is_an_error_naming_heads(shared):
-    config = json.loads((shared / "models" / "tiny-llama.json").read_text())
+def test_tiny_llama_tp8_is_an_error_naming_heads(model_configs):
+    config = json.loads((model_configs / "tiny-llama.json").read_text())
     with pytest.raises(ModelConfigError, match="num_attention_heads=4 is not divisible by tp=8"):
         model_gemms(config, 8)
 
@@ -99,9 +99,9 @@ def test_head_dim_explicit_differs_from_hidden_over_heads():
     assert shapes["o"] == (3584, 8 * 256)
 
 
-def test_deepseek_v3_tp8_covers_aiters_shape_list(shared):
+def test_deepseek_v3_tp8_covers_aiters_shape_list(aiter_configs):
     ours = {(s.N, s.K) for s in model_gemms(PRESETS["deepseek-v3"], 8)}
-    path = shared / "reference" / "aiter-configs" / "dsv3_bf16_untuned_gemm.csv"
+    path = aiter_configs / "dsv3_bf16_untuned_gemm.csv"
     theirs = {(k.N, k.K) for k, _ in read_shapes(str(path))}
     assert theirs <= ours, theirs - ours
 
@@ -140,12 +140,12 @@ def test_config_dtype_and_nsets():
             parse_nsets(bad)
 
 
-def test_load_model_config_sources(tmp_path, shared):
+def test_load_model_config_sources(tmp_path, model_configs):
     cfg, src = load_model_config("llama-3-70b")
     assert src == "preset llama-3-70b" and cfg["hidden_size"] == 8192
     d = tmp_path / "m"
     d.mkdir()
-    (d / "config.json").write_text((shared / "models" / "qwen3-32b.json").read_text())
+    (d / "config.json").write_text((model_configs / "qwen3-32b.json").read_text())
     assert load_model_config(str(d))[0]["model_type"] == "qwen3"
     with pytest.raises(ModelConfigError, match="preset"):
         load_model_config(str(tmp_path / "nope.json"))
@@ -154,9 +154,9 @@ def test_load_model_config_sources(tmp_path, shared):
         load_model_config(str(tmp_path / "bad.json"))
 
 
-def test_shapes_cli_writes_aiter_untuned_csv(tmp_path, shared):
+def test_shapes_cli_writes_aiter_untuned_csv(tmp_path, model_configs):
     out = tmp_path / "shapes.csv"
-    model = str(shared / "models" / "llama-3-70b.json")
+    model = str(model_configs / "llama-3-70b.json")
     res = CliRunner().invoke(cli, ["shapes", "--model", model, "--tp", "8", "--nsets", "1,16", "-o", str(out)])
     assert res.exit_code == 0, res.output
     assert out.read_text().splitlines()[0] == "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle"
@@ -181,3 +181,4 @@ def test_shapes_cli_errors_are_clear(tmp_path):
     assert not (tmp_path / "o.csv").exists()
     res = CliRunner().invoke(cli, ["shapes", "-m", "tiny-llama", "--nsets", "0"])
     assert res.exit_code != 0 and "bad token count" in res.output
+

@@ -1,6 +1,6 @@
 """`gemmtune bench`: a tuned table, dispatched through the runtime, vs the vendor default vs the roof.
 
-Per row of the table that applies to this GPU, one interleaved bench_gemm run (BENCHMARKING.md:
+Per row of the table that applies to this GPU, one interleaved bench_gemm run (docs/benchmarking.md:
 CUDA-graph replay over rotating cold input sets, median) of three contenders on the same inputs:
   tuned     gemmtune.gemm with the table in effect (dispatch.set_config), i.e. what a user gets;
   default   the vendor default (torch's default solution: F.linear), timed before and after tuned

@@ -355,7 +355,7 @@ def _llama(hidden, inter, heads, kv, layers, vocab, head_dim=None, **extra) -> d
 
 
 PRESETS: dict[str, dict] = {
-    # The models of ../shared/models (same architecture facts as those config.json files).
+    # The models of tests/data/models (same architecture facts as those config.json files).
     "llama-3-8b": _llama(4096, 14336, 32, 8, 32, 128256, 128),
     "llama-3-70b": _llama(8192, 28672, 64, 8, 80, 128256, 128),
     "mixtral-8x7b": _llama(
