@@ -5,8 +5,78 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from gemmtune.cli.main import cli
+from gemmtune.device import identity, parse_device
+from gemmtune.errors import DeviceError
+from gemmtune.models.linear import linear_skip_reason
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+
+
+def _missing_gpu() -> str:
+    """A GPU this machine does not have: any on a CPU-only build, one past the last otherwise."""
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+
+
+def _one_line_error(res) -> str:
+    """The CLI failed through click (exit code, message), not a traceback; returns its Error: line."""
+    assert res.exit_code not in (0, None) and isinstance(res.exception, SystemExit), res.output
+    assert "Traceback" not in res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, res.output
+    return errors[0]
+
+
+# ---- tracebacks -> messages ---------------------------------------------------------------------
+def test_cli_device_cuda_on_cpu_build_is_one_line_error(tmp_path):
+    # `--device cuda` on a CPU build used to end in torch's AssertionError traceback.
+    dev = _missing_gpu()
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("M,N,K\n1,64,64\n")
+    table = tmp_path / "tuned.csv"
+    res = CliRunner().invoke(cli, ["tune", str(shapes), "-o", str(table), "--device", dev, "--no-progress"])
+    line = _one_line_error(res)
+    assert f"device {dev!r}" in line and ("no CUDA/ROCm support" in line or "GPU" in line), line
+    assert not table.exists()
+    res = CliRunner().invoke(cli, ["bench", str(shapes), "--device", dev])
+    line = _one_line_error(res)
+    assert "--device" in line and f"device {dev!r}" in line, line
+
+
+def test_cli_unknown_device_is_one_line_error(tmp_path):
+    table = tmp_path / "tuned.csv"
+    table.write_text("M,N,K\n1,64,64\n")
+    for bad, match in (("foo", "unknown device 'foo' (expected cpu, cuda or cuda:N)"), ("meta", "cpu or cuda")):
+        assert match in _one_line_error(CliRunner().invoke(cli, ["bench", str(table), "--device", bad]))
+
+
+def test_device_errors_name_the_device():
+    with pytest.raises(DeviceError, match=re.escape(f"device {_missing_gpu()!r}")):
+        identity(_missing_gpu())
+    with pytest.raises(DeviceError, match="unknown device 'cuda:x'"):
+        parse_device("cuda:x")
+    assert parse_device("cpu") == torch.device("cpu")
+    assert parse_device(None).type in ("cpu", "cuda")
+
+
+def test_cli_bench_unknown_plugin_is_one_line_error(tmp_path):
+    table = tmp_path / "tuned.csv"
+    table.write_text("M,N,K\n1,64,64\n")
+    res = CliRunner().invoke(cli, ["bench", str(table), "--plugin", "no_such_gemmtune_plugin"])
+    assert "cannot import plugin module: No module named 'no_such_gemmtune_plugin'" in _one_line_error(res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn])
+def test_optimize_leaves_linears_of_dtypes_gemm_rejects_alone(dtype):
+    why = linear_skip_reason(nn.Linear(8, 4).to(dtype))
+    assert why == f"weight dtype {dtype} is not one gemmtune.gemm takes (float16, bfloat16, float32)"
+    assert linear_skip_reason(nn.Linear(8, 4).to(torch.bfloat16)) is None
 
 
 # ---- a self-contained checkout ------------------------------------------------------------------

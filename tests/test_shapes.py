@@ -182,3 +182,43 @@ def test_shapes_cli_errors_are_clear(tmp_path):
     res = CliRunner().invoke(cli, ["shapes", "-m", "tiny-llama", "--nsets", "0"])
     assert res.exit_code != 0 and "bad token count" in res.output
 
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("num_attention_heads", 0, "num_attention_heads=0 must be a positive integer"),
+        ("hidden_size", -64, "hidden_size=-64 must be a positive integer"),
+        ("intermediate_size", 12.5, "intermediate_size=12.5 must be a positive integer"),
+        ("vocab_size", "256", "vocab_size='256' must be a positive integer"),
+        ("num_key_value_heads", -2, "num_key_value_heads=-2 must be a non-negative integer"),
+        ("head_dim", -16, "head_dim=-16 must be a non-negative integer"),
+    ],
+)
+def test_shapes_zero_heads_and_negative_sizes_are_clear_errors(field, value, match):
+    # 0 heads used to raise ZeroDivisionError; a negative hidden_size wrote negative N and K.
+    with pytest.raises(ModelConfigError, match=match):
+        model_gemms(dict(PRESETS["tiny-llama"], **{field: value}))
+
+
+def test_shapes_cli_bad_config_value_is_one_line_error_naming_file_and_field(tmp_path):
+    for field, value in (("num_attention_heads", 0), ("hidden_size", -64)):
+        cfg = tmp_path / f"{field}.json"
+        cfg.write_text(json.dumps(dict(PRESETS["tiny-llama"], **{field: value})))
+        out = tmp_path / "shapes.csv"
+        res = CliRunner().invoke(cli, ["shapes", "-m", str(cfg), "-o", str(out)])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert res.output.strip().splitlines() == [f"Error: {cfg}: model config: {field}={value} must be a positive "
+                                                   "integer (model_type 'llama')"]  # fmt: skip
+        assert not out.exists()
+
+
+def test_config_dtype_float64_is_an_error_not_bf16(tmp_path):
+    for field in ("torch_dtype", "dtype"):
+        with pytest.raises(ModelConfigError, match=f"{field}='float64' is not a dtype gemmtune tunes"):
+            config_dtype({field: "float64"})
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(dict(PRESETS["tiny-llama"], torch_dtype="float64")))
+    res = CliRunner().invoke(cli, ["shapes", "-m", str(cfg), "--nsets", "1"])
+    assert res.exit_code == 1 and "torch_dtype='float64'" in res.output and "--dtype" in res.output
+    res = CliRunner().invoke(cli, ["shapes", "-m", str(cfg), "--nsets", "1", "--dtype", "bf16"])
+    assert res.exit_code == 0 and "torch.bfloat16" in res.output  # an explicit --dtype is the way out

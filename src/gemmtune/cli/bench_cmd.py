@@ -9,7 +9,7 @@ import click
 import torch
 
 from ..configs import ConfigTable
-from ..device import identity
+from ..device import identity, parse_device
 from ..errors import GemmtuneError
 from ..tuner.bench import HEADER, bench_table, dispatch_overhead_us, summarize, summary_lines, write_outputs
 from ..tuner.runner import import_plugins
@@ -39,10 +39,16 @@ def command(tuned, prefix, reps, device, seed, plugin) -> None:  # fmt: skip
     """
     import importlib
 
-    for mod in plugin:
-        importlib.import_module(mod)
-    import_plugins()
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        for mod in plugin:
+            importlib.import_module(mod)
+        import_plugins()
+    except ImportError as exc:
+        raise click.ClickException(f"cannot import plugin module: {exc}") from None
+    try:
+        dev = parse_device(device)
+    except GemmtuneError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--device'") from None
     try:
         table = ConfigTable.load([tuned])
     except (GemmtuneError, ValueError) as exc:

@@ -35,12 +35,17 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, output) -> None:
     """
     try:
         ms = _parse_nsets(nsets)
+        dt = parse_dtype(dtype) if dtype else None
+        odt = parse_dtype(outdtype) if outdtype else None
         config, source = load_model_config(model)
-        shapes = model_gemms(config, tp)
-        dt = parse_dtype(dtype) if dtype else config_dtype(config)
-        odt = parse_dtype(outdtype) if outdtype else dt
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    try:
+        shapes = model_gemms(config, tp)
+        dt = dt or config_dtype(config)
+    except (ModelConfigError, ValueError) as exc:
+        raise click.ClickException(f"{source}: {exc}") from None
+    odt = odt or dt
     if no_lm_head:
         shapes = [s for s in shapes if s.name != "lm_head"]
     pairs = named_keys(shapes, ms, dt, odt)
