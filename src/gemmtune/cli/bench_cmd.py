@@ -29,7 +29,8 @@ from ..tuner.timing import measure_ceilings
 @click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--plugin", multiple=True, help="Module to import that registers extra backends.")
-def command(tuned, prefix, reps, device, seed, plugin) -> None:  # fmt: skip
+@click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
+def command(tuned, prefix, reps, device, seed, plugin, progress) -> None:  # fmt: skip
     """Benchmark every row of TUNED that applies to this GPU: gemmtune.gemm with the table in effect vs
     the vendor default (F.linear, timed twice for the noise) vs the roofline, one interleaved CUDA-graph
     run over cold weights per shape. Prints a table and geomean speedups per M range; writes CSV,
@@ -74,7 +75,7 @@ def command(tuned, prefix, reps, device, seed, plugin) -> None:  # fmt: skip
         click.echo("CPU: times are eager wall-clock (no CUDA graphs), so the tuned column includes gemmtune's "
                    "per-call dispatch overhead; no roofline.")  # fmt: skip
     click.echo(HEADER)
-    rows = bench_table(table, dev, reps=reps, seed=seed, log=click.echo)
+    rows = bench_table(table, dev, reps=reps, seed=seed, log=click.echo, progress=progress)
     summary = summarize(rows)
     meta["dispatch_overhead_us"] = dispatch_overhead_us(dev)
     meta["seconds"] = time.perf_counter() - t0
