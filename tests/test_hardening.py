@@ -14,6 +14,7 @@ from gemmtune.cli.main import cli
 from gemmtune.device import identity, parse_device
 from gemmtune.errors import DeviceError
 from gemmtune.models.linear import linear_skip_reason
+from gemmtune.models.version import MAX_EXCLUSIVE, MIN_VERSION
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -77,6 +78,27 @@ def test_optimize_leaves_linears_of_dtypes_gemm_rejects_alone(dtype):
     why = linear_skip_reason(nn.Linear(8, 4).to(dtype))
     assert why == f"weight dtype {dtype} is not one gemmtune.gemm takes (float16, bfloat16, float32)"
     assert linear_skip_reason(nn.Linear(8, 4).to(torch.bfloat16)) is None
+
+
+# ---- packaging and docs -------------------------------------------------------------------------
+def _pyproject_list(name: str) -> list[str]:
+    """The strings of a `name = [...]` list in pyproject.toml (no tomllib on Python 3.10)."""
+    m = re.search(rf"^{name} = \[(.*?)\]", (REPO / "pyproject.toml").read_text(), re.M | re.S)
+    assert m, name
+    return re.findall(r'"([^"]+)"', m.group(1))
+
+
+def test_extras_require_transformers_517():
+    # The extras allowed transformers 4.48 while optimize() refuses anything below 5.17.
+    lo, hi = MIN_VERSION, MAX_EXCLUSIVE
+    for extra in ("models", "test"):
+        reqs = [r for r in _pyproject_list(extra) if r.startswith("transformers")]
+        assert reqs == [f"transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"], (extra, reqs)
+
+
+def test_numpy_is_a_dependency():
+    # torch's CPU wheel does not pull numpy in, and torch then warns "Failed to initialize NumPy".
+    assert any(re.match(r"numpy\b", r) for r in _pyproject_list("dependencies"))
 
 
 # ---- a self-contained checkout ------------------------------------------------------------------
