@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pathlib
 import re
+import shlex
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from gemmtune.models.version import MAX_EXCLUSIVE, MIN_VERSION
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+CI = REPO / ".ci" / "run"
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
 
 
 def _missing_gpu() -> str:
@@ -101,19 +106,48 @@ def test_numpy_is_a_dependency():
     assert any(re.match(r"numpy\b", r) for r in _pyproject_list("dependencies"))
 
 
+def _quickstart() -> list[str]:
+    """The command lines of README's quick start (its bash block, comments left out)."""
+    section = README.read_text().split("## Quick start", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_readme_names_cpu_wheel_index():
+    # A plain `pip install torch==2.13.0` brings the CUDA build and ~17 nvidia packages to a CPU machine.
+    cmds = _quickstart()
+    assert all(c.startswith(f"pip install torch==2.13.0 {CPU_INDEX} && pip install -e ") for c in cmds), cmds
+    text = README.read_text()
+    assert "On a GPU machine" in text and "`pip install torch==2.13.0` (PyPI's Linux wheel is the CUDA build)" in text
+
+
+def test_readme_quickstart_is_two_commands_and_ci_runs_the_test_one():
+    main, tests = _quickstart()
+    assert all(f"gemmtune {c} " in main for c in ("shapes", "tune", "bench")), main
+    assert tests.endswith('pip install -e ".[test]" && python -m pytest -q'), tests
+    ci = CI.read_text().splitlines()
+    assert tests in ci, "CI must run the README's test command verbatim"
+    # CI's pip has a local CPU torch but no download.pytorch.org: torch comes first, plainly installed;
+    # lint runs before the tests.
+    torch_line = ci.index("pip install -q torch==2.13.0")
+    lint = next(i for i, line in enumerate(ci) if "ruff check ." in line and "ruff format --check ." in line)
+    assert torch_line < lint < ci.index(tests)
+
+
 # ---- a self-contained checkout ------------------------------------------------------------------
 # The timing module's docstring still cites the old path; it is being rewritten elsewhere.
 _PENDING = {"src/gemmtune/tuner/timing.py"}
 
 
 def test_no_test_needs_shared_folder(aiter_configs, model_configs):
-    # Reference data, the measurement method and model configs used to live in a ../shared folder
-    # beside the checkout; 19 tests skipped without it.
+    # Reference data, the measurement method and model configs used to live in a shared folder beside
+    # the checkout; 19 tests skipped without it.
     assert (aiter_configs / "LICENSE-aiter").is_file() and len(list(aiter_configs.glob("*.csv"))) == 18
     assert (model_configs / "tiny-llama.json").is_file() and (model_configs / "llama-3-8b.json").is_file()
     assert (REPO / "docs" / "benchmarking.md").read_text().startswith("# How gemmtune measures speed")
     assert "[docs/benchmarking.md](docs/benchmarking.md)" in README.read_text()
-    outside = re.compile(r"\.\./shared|GEMMTUNE_SHARED_DIR|shared/BENCHMARKING")
+    # [D]: a plain grep for the variable's name does not find this line.
+    outside = re.compile(r"\.\./shared|GEMMTUNE_SHARED_[D]IR|shared/BENCHMARKING")
     files = [README, *REPO.glob("docs/*.md"), *REPO.glob("benchmarks/**/*.md"), *REPO.glob("benchmarks/*.py"),
              *REPO.glob("src/**/*.py"), *REPO.glob("tests/*.py")]  # fmt: skip
     hits = [
@@ -124,3 +158,27 @@ def test_no_test_needs_shared_folder(aiter_configs, model_configs):
         if outside.search(line)
     ]
     assert hits == []
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_quickstart_outputs_are_gitignored(tmp_path, monkeypatch):
+    # The quick start's first command, run in a checkout, left shapes.csv, tuned.csv, its lock and the
+    # bench outputs untracked in the repository root.
+    shutil.copy(REPO / ".gitignore", tmp_path / ".gitignore")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", ".gitignore"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "ignore"], cwd=tmp_path, check=True)
+    monkeypatch.chdir(tmp_path)
+    main = _quickstart()[0]
+    steps = [shlex.split(s)[1:] for s in main.split(" && ") if s.startswith("gemmtune ")]
+    assert [s[0] for s in steps] == ["shapes", "tune", "bench"]
+    extra = {"shapes": ["--nsets", "1,2"], "tune": ["--no-progress"], "bench": ["--no-progress"]}  # faster, same files
+    for args in steps:
+        res = CliRunner().invoke(cli, args + extra[args[0]])
+        assert res.exit_code == 0, (args, res.output)
+    written = sorted(p.name for p in tmp_path.iterdir() if p.name not in (".git", ".gitignore"))
+    assert {"shapes.csv", "tuned.csv", "tuned.bench.csv", "tuned.bench.json"} <= set(written), written
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert status == "", status
