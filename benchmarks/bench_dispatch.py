@@ -1,4 +1,4 @@
-"""Eager CPU dispatch overhead of gemmtune.gemm over F.linear (BENCHMARKING.md rule 4: reported apart).
+"""Eager CPU dispatch overhead of gemmtune.gemm over F.linear (docs/benchmarking.md rule 4: reported apart).
 
 The GPU work is kept tiny (M=1, 256x256) so each call's wall time is CPU dispatch; both calls are
 timed interleaved in one process, after warm-up, median of repeats. Run:

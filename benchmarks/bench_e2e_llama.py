@@ -1,7 +1,7 @@
 """End to end: stock Hugging Face Llama (sdpa) vs gemmtune.optimize(), same process, same weights.
 
-A Llama-3-8B-architecture model (../shared/models/llama-3-8b.json, inlined below because shared/
-does not travel) with random weights and a few layers, bf16:
+A Llama-3-8B-architecture model (tests/data/models/llama-3-8b.json) with random weights and a few
+layers, bf16:
   prefill  batch 1 x 2048 tokens, logits of the last token only (as generate() asks);
   decode   batch 1 and 8, one token per step on a 1024-token KV cache: eager with a DynamicCache,
            eager with a StaticCache, and replayed CUDA graphs of one step with a StaticCache (for each
@@ -30,31 +30,14 @@ import traceback
 
 import torch
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "num_hidden_layers": 32,
-    "vocab_size": 128256,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 8192,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-}
+CONFIG_FILE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "models" / "llama-3-8b.json"
+LLAMA3_8B = {k: v for k, v in json.loads(CONFIG_FILE.read_text()).items() if k != "torch_dtype"}
 TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 4096}  # fmt: skip
 # One tensor-parallel rank of Llama-3-70B at tp 8 (heads, kv heads, intermediate and vocab split by 8):
 # the per-rank GEMM shapes of the decode suite, without the all-reduces a real tp run adds.
 LLAMA3_70B_TP8_RANK = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 3584, "num_attention_heads": 8,
                        "num_key_value_heads": 1, "vocab_size": 16032}  # fmt: skip
-CONFIG_FILE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "llama-3-8b.json"
 
 CATEGORIES = [
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|softmax", re.I)),
@@ -72,10 +55,7 @@ def build(n_layers: int, device, tiny: bool, preset: str = "8b"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = dict(TINY if tiny else LLAMA3_70B_TP8_RANK if preset == "70b-tp8-rank" else LLAMA3_8B)
-    if not tiny and preset == "8b" and CONFIG_FILE.exists():
-        cfg.update(json.loads(CONFIG_FILE.read_text()))
     cfg["num_hidden_layers"] = n_layers
-    cfg.pop("torch_dtype", None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -1,7 +1,7 @@
 """Prefill-suite benchmark of the `triton` and `blaslt` backends against cuBLAS (F.linear), issue 4.
 
 Suite: the decoder linears of llama-3-8b (tp 1) and llama-3-70b (tp 8): fused qkv, o, fused gate_up,
-down; bf16; M in 32, 64, ..., 8192. Method (BENCHMARKING.md): all timing through
+down; bf16; M in 32, 64, ..., 8192. Method (docs/benchmarking.md): all timing through
 gemmtune.tuner.timing.bench_gemm (CUDA-graph replay over rotating cold input sets > 2x L2, interleaved,
 median); ceilings measured in the same run.
 

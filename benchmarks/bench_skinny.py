@@ -1,7 +1,7 @@
 """Decode-suite benchmark of the skinny (small-M Triton) backend against cuBLAS (F.linear), issue 3.
 
 Suite: every decoder linear of llama-3-8b (tp 1), llama-3-70b (tp 8) and qwen3-32b (tp 4), fused
-qkv and gate_up, o and down sharded along K, bf16, M in 1, 2, 4, 8, 16. Method (BENCHMARKING.md):
+qkv and gate_up, o and down sharded along K, bf16, M in 1, 2, 4, 8, 16. Method (docs/benchmarking.md):
 all timing through gemmtune.tuner.timing.bench_gemm (CUDA-graph replay over rotating cold weight
 sets, interleaved, median); ceilings measured in the same run.
 
@@ -141,7 +141,7 @@ def check_runner(run, key: GemmKey, inputs) -> float:
 
 
 def eager_overhead(be: SkinnyBackend, dev) -> dict[str, float]:
-    """Eager wall time per call (CPU launch path included), M=1 4096x4096: rule 4 of BENCHMARKING.md."""
+    """Eager wall time per call (CPU launch path included), M=1 4096x4096: rule 4 of docs/benchmarking.md."""
     key = GemmKey(1, 4096, 4096)
     gen = torch.Generator(device="cuda").manual_seed(7)
     x, w, _ = check_inputs(key, gen)
@@ -169,7 +169,7 @@ def geomean(xs):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--models", default=None, help="folder with llama-3-8b.json etc. (default: shared/models)")
+    ap.add_argument("--models", default=None, help="folder with llama-3-8b.json etc. (default: tests/data/models)")
     ap.add_argument("--ms", default="1,2,4,8,16")
     ap.add_argument("--extra-ms", default="32", help="also measured, reported apart from the suite geomean")
     ap.add_argument("--lm-head", action="store_true", help="also time lm_head (extra rows, M=1,16)")

@@ -3,7 +3,7 @@
 For each decode-suite shape and M: screen the skinny backend's plain candidates against cuBLAS, take
 the best two configs, and time their PDL variants (pdl1: trigger + wait; pdlN: N-1 weight tiles
 prefetched into L2 before the wait). Three settings, all graph-replayed over cold weights:
-- chain:    GEMM after GEMM (BENCHMARKING.md's harness as is);
+- chain:    GEMM after GEMM (docs/benchmarking.md's harness as is);
 - torch:    each GEMM behind a torch elementwise kernel that writes x (a producer with no PDL trigger);
 - pdlprod:  each GEMM behind a Triton kernel that writes x and triggers its dependents early
             (what gemmtune's fused norm / activation kernels would do with PDL).

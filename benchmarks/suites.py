@@ -1,12 +1,11 @@
 """The model suites the benchmarks run: (label, layer, N, K) of each model's linears at a TP degree.
 
-Shapes come from ../shared/models/*.json when found (else gemmtune's presets, which hold the same
-facts: the GPU machine has no ../shared), derived by gemmtune.tuner.shapes.model_gemms.
+Shapes come from the config.json files of tests/data/models (or --models DIR; a model without a file
+falls back to gemmtune's preset of the same name), derived by gemmtune.tuner.shapes.model_gemms.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 from gemmtune.tuner.shapes import load_model_config, model_gemms
@@ -14,13 +13,17 @@ from gemmtune.tuner.shapes import load_model_config, model_gemms
 LAYERS = ("qkv", "o", "gate_up", "down")
 
 
-def find_models_dir(arg: str | None) -> pathlib.Path | None:
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    env = os.environ.get("GEMMTUNE_SHARED_DIR")
-    cands = [pathlib.Path(arg)] if arg else []
-    cands += [pathlib.Path(env) / "models"] if env else []
-    cands += [repo.parent / "shared" / "models", repo / "shared" / "models"]
-    return next((c for c in cands if (c / "llama-3-8b.json").is_file()), None)
+MODELS_DIR = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "models"
+
+
+def find_models_dir(arg: str | None) -> pathlib.Path:
+    """--models DIR when given (it must exist), else the repository's tests/data/models."""
+    if arg is None:
+        return MODELS_DIR
+    path = pathlib.Path(arg)
+    if not path.is_dir():
+        raise SystemExit(f"--models {arg}: not a folder")
+    return path
 
 
 def suite_shapes(models_dir: pathlib.Path | None, suite, layers=LAYERS):

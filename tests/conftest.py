@@ -1,14 +1,12 @@
-"""Shared test fixtures: GPU skipping, the shared/ reference data, a clean dispatcher per test."""
+"""Shared test fixtures: GPU skipping, the reference data in tests/data, a clean dispatcher per test."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 HAS_GPU = torch.cuda.is_available()
 
 
@@ -21,21 +19,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def shared_dir() -> pathlib.Path | None:
-    """The project's shared/ folder: $GEMMTUNE_SHARED_DIR, else beside the checkout, else inside it."""
-    env = os.environ.get("GEMMTUNE_SHARED_DIR")
-    for cand in ([pathlib.Path(env)] if env else []) + [REPO.parent / "shared", REPO / "shared"]:
-        if (cand / "reference" / "aiter-configs").is_dir():
-            return cand
-    return None
+# Reference data shipped with the tests: aiter's own CSV tables (MIT, see its LICENSE-aiter) and
+# Hugging Face config.json files of real models.
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+AITER_CONFIGS = DATA / "aiter-configs"
+MODEL_CONFIGS = DATA / "models"
 
 
 @pytest.fixture
-def shared() -> pathlib.Path:
-    d = shared_dir()
-    if d is None:
-        pytest.skip("shared/ reference data not found (set GEMMTUNE_SHARED_DIR)")
-    return d
+def aiter_configs() -> pathlib.Path:
+    """The folder of aiter's reference CSV tables."""
+    return AITER_CONFIGS
+
+
+@pytest.fixture
+def model_configs() -> pathlib.Path:
+    """The folder of model config.json files (llama-3-8b.json, tiny-llama.json, ...)."""
+    return MODEL_CONFIGS
 
 
 @pytest.fixture

@@ -95,3 +95,58 @@ def test_summary_geomeans_per_m_range():
     assert BenchRow(**{**_row(8, 10, 9).__dict__, "recheck_speedup": 0.9}).slower_beyond_noise
     text = "\n".join(summary_lines(s))
     assert "M<=16" in text and "roof 50% (default 40%)" in text
+
+
+def test_bench_cpu_default_row_not_slower(tmp_path, monkeypatch):
+    # On the CPU a torch:native row dispatches to F.linear itself: tuned and default are one kernel, so
+    # a slower reading is noise and must not be flagged SLOWER (nor rechecked as a regression).
+    from gemmtune.tuner import bench
+
+    calls = []
+
+    def noisy(key, runners, **kw):
+        calls.append(key)
+        return {"default": 10.0, "tuned": 13.0, "default#2": 10.0}
+
+    monkeypatch.setattr(bench, "bench_gemm", noisy)
+    path = _table_file(tmp_path, KEYS[:1])
+    res = CliRunner().invoke(cli, ["bench", str(path), "-o", str(tmp_path / "b"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "SLOWER" not in res.output and "slower once" not in res.output
+    assert "slower beyond noise: 0" in res.output and "(= default: noise only)" in res.output
+    assert len(calls) == 1  # no recheck
+    row = json.loads((tmp_path / "b.json").read_text())["rows"][0]
+    assert row["is_default"] is True and row["solution"] == "torch:native"
+    # A row that runs another kernel is still flagged when its recheck agrees.
+    other = BenchRow(**{**_row(8, 13, 10).__dict__, "recheck_speedup": 0.77})
+    assert other.slower_beyond_noise and not BenchRow(**{**other.__dict__, "is_default": True}).slower_beyond_noise
+
+
+def test_bench_progress_eta_weighs_shapes_by_cost(tmp_path, monkeypatch, capsys):
+    from gemmtune.tuner import bench
+
+    small = GemmKey(1, 64, 64, False, torch.float32, torch.float32)
+    big = GemmKey(2048, 4096, 4096, False, torch.float32, torch.float32)
+    c_small, c_big = (bench.estimated_cost_us(k, CPU, reps=20) for k in (small, big))
+    assert c_big > 100 * c_small  # ~6e11 flops vs a launch-bound call, not one unit each
+    assert bench.estimated_cost_us(big, CPU, reps=40) > 1.9 * bench.estimated_cost_us(big, CPU, reps=20)
+    assert bench.estimated_cost_us(small, torch.device("cuda"), reps=20) > c_small  # graphs, GPU sleeps
+
+    # The bar advances by each shape's cost (not 1 per shape), reaches 100% and counts shapes.
+    updates = []
+    real_bar = bench._progress_bar
+
+    def recording_bar(total, shapes, enabled):
+        bar = real_bar(total, shapes, enabled)
+        update = bar.update
+        bar.update = lambda n=1: (updates.append(n), update(n))[1]
+        return bar
+
+    monkeypatch.setattr(bench, "_progress_bar", recording_bar)
+    monkeypatch.setattr(bench, "bench_gemm", lambda key, runners, **kw: {n: 1.0 for n in runners})
+    table = ConfigTable.load([str(_table_file(tmp_path, [small, big]))])
+    capsys.readouterr()
+    bench_table(table, CPU, reps=20, progress=True)
+    assert sorted(updates) == [c_small, c_big]
+    err = capsys.readouterr().err
+    assert "100%" in err and "(2/2 shapes)" in err

@@ -17,10 +17,10 @@ from gemmtune.keys import GemmKey
 HEADER = ",".join(TUNED_COLUMNS)
 
 
-def tuned_files(shared):
+def tuned_files(folder):
     """Every reference table with the 18-column bf16 schema (others, e.g. a8w8, have other columns)."""
     files = []
-    for path in sorted((shared / "reference" / "aiter-configs").glob("*.csv")):
+    for path in sorted(folder.glob("*.csv")):
         header = path.read_text().splitlines()[0].split(",")
         if "libtype" in header and "solidx" in header:
             files.append(path)
@@ -28,8 +28,8 @@ def tuned_files(shared):
     return files
 
 
-def test_reference_tables_load_roundtrip_and_every_row_is_found(shared, tmp_path):
-    for path in tuned_files(shared):
+def test_reference_tables_load_roundtrip_and_every_row_is_found(aiter_configs, tmp_path):
+    for path in tuned_files(aiter_configs):
         before = hashlib.sha256(path.read_bytes()).hexdigest()
         table = ConfigTable.load(str(path))
         rows = read_table_file(str(path)).rows
@@ -44,8 +44,8 @@ def test_reference_tables_load_roundtrip_and_every_row_is_found(shared, tmp_path
             assert found.where == row.where
 
 
-def test_other_family_table_is_rejected_where_a16w16_is_required(shared):
-    a8w8 = shared / "reference" / "aiter-configs" / "a8w8_tuned_gemm.csv"
+def test_other_family_table_is_rejected_where_a16w16_is_required(aiter_configs):
+    a8w8 = aiter_configs / "a8w8_tuned_gemm.csv"
     with pytest.raises(ConfigError, match=r"a8w8_tuned_gemm.csv:1: expected a a16w16 table, but its columns are"):
         ConfigTable.load(str(a8w8), family="a16w16")
     assert ConfigTable.load(str(a8w8)).family.name == "a8w8"  # unnamed: the header decides

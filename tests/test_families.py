@@ -45,8 +45,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def aiter(shared):
-    return shared / "reference" / "aiter-configs"
+def aiter(aiter_configs):
+    return aiter_configs
 
 
 def test_every_aiter_table_loads_into_its_family(aiter):

@@ -95,6 +95,31 @@ def test_bad_dtype_and_device():
         gemmtune.gemm(torch.randn(2, 8), torch.randn(4, 8, device="meta"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_gemm_rejects_float64_inputs(dtype):
+    # Float dtypes other than fp16/bf16/fp32 used to pass validation and run, against the error text.
+    x, w = torch.randn(2, 8).to(dtype), torch.randn(4, 8).to(dtype)
+    with pytest.raises(ValueError, match=f"unsupported dtype {dtype} \\(gemm takes float16/bfloat16/float32\\)"):
+        gemmtune.gemm(x, w)
+    with pytest.raises(ValueError, match="unsupported out_dtype torch.float64"):
+        gemmtune.gemm(torch.randn(2, 8), torch.randn(4, 8), out_dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((torch.randn(2, 8), torch.randn(4, 8), 1.0), "bias must be a tensor or None, got float"),
+        ((torch.randn(2, 8), torch.randn(4, 8), [0.0] * 4), "bias must be a tensor or None, got list"),
+        ((torch.randn(2, 8), [[0.0] * 8] * 4), "x and w must be tensors, got Tensor, list"),
+        ((torch.randn(2, 8), 2.0), "x and w must be tensors, got Tensor, float"),
+    ],
+)
+def test_gemm_non_tensor_argument_is_a_type_error_naming_it(args, match):
+    # These used to escape as AttributeError from the hot path ('float' object has no attribute 'shape').
+    with pytest.raises(TypeError, match=match):
+        gemmtune.gemm(*args)
+
+
 def test_errors_are_raised_again_on_the_cached_path():
     gemmtune.gemm(torch.randn(2, 8), torch.randn(4, 8))  # caches this signature
     with pytest.raises(ValueError):

@@ -30,9 +30,26 @@ def test_report_lists_changes_and_skips():
     text = report.summary()
     assert report.family == "mixtral" and report.attention_tier in ("sdpa", "flash")
     assert "fuse" in report.counts() and "norm" in report.counts()
-    assert report.counts().get("moe") == 2 and "moe: 2" in text
+    assert report.counts().get("moe") == 2 and "gemmtune.fused_moe" in text
     assert str(report) == text
     assert gemmtune.models.report_of(model) is report
+
+
+def test_optimize_report_groups_by_module_type():
+    # The report says what was fused / swapped / routed / left alone, per module type, with reasons;
+    # it used to print bare counts ("attention: 1", "route: 5").
+    model = build("llama")
+    model.model.layers[1].self_attn.k_proj = nn.Identity()  # not an nn.Linear: q/k/v cannot be fused
+    text = str(gemmtune.optimize(model))
+    sections = [line.strip() for line in text.splitlines() if line.startswith("  ") and line.endswith(":")]
+    assert sections == ["fused:", "swapped:", "routed through gemmtune.gemm:", "left alone:"], text
+    assert "LlamaAttention x1 [model.layers.*.self_attn]: q/k/v -> qkv_proj N=128 (4 q heads, 2 kv heads)" in text
+    assert "LlamaMLP x2 [model.layers.*.mlp]: gate/up -> gate_up_proj N=256" in text
+    norms = "model.layers.*.input_layernorm, model.layers.*.post_attention_layernorm, model.norm"
+    assert f"LlamaRMSNorm x5 [{norms}]: gemmtune RMSNorm" in text
+    assert "Linear x2 [model.layers.*.mlp.down_proj]: GEMM N=64 K=128" in text
+    assert "LlamaAttention x1 [model.layers.*.self_attn]: q/k/v not fused: k_proj" in text
+    assert "attention: 1" not in text and "route: " not in text
 
 
 def test_optimize_twice_is_a_noop_and_other_options_raise():

@@ -19,20 +19,11 @@ from gemmtune.models.version import MAX_EXCLUSIVE, MIN_VERSION, _parse  # noqa: 
 if not (MIN_VERSION <= _parse(transformers.__version__) < MAX_EXCLUSIVE):
     pytest.skip(f"transformers {transformers.__version__} is outside the supported range", allow_module_level=True)
 
-# ../shared/models/tiny-llama.json, inlined because shared/ does not travel with the checkout.
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "rms_norm_eps": 1e-05,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
-_TINY_FILE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-llama.json"
+# The sizes of tests/data/models/tiny-llama.json; each family is built with them in its own config class
+# (which sets its own model type, activation and dtype).
+_TINY_FILE = pathlib.Path(__file__).resolve().parent / "data" / "models" / "tiny-llama.json"
+_NOT_SIZES = ("architectures", "model_type", "hidden_act", "torch_dtype")
+TINY = {k: v for k, v in json.loads(_TINY_FILE.read_text()).items() if k not in _NOT_SIZES}
 _IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
@@ -41,9 +32,6 @@ def tiny_config(family: str):
     t = transformers
     base = {**TINY, **_IDS}
     if family == "llama":
-        if _TINY_FILE.exists():  # the file is the source of truth where it exists
-            data = json.loads(_TINY_FILE.read_text())
-            base.update({k: data[k] for k in TINY if k in data})
         return t.LlamaConfig(**base)
     if family == "mistral":
         return t.MistralConfig(**base, sliding_window=6)

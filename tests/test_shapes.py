@@ -21,7 +21,7 @@ from gemmtune.tuner.shapes import (
     parse_nsets,
 )
 
-# (name, N, K) per rank, computed by hand from each config.json in shared/models:
+# (name, N, K) per rank, computed by hand from each config.json in tests/data/models:
 # qkv N = (heads/tp + 2 * max(1, kv/tp)) * head_dim, o K = heads/tp * head_dim,
 # gate_up N = 2 * inter/tp, down K = inter/tp, lm_head N = vocab/tp.
 EXPECTED = {
@@ -58,21 +58,21 @@ def _shapes(config, tp):
 
 
 @pytest.mark.parametrize(("model", "tp"), sorted(EXPECTED))
-def test_shared_model_files_match_hand_computed(shared, model, tp):
-    config = json.loads((shared / "models" / f"{model}.json").read_text())
+def test_model_files_match_hand_computed(model_configs, model, tp):
+    config = json.loads((model_configs / f"{model}.json").read_text())
     assert _shapes(config, tp) == EXPECTED[(model, tp)]
     # The built-in preset of the same name derives the same shapes.
     assert _shapes(PRESETS[model], tp) == EXPECTED[(model, tp)]
     assert not any(s.bias for s in model_gemms(config, tp))
 
 
-def test_every_shared_model_is_covered(shared):
-    files = {p.stem for p in (shared / "models").glob("*.json")}
+def test_every_model_file_is_covered(model_configs):
+    files = {p.stem for p in model_configs.glob("*.json")}
     assert files == {m for m, _ in EXPECTED}
 
 
-def test_tiny_llama_tp8_is_an_error_naming_heads(shared):
-    config = json.loads((shared / "models" / "tiny-llama.json").read_text())
+def test_tiny_llama_tp8_is_an_error_naming_heads(model_configs):
+    config = json.loads((model_configs / "tiny-llama.json").read_text())
     with pytest.raises(ModelConfigError, match="num_attention_heads=4 is not divisible by tp=8"):
         model_gemms(config, 8)
 
@@ -99,9 +99,9 @@ def test_head_dim_explicit_differs_from_hidden_over_heads():
     assert shapes["o"] == (3584, 8 * 256)
 
 
-def test_deepseek_v3_tp8_covers_aiters_shape_list(shared):
+def test_deepseek_v3_tp8_covers_aiters_shape_list(aiter_configs):
     ours = {(s.N, s.K) for s in model_gemms(PRESETS["deepseek-v3"], 8)}
-    path = shared / "reference" / "aiter-configs" / "dsv3_bf16_untuned_gemm.csv"
+    path = aiter_configs / "dsv3_bf16_untuned_gemm.csv"
     theirs = {(k.N, k.K) for k, _ in read_shapes(str(path))}
     assert theirs <= ours, theirs - ours
 
@@ -140,12 +140,12 @@ def test_config_dtype_and_nsets():
             parse_nsets(bad)
 
 
-def test_load_model_config_sources(tmp_path, shared):
+def test_load_model_config_sources(tmp_path, model_configs):
     cfg, src = load_model_config("llama-3-70b")
     assert src == "preset llama-3-70b" and cfg["hidden_size"] == 8192
     d = tmp_path / "m"
     d.mkdir()
-    (d / "config.json").write_text((shared / "models" / "qwen3-32b.json").read_text())
+    (d / "config.json").write_text((model_configs / "qwen3-32b.json").read_text())
     assert load_model_config(str(d))[0]["model_type"] == "qwen3"
     with pytest.raises(ModelConfigError, match="preset"):
         load_model_config(str(tmp_path / "nope.json"))
@@ -154,9 +154,9 @@ def test_load_model_config_sources(tmp_path, shared):
         load_model_config(str(tmp_path / "bad.json"))
 
 
-def test_shapes_cli_writes_aiter_untuned_csv(tmp_path, shared):
+def test_shapes_cli_writes_aiter_untuned_csv(tmp_path, model_configs):
     out = tmp_path / "shapes.csv"
-    model = str(shared / "models" / "llama-3-70b.json")
+    model = str(model_configs / "llama-3-70b.json")
     res = CliRunner().invoke(cli, ["shapes", "--model", model, "--tp", "8", "--nsets", "1,16", "-o", str(out)])
     assert res.exit_code == 0, res.output
     assert out.read_text().splitlines()[0] == "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle"
@@ -181,3 +181,44 @@ def test_shapes_cli_errors_are_clear(tmp_path):
     assert not (tmp_path / "o.csv").exists()
     res = CliRunner().invoke(cli, ["shapes", "-m", "tiny-llama", "--nsets", "0"])
     assert res.exit_code != 0 and "bad token count" in res.output
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("num_attention_heads", 0, "num_attention_heads=0 must be a positive integer"),
+        ("hidden_size", -64, "hidden_size=-64 must be a positive integer"),
+        ("intermediate_size", 12.5, "intermediate_size=12.5 must be a positive integer"),
+        ("vocab_size", "256", "vocab_size='256' must be a positive integer"),
+        ("num_key_value_heads", -2, "num_key_value_heads=-2 must be a non-negative integer"),
+        ("head_dim", -16, "head_dim=-16 must be a non-negative integer"),
+    ],
+)
+def test_shapes_zero_heads_and_negative_sizes_are_clear_errors(field, value, match):
+    # 0 heads used to raise ZeroDivisionError; a negative hidden_size wrote negative N and K.
+    with pytest.raises(ModelConfigError, match=match):
+        model_gemms(dict(PRESETS["tiny-llama"], **{field: value}))
+
+
+def test_shapes_cli_bad_config_value_is_one_line_error_naming_file_and_field(tmp_path):
+    for field, value in (("num_attention_heads", 0), ("hidden_size", -64)):
+        cfg = tmp_path / f"{field}.json"
+        cfg.write_text(json.dumps(dict(PRESETS["tiny-llama"], **{field: value})))
+        out = tmp_path / "shapes.csv"
+        res = CliRunner().invoke(cli, ["shapes", "-m", str(cfg), "-o", str(out)])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert res.output.strip().splitlines() == [f"Error: {cfg}: model config: {field}={value} must be a positive "
+                                                   "integer (model_type 'llama')"]  # fmt: skip
+        assert not out.exists()
+
+
+def test_config_dtype_float64_is_an_error_not_bf16(tmp_path):
+    for field in ("torch_dtype", "dtype"):
+        with pytest.raises(ModelConfigError, match=f"{field}='float64' is not a dtype gemmtune tunes"):
+            config_dtype({field: "float64"})
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(dict(PRESETS["tiny-llama"], torch_dtype="float64")))
+    res = CliRunner().invoke(cli, ["shapes", "-m", str(cfg), "--nsets", "1"])
+    assert res.exit_code == 1 and "torch_dtype='float64'" in res.output and "--dtype" in res.output
+    res = CliRunner().invoke(cli, ["shapes", "-m", str(cfg), "--nsets", "1", "--dtype", "bf16"])
+    assert res.exit_code == 0 and "torch.bfloat16" in res.output  # an explicit --dtype is the way out

@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from .errors import DeviceError
+
 # A legacy table (no gfx column) leaves gfx empty: such rows apply to any arch with their cu_num.
 ANY_GFX_SENTINEL = ""
 
@@ -46,11 +48,43 @@ def _identity_of(device_type: str, index: int | None) -> DeviceIdentity:
     return DeviceIdentity(device_type, os.cpu_count() or 1)
 
 
+def _check_cuda(device: torch.device) -> None:
+    # torch raises AssertionError / RuntimeError deep inside torch.cuda for these; say what is wrong.
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None and torch.version.hip is None:
+            why = f"this PyTorch build ({torch.__version__}) has no CUDA/ROCm support"
+        else:
+            why = "no GPU is visible to PyTorch (torch.cuda.is_available() is False)"
+        raise DeviceError(f"device {str(device)!r}: {why}; use cpu, or install a GPU build of torch")
+    count = torch.cuda.device_count()
+    if device.index is not None and not 0 <= device.index < count:
+        raise DeviceError(f"device {str(device)!r}: there are {count} GPU(s), cuda:0 to cuda:{count - 1}")
+
+
+def parse_device(text: str | None) -> torch.device:
+    """A --device value (cpu, cuda, cuda:N; None = cuda when available) checked to exist here."""
+    if text is None:
+        return default_device()
+    try:
+        device = torch.device(text.strip())
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"unknown device {text!r} (expected cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DeviceError(f"device {text!r}: gemmtune runs on cpu or cuda (ROCm GPUs are cuda in PyTorch)")
+    if device.type == "cuda":
+        _check_cuda(device)
+    return device
+
+
 def identity(device: torch.device | str | None = None) -> DeviceIdentity:
-    """The (gfx, cu_num) of `device`; the current GPU when None and one exists, else the CPU."""
+    """The (gfx, cu_num) of `device`; the current GPU when None and one exists, else the CPU.
+
+    DeviceError when `device` is a GPU this machine does not have."""
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda":
+        _check_cuda(device)
     return _identity_of(device.type, device.index)
 
 

@@ -15,3 +15,7 @@ class ShapesFileError(GemmtuneError, ValueError):
 
 class BackendUnavailableError(GemmtuneError, RuntimeError):
     """A backend was asked for explicitly but cannot run on this machine."""
+
+
+class DeviceError(GemmtuneError, ValueError):
+    """A device was named that does not exist here (no GPU, a CPU-only torch build, a bad name)."""

@@ -9,7 +9,7 @@ import click
 import torch
 
 from ..configs import ConfigTable
-from ..device import identity
+from ..device import identity, parse_device
 from ..errors import GemmtuneError
 from ..tuner.bench import HEADER, bench_table, dispatch_overhead_us, summarize, summary_lines, write_outputs
 from ..tuner.runner import import_plugins
@@ -29,7 +29,8 @@ from ..tuner.timing import measure_ceilings
 @click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--plugin", multiple=True, help="Module to import that registers extra backends.")
-def command(tuned, prefix, reps, device, seed, plugin) -> None:  # fmt: skip
+@click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
+def command(tuned, prefix, reps, device, seed, plugin, progress) -> None:  # fmt: skip
     """Benchmark every row of TUNED that applies to this GPU: gemmtune.gemm with the table in effect vs
     the vendor default (F.linear, timed twice for the noise) vs the roofline, one interleaved CUDA-graph
     run over cold weights per shape. Prints a table and geomean speedups per M range; writes CSV,
@@ -39,10 +40,16 @@ def command(tuned, prefix, reps, device, seed, plugin) -> None:  # fmt: skip
     """
     import importlib
 
-    for mod in plugin:
-        importlib.import_module(mod)
-    import_plugins()
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        for mod in plugin:
+            importlib.import_module(mod)
+        import_plugins()
+    except ImportError as exc:
+        raise click.ClickException(f"cannot import plugin module: {exc}") from None
+    try:
+        dev = parse_device(device)
+    except GemmtuneError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--device'") from None
     try:
         table = ConfigTable.load([tuned])
     except (GemmtuneError, ValueError) as exc:
@@ -68,7 +75,7 @@ def command(tuned, prefix, reps, device, seed, plugin) -> None:  # fmt: skip
         click.echo("CPU: times are eager wall-clock (no CUDA graphs), so the tuned column includes gemmtune's "
                    "per-call dispatch overhead; no roofline.")  # fmt: skip
     click.echo(HEADER)
-    rows = bench_table(table, dev, reps=reps, seed=seed, log=click.echo)
+    rows = bench_table(table, dev, reps=reps, seed=seed, log=click.echo, progress=progress)
     summary = summarize(rows)
     meta["dispatch_overhead_us"] = dispatch_overhead_us(dev)
     meta["seconds"] = time.perf_counter() - t0

@@ -39,12 +39,17 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> No
     """
     try:
         ms = _parse_nsets(nsets)
+        dt = parse_dtype(dtype) if dtype else None
+        odt = parse_dtype(outdtype) if outdtype else None
         config, source = load_model_config(model)
-        shapes = model_gemms(config, tp)
-        dt = parse_dtype(dtype) if dtype else config_dtype(config)
-        odt = parse_dtype(outdtype) if outdtype else dt
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    try:
+        shapes = model_gemms(config, tp)
+        dt = dt or config_dtype(config)
+    except (ModelConfigError, ValueError) as exc:
+        raise click.ClickException(f"{source}: {exc}") from None
+    odt = odt or dt
     if family != "a16w16":
         _other_family(family, config, source, tp, ms, dt, output)
         return

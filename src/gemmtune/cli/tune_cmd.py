@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import click
-import torch
 
+from ..device import parse_device
 from ..errors import GemmtuneError
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
 from ..tuner.search import TuneOptions
@@ -123,7 +123,10 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
 
         gemmtune tune shapes.csv -o tuned.csv --profile-file profile.csv
     """
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = parse_device(device)
+    except GemmtuneError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--device'") from None
     if plugin:
         os.environ[PLUGINS_ENV] = ",".join(filter(None, [os.environ.get(PLUGINS_ENV, ""), *plugin]))
     if mp_workers is None:

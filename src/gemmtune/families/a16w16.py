@@ -7,7 +7,6 @@ import torch
 from ..keys import GemmKey
 from .base import Family, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
 
-
 # aiter's 18 columns; gemmtune's tables add the verified M range after them (aiter reads by name).
 AITER_TUNED_COLUMNS = (
     "gfx", "cu_num", "M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle",

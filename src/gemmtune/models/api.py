@@ -48,16 +48,19 @@ class _Planner:
         self.no_route_prefixes: list[str] = []  # subtrees left alone (MoE experts)
         self.rope_probes: dict = {}
 
-    def add(self, kind: str, path: str, text: str, **data) -> None:
+    def add(self, kind: str, path: str, mod: nn.Module, detail: str, **data) -> None:
         self.actions.append(Action(kind, path, data))
-        self.report.change(f"{kind}: {text}")
+        self.report.change(kind, path, type(mod).__name__, detail)
+
+    def skip(self, kind: str, path: str, mod: nn.Module, why: str) -> None:
+        self.report.skip(kind, path, type(mod).__name__, why)
 
     def norm(self, path: str, mod: nn.Module) -> families.NormSpec | None:
         spec = families.detect_norm(mod)
         if isinstance(spec, str):
-            self.report.skip(f"norm: {path}", spec)
+            self.skip("norm", path, mod, spec)
             return None
-        self.add("norm", path, f"{path} ({spec.style}, eps={spec.eps:g})", spec=spec)
+        self.add("norm", path, mod, f"gemmtune RMSNorm ({spec.style}, eps={spec.eps:g})", spec=spec)
         return spec
 
     def rope_kind(self, fn, ref) -> str:
@@ -93,10 +96,10 @@ class _Planner:
             elif "forward" in attn.__dict__:
                 why = "its forward is already overridden on the instance"
         if why is not None:
-            self.report.skip(f"fuse qkv: {path}", why)
+            self.skip("fuse qkv", path, attn, why)
             return
         n_q, n_kv = sizes[0] // head_dim, sizes[1] // head_dim
-        self.add("fuse", path, f"{path} q/k/v -> qkv_proj N={sum(sizes)} ({n_q} q heads, {n_kv} kv heads)",
+        self.add("fuse", path, attn, f"q/k/v -> qkv_proj N={sum(sizes)} ({n_q} q heads, {n_kv} kv heads)",
                  names=fam.qkv, fused="qkv_proj")  # fmt: skip
         spec = families.AttnSpec(
             sizes=sizes,
@@ -107,7 +110,7 @@ class _Planner:
             rope_fused=self.rope_kind(rope, attn.qkv_proj.weight if hasattr(attn, "qkv_proj") else attn.q_proj.weight),
         )
         kind = {"": "the family's rope", "full": "fused rope kernel", "any": "fused rope kernel"}[spec.rope_fused]
-        self.add("attn", path, f"{path} (fused qkv forward, {kind})", spec=spec, rope=rope)
+        self.add("attn", path, attn, f"forward with the fused qkv GEMM and {kind}", spec=spec, rope=rope)
         for name in fam.qkv:
             self.no_route.add(_join(path, name))
 
@@ -117,30 +120,30 @@ class _Planner:
             self.no_route_prefixes.append(path + ".")
             spec = moe_mod.plan_experts(mlp.experts)
             if isinstance(spec, str):
-                self.report.skip(f"moe: {path}", spec)
+                self.skip("moe", path, mlp, spec)
             else:
-                self.add("moe", _join(path, "experts"), f"{path}.experts -> gemmtune.fused_moe ({spec.describe()})",
+                self.add("moe", _join(path, "experts"), mlp.experts, f"experts -> gemmtune.fused_moe ({spec.describe()})",
                          spec=spec)  # fmt: skip
             return
         act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"
         act_fn = getattr(mlp, act_attr, None)
         if "forward" in mlp.__dict__ or act_fn is None or not isinstance(getattr(mlp, "down_proj", None), nn.Linear):
-            self.report.skip(f"mlp: {path}", "layout not recognized (down_proj / act_fn / forward)")
+            self.skip("mlp", path, mlp, "layout not recognized (down_proj / act_fn / forward)")
             return
         if fam.gate_up is not None:
             if not self.opts["fuse_gate_up"]:
                 return
             why = fusion.fuse_skip_reason(mlp, fam.gate_up, "gate_up_proj")
             if why is not None:
-                self.report.skip(f"fuse gate_up: {path}", why)
+                self.skip("fuse gate_up", path, mlp, why)
                 return
             ref = getattr(mlp, fam.gate_up[0]).weight
             size = getattr(mlp, fam.gate_up[0]).out_features
             if getattr(mlp, fam.gate_up[1]).out_features != size:
-                self.report.skip(f"fuse gate_up: {path}", "gate and up widths differ")
+                self.skip("fuse gate_up", path, mlp, "gate and up widths differ")
                 return
             self.add(
-                "fuse", path, f"{path} gate/up -> gate_up_proj N={2 * size}", names=fam.gate_up, fused="gate_up_proj"
+                "fuse", path, mlp, f"gate/up -> gate_up_proj N={2 * size}", names=fam.gate_up, fused="gate_up_proj"
             )
             for name in fam.gate_up:
                 self.no_route.add(_join(path, name))
@@ -151,18 +154,18 @@ class _Planner:
             ref = gu.weight
         act = families.detect_act(act_fn, ref.device, ref.dtype) if fused_ops else None
         if fused_ops and act is None:
-            self.report.skip(f"act: {path}", f"{type(act_fn).__name__} is not SiLU or GELU-tanh: applied in torch")
+            self.skip("act", path, mlp, f"{type(act_fn).__name__} is not SiLU or GELU-tanh: applied in torch")
         elif fam.gate_up is None and act is None:
             return
         label = f"{act}*mul kernel" if act else "torch act*mul"
-        self.add("mlp", path, f"{path} (gate_up -> {label} -> down_proj)", spec=families.MlpSpec(act, act_attr))
+        self.add("mlp", path, mlp, f"forward gate_up -> {label} -> down_proj", spec=families.MlpSpec(act, act_attr))
 
     def layer(self, path: str, layer: nn.Module) -> None:
         fam, opts = self.family, self.opts
         pre = fam.prefix
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer).__name__ != f"{pre}DecoderLayer" or type(attn).__name__ != f"{pre}Attention" or mlp is None:
-            self.report.skip(f"layer: {path}", f"layout is not {pre}DecoderLayer/{pre}Attention: Linear routing only")
+            self.skip("layer", path, layer, f"layout is not {pre}DecoderLayer/{pre}Attention: Linear routing only")
             return
         self.attention(_join(path, "self_attn"), attn)
         self.mlp(_join(path, "mlp"), mlp)
@@ -177,16 +180,16 @@ class _Planner:
         for n in names:
             mod = getattr(layer, n, None)
             if not isinstance(mod, nn.Module):
-                self.report.skip(f"layer: {path}", f"no {n}")
+                self.skip("layer", path, layer, f"no {n}")
                 return
             specs[n] = self.norm(_join(path, n), mod)
         add_norm = "post_attention_layernorm" if fam.layer == "prenorm" else "pre_feedforward_layernorm"
         if "forward" in layer.__dict__:
-            self.report.skip(f"layer: {path}", "its forward is already overridden on the instance")
+            self.skip("layer", path, layer, "its forward is already overridden on the instance")
         elif specs[add_norm] is None or getattr(layer, add_norm)._forward_hooks:
-            self.report.skip(f"layer: {path}", f"{add_norm} not fusable with the residual add")
+            self.skip("layer", path, layer, f"{add_norm} not fusable with the residual add")
         else:
-            self.add("layer", path, f"{path} ({fam.layer}, residual add + {add_norm} fused)", layout=fam.layer)
+            self.add("layer", path, layer, f"residual add + {add_norm} fused ({fam.layer})", layout=fam.layer)
 
     def linears(self) -> None:
         if not self.opts["route_linears"]:
@@ -199,17 +202,16 @@ class _Planner:
                 continue
             why = linear_skip_reason(mod)
             if why:
-                self.report.skip(f"linear: {path}", why)
+                self.skip("linear", path, mod, why)
             else:
-                self.actions.append(Action("route", path, {"opts": route}))
-                self.report.change(f"route: {path} ({mod.out_features}x{mod.in_features})")
+                self.add("route", path, mod, f"GEMM N={mod.out_features} K={mod.in_features}", opts=route)
 
     def plan(self, tier: str | None) -> list[Action]:
         fam = self.family
         stack = families.decoder_stack(self.model)
         if fam is None or stack is None:
             mt = getattr(getattr(self.model, "config", None), "model_type", "?")
-            self.report.skip("family", f"model_type {mt!r} is not a known family: plain Linear routing only")
+            self.skip("family", "", self.model, f"model_type {mt!r} is not a known family: plain Linear routing only")
         else:
             spath, smod = stack
             for i, layer in enumerate(smod.layers):
@@ -219,7 +221,8 @@ class _Planner:
                 self.norm(_join(spath, "norm"), final)
             if tier is not None:
                 self.actions.insert(0, Action("config", "", {"tier": tier}))
-                self.report.change(f"attention: {attn_mod.NAMES[tier]} ({tier} tier) via AttentionInterface")
+                self.report.change("attention", "", type(self.model).__name__,
+                                   f"{attn_mod.NAMES[tier]} ({tier} tier) via AttentionInterface")  # fmt: skip
         self.linears()
         return self.actions
 

@@ -3,7 +3,8 @@
 A routed layer keeps its class, parameters and state_dict keys; only the instance's `forward` is
 replaced, so other models in the process are untouched and `restore` just deletes the override.
 Guards keep the stock path wherever gemm would not give the stock answer: dtype mixes, autocast,
-non-float inputs, small M under an M-threshold, and any exception from the gemmtune path (logged once).
+dtypes gemm does not take (float64, fp8, integers), small M under an M-threshold, and any exception
+from the gemmtune path (logged once).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def _gemm():
     return _gemm_fn[0]
 
 
+# gemmtune.gemm's dtypes (ops.gemm.DTYPES; not imported here, the ops module pulls in the dispatcher).
+_GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 # Any autocast region (any device) keeps F.linear: gemm would not cast the inputs.
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
     lambda: torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
@@ -51,7 +55,7 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     if (
         x.dtype != weight.dtype
-        or not x.is_floating_point()
+        or x.dtype not in _GEMM_DTYPES
         or (bias is not None and bias.dtype != x.dtype)
         or _any_autocast()
         or (opts.m_threshold is not None and x.numel() < opts.m_threshold * max(1, x.shape[-1]))
@@ -85,8 +89,8 @@ def linear_skip_reason(mod: nn.Module) -> str | None:
         return "an accelerate hook (offloaded or dispatched model)"
     if mod.weight is None or mod.weight.device.type == "meta":
         return "weights are not materialized (meta device)"
-    if not mod.weight.dtype.is_floating_point:
-        return f"weight dtype {mod.weight.dtype} is not a float type"
+    if mod.weight.dtype not in _GEMM_DTYPES:
+        return f"weight dtype {mod.weight.dtype} is not one gemmtune.gemm takes (float16, bfloat16, float32)"
     return None
 
 

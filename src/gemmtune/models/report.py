@@ -1,9 +1,49 @@
-"""What optimize() did to a model: every change and every skipped part with its reason."""
+"""What optimize() did to a model: every change and every skipped part with its reason.
+
+str(report) groups them by what happened (fused, swapped, routed, left alone) and, within that, by
+module type, with the module paths folded over layer indices (`model.layers.*.self_attn`).
+"""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
+
+# Which heading each kind of change is listed under; kinds missing here are shown elsewhere (attention).
+_SECTIONS = {
+    "fuse": "fused",
+    "layer": "fused",
+    "attn": "swapped",
+    "mlp": "swapped",
+    "norm": "swapped",
+    "route": "routed through gemmtune.gemm",
+}
+_ORDER = ("fused", "swapped", "routed through gemmtune.gemm", "left alone")
+# What was not done, per kind of skip, so a reason reads as "q/k/v not fused: <why>".
+_NOT_DONE = {
+    "fuse qkv": "q/k/v not fused",
+    "fuse gate_up": "gate/up not fused",
+    "act": "activation not fused",
+    "mlp": "forward not swapped",
+    "norm": "not swapped",
+    "layer": "layer not fused",
+    "linear": "not routed",
+}
+_MAX_PATHS = 3
+
+
+@dataclass(frozen=True)
+class Entry:
+    section: str  # one of _ORDER
+    module_type: str  # class name of the module concerned
+    path: str  # its path in the model ("" for the model itself)
+    detail: str  # what was done, or why it was left alone
+
+
+def _fold(path: str) -> str:
+    """model.layers.12.mlp -> model.layers.*.mlp: one pattern for a module of every layer."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path) or "(model)"
 
 
 @dataclass
@@ -14,17 +54,22 @@ class OptimizeReport:
     options: dict
     attention_tier: str | None = None
     attention_note: str = ""
-    changed: list[str] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why)
+    changed: list[str] = field(default_factory=list)  # "kind: path: detail"
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # ("kind: path", why)
     notes: list[str] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
     _model: object = field(default=None, repr=False, compare=False)
     _actions: list = field(default_factory=list, repr=False, compare=False)
 
-    def change(self, what: str) -> None:
-        self.changed.append(what)
+    def change(self, kind: str, path: str, module_type: str, detail: str) -> None:
+        self.changed.append(f"{kind}: {path}: {detail}" if path else f"{kind}: {detail}")
+        if kind in _SECTIONS:
+            self.entries.append(Entry(_SECTIONS[kind], module_type, path, detail))
 
-    def skip(self, what: str, why: str) -> None:
-        self.skipped.append((what, why))
+    def skip(self, kind: str, path: str, module_type: str, why: str) -> None:
+        self.skipped.append((f"{kind}: {path}" if path else kind, why))
+        not_done = _NOT_DONE.get(kind)
+        self.entries.append(Entry("left alone", module_type, path, f"{not_done}: {why}" if not_done else why))
 
     def undo(self):
         """Give the model its original behaviour back (same as gemmtune.restore(model))."""
@@ -38,17 +83,34 @@ class OptimizeReport:
         """Changes grouped by kind (the text before the first ':' of each entry)."""
         return Counter(c.split(":", 1)[0] for c in self.changed)
 
+    def grouped(self) -> dict[str, list[tuple[str, list[str], str]]]:
+        """{section: [(module type, folded paths with repeats, detail)]}: sections in display order,
+        groups in the order first seen."""
+        groups: dict[tuple[str, str, str], list[str]] = {}
+        for e in self.entries:
+            groups.setdefault((e.section, e.module_type, e.detail), []).append(_fold(e.path))
+        return {
+            section: [(mtype, paths, detail) for (sec, mtype, detail), paths in groups.items() if sec == section]
+            for section in _ORDER
+            if any(sec == section for sec, _, _ in groups)
+        }
+
     def summary(self) -> str:
-        lines = [
-            f"gemmtune.optimize: {self.model_type} (family {self.family}, transformers {self.transformers_version})"
-        ]
-        tier = self.attention_tier or "unchanged"
-        lines.append(f"  attention: {tier}" + (f" ({self.attention_note})" if self.attention_note else ""))
-        for kind, n in sorted(self.counts().items()):
-            lines.append(f"  {kind}: {n}")
-        reasons = Counter(f"{w.split(':', 1)[0]}: {why}" for w, why in self.skipped)
-        for text, n in sorted(reasons.items()):
-            lines.append(f"  skipped {text}" + (f" (x{n})" if n > 1 else ""))
+        versions = f"family {self.family}, transformers {self.transformers_version}"
+        lines = [f"gemmtune.optimize: {self.model_type} ({versions})"]
+        note = self.attention_note
+        if self.attention_tier:
+            lines.append(f"  attention: {self.attention_tier} tier via transformers' AttentionInterface ({note})")
+        else:
+            lines.append("  attention: unchanged" + (f" ({note})" if note else ""))
+        for section, groups in self.grouped().items():
+            lines.append(f"  {section}:")
+            for mtype, paths, detail in groups:
+                where = list(dict.fromkeys(paths))
+                more = f", +{len(where) - _MAX_PATHS} more" if len(where) > _MAX_PATHS else ""
+                lines.append(f"    {mtype} x{len(paths)} [{', '.join(where[:_MAX_PATHS])}{more}]: {detail}")
+        if not self.entries:
+            lines.append("  nothing changed")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -14,7 +14,8 @@ from ..dispatch import get_dispatcher
 from ..keys import GemmKey
 from .autograd import linear_backward
 
-_FLOAT_OUT = (torch.float16, torch.bfloat16, torch.float32)
+# The dtypes every backend computes, in and out (float64, fp8 and integer GEMMs are not gemm's job).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _dispatcher = get_dispatcher()
 _runners = _dispatcher.runners  # cleared in place by the dispatcher, never rebound
 _is_compiling = torch.compiler.is_compiling
@@ -33,6 +34,8 @@ def validate(x, w, bias, out_dtype) -> None:
     """Raise ValueError naming the shapes for anything gemm cannot compute."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError(f"gemmtune.gemm: x and w must be tensors, got {type(x).__name__}, {type(w).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"gemmtune.gemm: bias must be a tensor or None, got {type(bias).__name__}")
     if w.dim() != 2:
         raise _shape_error(f"w must be 2-D [N, K] (nn.Linear layout), got {w.dim()}-D", x, w, bias)
     if x.dim() < 1:
@@ -41,15 +44,13 @@ def validate(x, w, bias, out_dtype) -> None:
         raise _shape_error(f"x[..., K={x.shape[-1]}] does not match w[N, K={w.shape[1]}]", x, w, bias)
     if x.dtype != w.dtype:
         raise _shape_error(f"dtype mismatch: x is {x.dtype}, w is {w.dtype}", x, w, bias)
-    if not x.dtype.is_floating_point:
+    if x.dtype not in DTYPES:
         raise _shape_error(f"unsupported dtype {x.dtype} (gemm takes float16/bfloat16/float32)", x, w, bias)
     if x.device != w.device:
         raise _shape_error(f"device mismatch: x on {x.device}, w on {w.device}", x, w, bias)
-    if out_dtype is not None and out_dtype not in _FLOAT_OUT:
+    if out_dtype is not None and out_dtype not in DTYPES:
         raise _shape_error(f"unsupported out_dtype {out_dtype} (float16/bfloat16/float32)", x, w, bias)
     if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"gemmtune.gemm: bias must be a tensor or None, got {type(bias).__name__}")
         if bias.dim() != 1 or bias.shape[0] != w.shape[0]:
             raise _shape_error(f"bias must be 1-D of length N={w.shape[0]}", x, w, bias)
         if bias.device != x.device:
@@ -81,11 +82,15 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out
     if _is_compiling():
         return torch.ops.gemmtune.gemm(x, w, bias, out_dtype)
     # The signature is the validation memo: everything validate() checks is in it.
-    sig = (
-        x.shape, w.shape, x.dtype, w.dtype, x.device, w.device,
-        None if bias is None else (bias.shape, bias.dtype, bias.device), out_dtype,
-        _grad_enabled() and (w.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)),
-    )  # fmt: skip
+    try:
+        sig = (
+            x.shape, w.shape, x.dtype, w.dtype, x.device, w.device,
+            None if bias is None else (bias.shape, bias.dtype, bias.device), out_dtype,
+            _grad_enabled() and (w.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)),
+        )  # fmt: skip
+    except AttributeError:  # a non-tensor argument: validate names it
+        validate(x, w, bias, out_dtype)
+        raise
     run = _runners.get(sig)
     if run is None:
         run = _miss(sig, x, w, bias, out_dtype)

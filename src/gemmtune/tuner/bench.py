@@ -1,6 +1,6 @@
 """`gemmtune bench`: a tuned table, dispatched through the runtime, vs the vendor default vs the roof.
 
-Per row of the table that applies to this GPU, one interleaved bench_gemm run (BENCHMARKING.md:
+Per row of the table that applies to this GPU, one interleaved bench_gemm run (docs/benchmarking.md:
 CUDA-graph replay over rotating cold input sets, median) of three contenders on the same inputs:
   tuned     gemmtune.gemm with the table in effect (dispatch.set_config), i.e. what a user gets;
   default   the vendor default (torch's default solution: F.linear), timed before and after tuned
@@ -8,14 +8,16 @@ CUDA-graph replay over rotating cold input sets, median) of three contenders on 
             less than NOISE_FLOOR (1%, measured with A/A rows, see below).
 speedup = default_us / tuned_us; % of roof = roof_us / us (timing.roof_us, ceilings measured in the
 same process). A row found slower than the default beyond the noise is timed again on fresh inputs
-and graphs, and counts as slower only if the recheck agrees. Geomeans are reported per M range:
-M <= 16, 16 < M <= 512, M > 512.
+and graphs, and counts as slower only if the recheck agrees. A row whose solution is the default
+itself is never called slower: tuned and default run the same kernel, so their difference is noise.
+Geomeans are reported per M range: M <= 16, 16 < M <= 512, M > 512.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,7 +32,7 @@ from ..dispatch import get_dispatcher, resolve, set_config
 from ..keys import GemmKey, dtype_name
 from ..ops.gemm import gemm
 from .search import DEFAULT_LIBTYPE, shape_seed
-from .timing import bench_gemm, measure_ceilings, roof_us
+from .timing import Ceilings, bench_gemm, measure_ceilings, roof_us
 
 # The smallest difference this method resolves. Rows that dispatch to the default kernel itself are
 # A/A runs: on an H100 (76 such rows of the decode, prefill and llama-3-8b benches, 2026-11-21) they
@@ -39,6 +41,14 @@ from .timing import bench_gemm, measure_ceilings, roof_us
 NOISE_FLOOR = 0.01
 
 M_RANGES = (("M<=16", 1, 16), ("16<M<=512", 17, 512), ("M>512", 513, 1 << 62))
+
+# For the progress bar's ETA only (never reported as a figure): shapes differ in cost by orders of
+# magnitude, so each is weighed by a rough model of its run instead of counting one unit per shape.
+_CONTENDERS = 3  # default, tuned, default#2
+_NOMINAL_CPU = Ceilings(read_bw=20e9, flops=200e9)  # a few cores; only the ratios between shapes matter
+_SETUP_US = {"cuda": 30_000.0, "cpu": 1_000.0}  # inputs, warm-up, graph capture
+_ROUND_US = {"cuda": 1_000.0, "cpu": 0.0}  # the GPU sleep that starts each timed round
+_CALL_FLOOR_US = {"cuda": 3.0, "cpu": 2.0}  # a launch-bound call
 
 
 @dataclass
@@ -64,10 +74,11 @@ class BenchRow:
         return 100.0 * self.roof_us / us if us > 0 and self.roof_us > 0 else math.nan
 
     recheck_speedup: float = math.nan  # second, independent run of a row the first run found slower
+    is_default: bool = False  # the row dispatches to the default solution: tuned and default are one kernel
 
     @property
     def first_run_slower(self) -> bool:
-        return self.tuned_us > self.default_us * (1 + self.noise)
+        return not self.is_default and self.tuned_us > self.default_us * (1 + self.noise)
 
     @property
     def slower_beyond_noise(self) -> bool:
@@ -110,43 +121,76 @@ def dispatch_overhead_us(device: torch.device, calls: int = 2000) -> float:
     return out["gemm"] - min(out["linear"], out["linear2"])
 
 
+def estimated_cost_us(key: GemmKey, device: torch.device, reps: int, ceilings: Ceilings | None = None) -> float:
+    """Rough wall time of one shape's bench run (setup, then `reps` interleaved rounds of the
+    contenders at roofline speed); weighs the progress bar's ETA, is never reported as a time."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    call_us = max(roof_us(key, ceilings or _NOMINAL_CPU), _CALL_FLOOR_US[kind])
+    return _SETUP_US[kind] + reps * (_ROUND_US[kind] + _CONTENDERS * call_us)
+
+
+def _progress_bar(total: float, shapes: int, enabled: bool):
+    from tqdm import tqdm
+
+    # Cost-weighted: the bar and its ETA advance by each shape's estimated cost; the text counts shapes.
+    fmt = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]"
+    return tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True, smoothing=0.1, bar_format=fmt,
+                disable=not (enabled and shapes))  # fmt: skip
+
+
 def bench_table(
     table: ConfigTable,
     device: torch.device,
     reps: int = 20,
     seed: int = 0,
     log: Callable[[str], None] = lambda m: None,
+    progress: bool = False,
 ) -> list[BenchRow]:
-    """Benchmark every row of `table` that applies to `device`; the table is in effect meanwhile."""
+    """Benchmark every row of `table` that applies to `device`; the table is in effect meanwhile.
+
+    progress: a bar on stderr whose ETA weighs each shape by estimated_cost_us."""
     ident = identity(device)
     rows = sorted(table.rows_for(ident), key=lambda r: (r.key.shape_family()[:3], str(r.key.dtype), r.key.M))
     ceilings = measure_ceilings(device) if device.type == "cuda" else None
     torch_backend = backends.get(DEFAULT_LIBTYPE)
     dispatcher = get_dispatcher()
     previous = dispatcher.table()
+    costs = [estimated_cost_us(r.key, device, reps, ceilings) for r in rows]
+    bar = _progress_bar(sum(costs), len(rows), progress)
+
+    def say(msg: str) -> None:
+        with bar.external_write_mode():  # lift the bar off the terminal while the line is written
+            log(msg)
+
     set_config(table)
     out: list[BenchRow] = []
     try:
-        for row in rows:
+        for i, (row, cost) in enumerate(zip(rows, costs)):
             key = row.key
+            bar.set_description_str(f"bench {key.M}x{key.N}x{key.K} ({i + 1}/{len(rows)} shapes)", refresh=False)
             if key.scaleAB or key.bpreshuffle or not key.dtype.is_floating_point:
-                log(f"skipped {key.describe()}: gemmtune bench covers a16w16 GEMMs only")
+                say(f"skipped {key.describe()}: gemmtune bench covers a16w16 GEMMs only")
+                bar.update(cost)
                 continue
-            default = torch_backend.make_runner(torch_backend.default_solution(key, device), key, device)
+            default_solution = torch_backend.default_solution(key, device)
+            default = torch_backend.make_runner(default_solution, key, device)
+            res = resolve(key, device)
+            is_default = res.solution == default_solution
             # On a GPU the call goes through gemmtune.gemm inside the graph (its CPU cost vanishes, as in
             # serving); without graphs (CPU) wall time would be dispatch cost, reported apart, so the
             # row's resolved runner (what gemm calls) is timed instead.
-            tuned = _runner_through_dispatch(key) if device.type == "cuda" else resolve(key, device).runner
+            tuned = _runner_through_dispatch(key) if device.type == "cuda" else res.runner
             runners = {"default": default, "tuned": tuned, "default#2": default}
             t = bench_gemm(key, runners, device=device, reps=reps, seed=shape_seed(key, seed))
             d1, d2 = t["default"], t["default#2"]
             recheck = math.nan
             noise = max(abs(d1 - d2) / min(d1, d2), NOISE_FLOOR) if min(d1, d2) > 0 else math.nan
-            if t["tuned"] > (d1 + d2) / 2 * (1 + noise):
+            if not is_default and t["tuned"] > (d1 + d2) / 2 * (1 + noise):
                 # Found slower: time it again on fresh inputs and graphs before calling it a regression.
+                bar.total += cost
                 t2 = bench_gemm(key, runners, device=device, reps=reps, seed=shape_seed(key, seed + 1))
                 recheck = (t2["default"] + t2["default#2"]) / 2 / t2["tuned"]
-            res = resolve(key, device)
+                bar.update(cost)
             out.append(
                 BenchRow(
                     key.M,
@@ -162,11 +206,14 @@ def bench_table(
                     noise,
                     roof_us(key, ceilings) if ceilings else math.nan,
                     recheck,
+                    is_default,
                 )  # fmt: skip
             )
-            log(_line(out[-1]))
+            say(_line(out[-1]))
+            bar.update(cost)
     finally:
         set_config(previous)
+        bar.close()
     return out
 
 
@@ -176,7 +223,7 @@ def _line(r: BenchRow) -> str:
     roof_d = r.roof_pct(r.default_us)
     rt = "-" if roof_t != roof_t else f"{roof_t:.0f}%"
     rd = "-" if roof_d != roof_d else f"{roof_d:.0f}%"
-    flag = ""
+    flag = "  (= default: noise only)" if r.is_default else ""
     if r.first_run_slower:
         again = f"recheck {r.recheck_speedup:.3f}x"
         flag = f"  SLOWER ({again})" if r.slower_beyond_noise else f"  (slower once; {again})"

@@ -9,7 +9,7 @@ against the family's default.
    would not fit in a quarter of free memory), `screen_reps` (>= 5) graph replays each over the same
    rotating cold input sets; the `top` fastest go on.
 4. Final: the finalists and the default, one interleaved bench_gemm run of `reps` replays
-   (BENCHMARKING.md), the default timed first and last (d1, d2): noise = |d1 - d2| / min(d1, d2).
+   (docs/benchmarking.md), the default timed first and last (d1, d2): noise = |d1 - d2| / min(d1, d2).
 5. Decision: the fastest finalist replaces the default only if default_us / its_us - 1 exceeds both
    --min-gain and the noise; otherwise the default is kept, so a tuned row never makes a shape slower.
 6. Range: the row will answer the Ms between the previous tuned M of its shape (exclusive) and its own

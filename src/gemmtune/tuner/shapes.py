@@ -66,11 +66,31 @@ def _text_config(config: dict) -> dict:
     return config
 
 
+def _count(cfg: dict, name: str, minimum: int) -> int:
+    """cfg[name] as an int >= minimum; a negative, fractional or non-numeric size is an error naming it."""
+    value = cfg[name]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ModelConfigError(
+            f"model config: {name}={value!r} must be a {'positive' if minimum > 0 else 'non-negative'} integer "
+            f"(model_type {cfg.get('model_type')!r})"
+        )
+    return value
+
+
 def _req(cfg: dict, *names: str) -> int:
     for n in names:
         if cfg.get(n) is not None:
-            return int(cfg[n])
+            return _count(cfg, n, 1)
     raise ModelConfigError(f"model config has no {' / '.join(names)} (model_type {cfg.get('model_type')!r})")
+
+
+def _opt(cfg: dict, name: str, default: int) -> int:
+    """An optional size: missing, null or 0 mean `default` (as transformers reads them)."""
+    if cfg.get(name) is None:
+        return default
+    return _count(cfg, name, 0) or default
 
 
 def _split(value: int, tp: int, what: str) -> int:
@@ -90,8 +110,10 @@ def _kv_per_rank(kv: int, tp: int) -> int:
 def _attention(cfg: dict, tp: int, qkv_bias: bool, o_bias: bool, layers: int) -> list[LinearShape]:
     hidden = _req(cfg, "hidden_size")
     heads = _req(cfg, "num_attention_heads")
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv = _opt(cfg, "num_key_value_heads", heads)
+    head_dim = _opt(cfg, "head_dim", hidden // heads)
+    if head_dim < 1:
+        raise ModelConfigError(f"model config: hidden_size={hidden} / num_attention_heads={heads} gives head_dim 0")
     q_rank = _split(heads, tp, "num_attention_heads")
     kv_rank = _kv_per_rank(kv, tp)
     return [
@@ -160,7 +182,7 @@ def _moe(
 def _sparse_layer_split(cfg: dict) -> tuple[int, int]:
     """(moe layers, dense layers) for Qwen MoE's decoder_sparse_step / mlp_only_layers."""
     layers = _req(cfg, "num_hidden_layers")
-    step = int(cfg.get("decoder_sparse_step") or 1)
+    step = _opt(cfg, "decoder_sparse_step", 1)
     only = set(cfg.get("mlp_only_layers") or [])
     moe = sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
     return moe, layers - moe
@@ -170,7 +192,7 @@ def _qwen_moe(cfg: dict, tp: int, qkv_bias: bool) -> list[LinearShape]:
     layers = _req(cfg, "num_hidden_layers")
     ab = bool(cfg.get("attention_bias", False))
     moe_layers, dense_layers = _sparse_layer_split(cfg)
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    shared = _opt(cfg, "shared_expert_intermediate_size", 0)
     return [
         *_attention(cfg, tp, qkv_bias or ab, ab and not qkv_bias, layers),
         *_moe(
@@ -212,20 +234,20 @@ def _deepseek(cfg: dict, tp: int) -> list[LinearShape]:
     heads = _split(_req(cfg, "num_attention_heads"), tp, "num_attention_heads")
     nope, rope = _req(cfg, "qk_nope_head_dim"), _req(cfg, "qk_rope_head_dim")
     v_dim, kv_lora = _req(cfg, "v_head_dim"), _req(cfg, "kv_lora_rank")
-    q_lora = cfg.get("q_lora_rank")
+    q_lora = _opt(cfg, "q_lora_rank", 0)
     ab = bool(cfg.get("attention_bias", False))
     out: list[LinearShape] = []
     if q_lora:
-        out.append(LinearShape("qkv_a", int(q_lora) + kv_lora + rope, hidden, ab, layers))
-        out.append(LinearShape("q_b", heads * (nope + rope), int(q_lora), False, layers))
+        out.append(LinearShape("qkv_a", q_lora + kv_lora + rope, hidden, ab, layers))
+        out.append(LinearShape("q_b", heads * (nope + rope), q_lora, False, layers))
     else:
         out.append(LinearShape("q", heads * (nope + rope), hidden, False, layers))
         out.append(LinearShape("kv_a", kv_lora + rope, hidden, ab, layers))
     out.append(LinearShape("kv_b", heads * (nope + v_dim), kv_lora, False, layers))
     out.append(LinearShape("o", hidden, heads * v_dim, ab, layers))
-    dense = min(int(cfg.get("first_k_dense_replace") or 0), layers)
+    dense = min(_opt(cfg, "first_k_dense_replace", 0), layers)
     moe_inter = _req(cfg, "moe_intermediate_size")
-    shared = int(cfg.get("n_shared_experts") or 0) * moe_inter
+    shared = _opt(cfg, "n_shared_experts", 0) * moe_inter
     out += _moe(
         cfg,
         tp,
@@ -297,16 +319,28 @@ def model_gemms(config: dict, tp: int = 1) -> list[LinearShape]:
     return ARCHITECTURES[mt](_text_config(config), tp)
 
 
+CONFIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def config_dtype(config: dict, default: torch.dtype = torch.bfloat16) -> torch.dtype:
-    """The dtype the config says the model runs in (torch_dtype / dtype), else `default`."""
+    """The dtype the config says the model runs in (torch_dtype / dtype), else `default` when it says none.
+
+    A dtype gemmtune does not tune (float64, int8, ...) is an error, not a silent `default`."""
     cfg = _text_config(config)
-    text = cfg.get("torch_dtype") or cfg.get("dtype")
+    field = "torch_dtype" if cfg.get("torch_dtype") else "dtype"
+    text = cfg.get(field)
     if not text:
         return default
     try:
-        return parse_dtype(str(text))
+        dtype = parse_dtype(str(text))
     except ValueError:
-        return default
+        dtype = None
+    if dtype not in CONFIG_DTYPES:
+        raise ModelConfigError(
+            f"model config: {field}={text!r} is not a dtype gemmtune tunes (bfloat16, float16, float32); "
+            "pass the dtype to use explicitly (gemmtune shapes --dtype)"
+        )
+    return dtype
 
 
 def gemm_keys(
@@ -355,7 +389,7 @@ def _llama(hidden, inter, heads, kv, layers, vocab, head_dim=None, **extra) -> d
 
 
 PRESETS: dict[str, dict] = {
-    # The models of ../shared/models (same architecture facts as those config.json files).
+    # The models of tests/data/models (same architecture facts as those config.json files).
     "llama-3-8b": _llama(4096, 14336, 32, 8, 32, 128256, 128),
     "llama-3-70b": _llama(8192, 28672, 64, 8, 80, 128256, 128),
     "mixtral-8x7b": _llama(
