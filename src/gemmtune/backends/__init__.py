@@ -21,6 +21,7 @@ _BUILTIN = {
     "gemmtune.backends.skinny": ("SkinnyBackend",),
     "gemmtune.backends.triton_gemm": ("TritonGemmBackend",),
     "gemmtune.backends.blaslt": ("BlasLtBackend",),
+    "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),
 }
 
 _registry: dict[tuple[str, str], Backend] = {}
