@@ -211,6 +211,46 @@ def test_compile_signature_ignores_m_unless_it_sets_a_stride():
     assert sig(M=16, N=128, K=512, transA=True) != sig(M=17, N=128, K=512, transA=True)  # a's K stride is M
 
 
+# ---- the cuBLASLt batched layouts, checked by reading them back (no cuBLASLt needed) ---------------
+def _read_back(t: torch.Tensor, entry, i: int) -> torch.Tensor:
+    """op() of the column-major matrix a cuBLASLt layout entry describes, in batch i of t's storage."""
+    from gemmtune.backends.blaslt import _OP_N
+
+    op, rows, cols, ld, batch_stride = entry
+    view = t.as_strided((rows, cols), (1, ld), t.storage_offset() + i * batch_stride)
+    return view if op == _OP_N else view.t()
+
+
+@pytest.mark.parametrize("B, M, N, K", [(3, 5, 16, 8), (2, 1, 8, 24), (2, 4, 1, 16), (1, 8, 8, 1)])
+@pytest.mark.parametrize("ta, tb, al, bl", [
+    (False, False, "stored", "stored"), (False, True, "stored", "stored"), (True, False, "stored", "stored"),
+    (True, True, "stored", "stored"), (False, True, "heads", "stored"), (True, False, "stored", "bcast"),
+])  # fmt: skip
+def test_blaslt_layouts_read_the_operands_in_place(B, M, N, K, ta, tb, al, bl):
+    from gemmtune.backends.blaslt_batched import blas_layout
+
+    a, b = _make(B, M, N, K, ta, tb, torch.float32, torch.Generator().manual_seed(B * M + N), al, bl)
+    key = BatchedKey(B, M, N, K, torch.float32, torch.float32, ta, tb)
+    layout = blas_layout(key, a.stride(), b.stride(), aligned=False)
+    assert layout is not None
+    la, lb = layout  # cuBLASLt's A is b, its B is a: c^T = b^T @ a^T
+    for i in range(B):
+        assert torch.equal(_read_back(b, la, i), b[i].t()) and torch.equal(_read_back(a, lb, i), a[i].t())
+
+
+def test_blaslt_layouts_refuse_what_must_be_copied():
+    from gemmtune.backends.blaslt_batched import blas_layout
+
+    key = BatchedKey(2, 4, 8, 16, torch.float16, torch.float16)
+    a, b = torch.randn(2, 8, 32)[:, ::2, ::2], torch.randn(2, 16, 8)  # a: no unit stride
+    assert blas_layout(key, a.stride(), b.stride(), aligned=False) is None
+    odd = BatchedKey(2, 4, 8, 67, torch.float16, torch.float16)  # rows of 134 bytes
+    a, b = torch.randn(2, 4, 67), torch.randn(2, 67, 8)
+    assert blas_layout(odd, a.stride(), b.stride()) is None
+    assert blas_layout(odd, a.stride(), b.stride(), aligned=False) is not None
+    assert blas_layout(key, (64, 16, 1), (128, 8, 1)) is not None
+
+
 # ---- DeepSeek MLA's batched GEMMs as shapes -------------------------------------------------------
 def test_deepseek_v3_mla_batched_shapes():
     from gemmtune.families import get
@@ -376,27 +416,38 @@ def _gpu_inputs(key: BatchedKey, gpu, seed=0):
     return get("batched").make_inputs(key, gpu, 1, seed)[0]
 
 
+_ALLOCATES_OUTPUT = {"triton": "gemmtune.kernels.batched_gemm", "blaslt": "gemmtune.backends.blaslt_batched"}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("libtype", ["triton", "blaslt"])
 @pytest.mark.parametrize("key", [
     BatchedKey(16, 1, 128, 512), BatchedKey(16, 5, 512, 128), BatchedKey(16, 37, 1280, 2000),
     BatchedKey(2, 300, 1000, 1024, transA=True, transB=False), BatchedKey(128, 2, 128, 512, outdtype=torch.float32),
+    BatchedKey(3, 33, 37, 67, torch.float16, torch.float16, True, True),
 ], ids=lambda k: k.describe().replace(" ", "_"))  # fmt: skip
-def test_gpu_every_candidate_matches_fp32_reference(gpu, key):
-    from gemmtune.backends.batched_triton import TritonBatchedBackend
-    from gemmtune.families import get
-    from gemmtune.kernels import batched_gemm as kb
+def test_gpu_every_candidate_matches_fp32_reference(gpu, key, libtype):
+    """Every candidate, on the tuner's inputs and the views the op may pass (check_variants), into
+    NaN-poisoned outputs."""
+    import importlib
 
-    fam, be = get("batched"), TritonBatchedBackend()
+    from gemmtune import backends
+    from gemmtune.families import get
+
+    fam, be = get("batched"), backends.get(libtype, "batched")
+    if be is None or not be.is_available(gpu):
+        pytest.skip(f"batched {libtype} backend unavailable here")
     a, b = _gpu_inputs(key, gpu)
     ref = fam.reference(key, (a, b))
     sols = be.candidates(key, gpu)
     assert sols
-    with nan_outputs(kb):
+    with nan_outputs(importlib.import_module(_ALLOCATES_OUTPUT[libtype])):
         for sol in sols:
             run = be.make_runner(sol, key, gpu)
             for what, inputs, _shape in [("plain", (a, b), None), *fam.check_variants(key, (a, b))]:
                 y = run(*inputs)
                 err = ((y.float() - ref).norm() / ref.norm()).item()
+                assert y.shape == (key.B, key.M, key.N) and y.dtype == key.outdtype, (sol.kernel_name, what)
                 assert err < fam.error_threshold(key), (sol.kernel_name, what, err)
 
 

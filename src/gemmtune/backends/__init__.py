@@ -22,6 +22,7 @@ _BUILTIN = {
     "gemmtune.backends.triton_gemm": ("TritonGemmBackend",),
     "gemmtune.backends.blaslt": ("BlasLtBackend",),
     "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),
+    "gemmtune.backends.blaslt_batched": ("BlasLtBatchedBackend",),
 }
 
 _registry: dict[tuple[str, str], Backend] = {}

@@ -3,11 +3,12 @@
 A solution's kernel_name is the config string (`bmm_bm64_bn128_bk64_g8_w4_s4_sk1`, see
 kernels/batched_gemm.py), so a table row means the same kernel after a restart. The config space is
 the a16w16 Triton backend's tile lists and pruning (tiles that fit shared memory and are not far
-taller than M) with split-K counted over all B x tiles programs: a split is offered only when the
-batches' tiles together leave most SMs idle (DeepSeek MLA at tp 8: 16 heads x one or two tiles).
-`make_runner` binds the config to the key's shape and compiles it before returning (on small
-stand-in tensors that Triton specializes like the real ones), so a runner can be captured in a CUDA
-graph at once; `precompile` does that for many (config, key) pairs in parallel processes.
+taller than M; blocks wider than N or deeper than K narrowed to fit) with split-K counted over all
+B x tiles programs: a split is offered only when the batches' tiles together leave most SMs idle
+(DeepSeek MLA at tp 8: 16 heads x one or two tiles). `make_runner` binds the config to the key's
+shape and compiles it before returning (on small stand-in tensors that Triton specializes like the
+real ones), so a runner can be captured in a CUDA graph at once; `precompile` does that for many
+(config, key) pairs in parallel processes.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from ..families.batched import BatchedKey
 from ..kernels.batched_gemm import MAX_GRID_YZ, BmmConfig, BmmKernel, parse_config
 from .base import Backend, Runner, Solution, stable_solidx
 from .triton_gemm import (
+    _SPLITS,
     SMEM_MARGIN,
     Hardware,
     TritonGemmBackend,
     _cdiv,
     _fits,
+    _next_pow2,
     _tiles_for,
     _twin,
     hardware,
@@ -35,20 +38,37 @@ log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLIT_MODES = ("f", "r")  # in-kernel fixup (one launch), partials + reduce kernel (two)
+STREAM_MAX_M = 64  # up to this M a GEMM streams its weights (the a16w16 backend's stream tiles)
 
 
 def config_space(key: BatchedKey, hw: Hardware) -> list[BmmConfig]:
     """The configs worth timing for `key` on hardware `hw` (see the module docstring for the pruning)."""
     out: list[BmmConfig] = []
-    for bm, bn, bk, warps, stages in _tiles_for(key):
+    # Blocks wider than N or deeper than K (short per-head GEMMs) are narrowed rather than dropped.
+    n_cap, k_cap = max(32, _next_pow2(key.N)), max(32, _next_pow2(key.K))
+    tiles = dict.fromkeys((bm, min(bn, n_cap), min(bk, k_cap), w, s) for bm, bn, bk, w, s in _tiles_for(key))
+    for bm, bn, bk, warps, stages in tiles:
         base = BmmConfig(bm, bn, bk, 8, warps, stages)
         if not _fits(base, key, hw):
             continue
         programs = key.B * _cdiv(key.M, bm) * _cdiv(key.N, bn)
+        k_tiles = _cdiv(key.K, bk)
         out.append(base)
-        for split in split_factors(programs, _cdiv(key.K, bk), hw.sms):
+        for split in split_factors(programs, k_tiles, hw.sms):
             out += [BmmConfig(bm, bn, bk, 8, warps, stages, split, mode) for mode in SPLIT_MODES]
+        wave = _wave_split(programs, k_tiles, hw.sms) if key.M <= STREAM_MAX_M else None
+        if wave:
+            out.append(BmmConfig(bm, bn, bk, 8, warps, stages, wave, "f"))
     return out
+
+
+def _wave_split(programs: int, k_tiles: int, sms: int) -> int | None:
+    """For a weight-streaming grid of one to three waves (aiter's B=16 N=1280 K=8192 at small M: 320
+    tiles on 132 SMs), the smallest split giving >= 4 waves of programs, so the last partial wave
+    costs less; each split keeps >= 4 K tiles. One-launch fixup only."""
+    if not sms <= programs < 3 * sms:
+        return None
+    return next((s for s in _SPLITS if k_tiles // s >= 4 and programs * s >= 4 * sms), None)
 
 
 def _key_ok(key: BatchedKey) -> bool:
