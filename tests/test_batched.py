@@ -314,8 +314,8 @@ CASES = []
 for _dt, _odt in (("fp32", "fp32"), ("fp16", "fp16"), ("fp16", "fp32")):
     for _i, (_cfg, _B, _M, _N, _K, _al, _bl) in enumerate(_SHAPES):
         for _ta, _tb in ((False, False), (False, True), (True, False), (True, True)):
-            if _i >= 2 and (_ta, _tb) not in ((False, True), (True, False)) or _al == "heads" and _ta:
-                continue  # every layout on the first shapes, two on the rest
+            if _i >= 2 and ((_ta, _tb) not in ((False, True), (True, False)) or _odt != _dt) or _al == "heads" and _ta:
+                continue  # every layout on the first shapes, two on the rest; fp16 -> fp32 on the first
             CASES.append((f"{_cfg[4:]}-{_dt}>{_odt}-B{_B}M{_M}N{_N}K{_K}-{'TN'[_ta]}{'TN'[_tb]}-{_al}-{_bl}",
                           _cfg, _dt, _odt, _B, _M, _N, _K, _ta, _tb, _al, _bl))  # fmt: skip
 GPU_CASES = [(c[0].replace("fp16", "bf16"), c[1], "bf16", *c[3:]) for c in CASES if c[2] == "fp16"]
@@ -419,17 +419,33 @@ def _gpu_inputs(key: BatchedKey, gpu, seed=0):
 _ALLOCATES_OUTPUT = {"triton": "gemmtune.kernels.batched_gemm", "blaslt": "gemmtune.backends.blaslt_batched"}
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("libtype", ["triton", "blaslt"])
-@pytest.mark.parametrize("key", [
+_EVERY_KEYS = [
     BatchedKey(16, 1, 128, 512), BatchedKey(16, 5, 512, 128), BatchedKey(16, 37, 1280, 2000),
     BatchedKey(2, 300, 1000, 1024, transA=True, transB=False), BatchedKey(128, 2, 128, 512, outdtype=torch.float32),
     BatchedKey(3, 33, 37, 67, torch.float16, torch.float16, True, True),
-], ids=lambda k: k.describe().replace(" ", "_"))  # fmt: skip
-def test_gpu_every_candidate_matches_fp32_reference(gpu, key, libtype):
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def triton_precompiled():
+    """Every triton candidate of _EVERY_KEYS compiled in parallel processes (Triton's disk cache), once."""
+    from gemmtune.backends.batched_triton import TritonBatchedBackend, precompile
+
+    gpu = torch.device("cuda")
+    be = TritonBatchedBackend()
+    return precompile([(s, k) for k in _EVERY_KEYS for s in be.candidates(k, gpu)], gpu, workers=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("libtype", ["triton", "blaslt"])
+@pytest.mark.parametrize("key", _EVERY_KEYS, ids=lambda k: k.describe().replace(" ", "_"))
+def test_gpu_every_candidate_matches_fp32_reference(gpu, key, libtype, request):
     """Every candidate, on the tuner's inputs and the views the op may pass (check_variants), into
     NaN-poisoned outputs."""
     import importlib
+
+    if libtype == "triton":
+        assert request.getfixturevalue("triton_precompiled") == [], "some candidates failed to compile"
 
     from gemmtune import backends
     from gemmtune.families import get
