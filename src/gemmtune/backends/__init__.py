@@ -27,6 +27,8 @@ _BUILTIN = {
         "TritonBlockscaleBackend", "TritonBlockscaleBPreshuffleBackend",
     ),  # fmt: skip
     "gemmtune.backends.moe": ("TorchMoeBackend", "TritonMoeBackend"),
+    "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),
+    "gemmtune.backends.blaslt_batched": ("BlasLtBatchedBackend",),
 }
 
 _registry: dict[tuple[str, str], Backend] = {}

@@ -331,10 +331,14 @@ def _variants(algo: bytes, key: GemmKey) -> list[bytes]:
     return out
 
 
-def enumerate_algos(key: GemmKey, device_index: int, wide: bool = False) -> list[tuple[AlgoSpec, bytes]]:
+def enumerate_algos(
+    key: GemmKey, device_index: int, wide: bool = False, prob: _Problem | None = None
+) -> list[tuple[AlgoSpec, bytes]]:
     """The heuristic's ranked list for `key`, then neighbours of its best entries, and with `wide` the
-    whole space (wide_algos); all checked."""
-    prob = _Problem(key, key.M, key.K, key.bias, device_index)
+    whole space (wide_algos); all checked. `prob`: the problem's descriptors, when not the a16w16 GEMM
+    of `key` (the batched family's strided-batched problem)."""
+    if prob is None:
+        prob = _Problem(key, key.M, key.K, key.bias, device_index)
     ver = lt_version()
     out: dict[str, tuple[AlgoSpec, bytes]] = {}
     ranked = prob.heuristic(HEURISTIC_LIMIT)

@@ -319,6 +319,47 @@ def model_gemms(config: dict, tp: int = 1) -> list[LinearShape]:
     return ARCHITECTURES[mt](_text_config(config), tp)
 
 
+@dataclass(frozen=True)
+class BatchedShape:
+    """One batched GEMM of a model (per TP rank): y[b] = x[b][M, K] @ w[b][K, N] for b < B, M = tokens."""
+
+    name: str
+    B: int
+    N: int
+    K: int
+    transB: bool = True  # w stored per batch as (N, K), K contiguous (nn.Linear layout)
+    count: int = 1  # instances in the whole model (layers)
+
+
+def _mla_batched(cfg: dict, tp: int) -> list[BatchedShape]:
+    """DeepSeek MLA's absorbed decode path: per head, q_nope @ W_UK maps the query into the latent
+    space (K = qk_nope_head_dim, N = kv_lora_rank), and the attention output (latent) @ W_UV maps it
+    back (K = kv_lora_rank, N = v_head_dim). Both weights are slices of kv_b_proj, heads split over tp.
+
+    Layout: SGLang keeps both per-head weights K-contiguous (w_kc, w_vc: (heads, N, K) storage), as
+    aiter's batched kernels read them, so both are transB=True here. vLLM's MLA backends keep W_UV
+    that way too but hold W_UK as W_UK_T, a permuted view of kv_b_proj with N contiguous (transB=False
+    for that GEMM); a capture from vLLM records that layout in its rows."""
+    layers = _req(cfg, "num_hidden_layers")
+    heads = _split(_req(cfg, "num_attention_heads"), tp, "num_attention_heads")
+    nope, v_dim, kv_lora = _req(cfg, "qk_nope_head_dim"), _req(cfg, "v_head_dim"), _req(cfg, "kv_lora_rank")
+    return [
+        BatchedShape("mla_q_nope_w_uk", heads, kv_lora, nope, True, layers),
+        BatchedShape("mla_attn_w_uv", heads, v_dim, kv_lora, True, layers),
+    ]
+
+
+_BATCHED = {"deepseek_v2": _mla_batched, "deepseek_v3": _mla_batched}
+
+
+def batched_gemms(config: dict, tp: int = 1) -> list[BatchedShape]:
+    """The distinct batched GEMMs of one TP rank of the model (DeepSeek V2/V3's MLA); [] for others."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ModelConfigError(f"tp must be a positive integer, got {tp!r}")
+    fn = _BATCHED.get(model_type_of(config))
+    return fn(_text_config(config), tp) if fn else []
+
+
 CONFIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -1,0 +1,204 @@
+"""The batched family's `triton` backend: explicit Triton batched-GEMM configs (tiles, split-K) per shape.
+
+A solution's kernel_name is the config string (`bmm_bm64_bn128_bk64_g8_w4_s4_sk1`, see
+kernels/batched_gemm.py), so a table row means the same kernel after a restart. The config space is
+the a16w16 Triton backend's tile lists and pruning (tiles that fit shared memory and are not far
+taller than M; blocks wider than N or deeper than K narrowed to fit) with split-K counted over all
+B x tiles programs: a split is offered only when the batches' tiles together leave most SMs idle
+(DeepSeek MLA at tp 8: 16 heads x one or two tiles). `make_runner` binds the config to the key's
+shape and compiles it before returning (on small stand-in tensors that Triton specializes like the
+real ones), so a runner can be captured in a CUDA graph at once; `precompile` does that for many
+(config, key) pairs in parallel processes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..families.batched import BatchedKey
+from ..kernels.batched_gemm import MAX_GRID_YZ, BmmConfig, BmmKernel, parse_config
+from .base import Backend, Runner, Solution, stable_solidx
+from .triton_gemm import (
+    _SPLITS,
+    SMEM_MARGIN,
+    Hardware,
+    TritonGemmBackend,
+    _cdiv,
+    _fits,
+    _next_pow2,
+    _tiles_for,
+    _twin,
+    hardware,
+    split_factors,
+)
+
+log = logging.getLogger(__name__)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SPLIT_MODES = ("f", "r")  # in-kernel fixup (one launch), partials + reduce kernel (two)
+STREAM_MAX_M = 64  # up to this M a GEMM streams its weights (the a16w16 backend's stream tiles)
+
+
+def config_space(key: BatchedKey, hw: Hardware) -> list[BmmConfig]:
+    """The configs worth timing for `key` on hardware `hw` (see the module docstring for the pruning)."""
+    out: list[BmmConfig] = []
+    # Blocks wider than N or deeper than K (short per-head GEMMs) are narrowed rather than dropped.
+    n_cap, k_cap = max(32, _next_pow2(key.N)), max(32, _next_pow2(key.K))
+    tiles = dict.fromkeys((bm, min(bn, n_cap), min(bk, k_cap), w, s) for bm, bn, bk, w, s in _tiles_for(key))
+    for bm, bn, bk, warps, stages in tiles:
+        base = BmmConfig(bm, bn, bk, 8, warps, stages)
+        if not _fits(base, key, hw):
+            continue
+        programs = key.B * _cdiv(key.M, bm) * _cdiv(key.N, bn)
+        k_tiles = _cdiv(key.K, bk)
+        out.append(base)
+        for split in split_factors(programs, k_tiles, hw.sms):
+            out += [BmmConfig(bm, bn, bk, 8, warps, stages, split, mode) for mode in SPLIT_MODES]
+        wave = _wave_split(programs, k_tiles, hw.sms) if key.M <= STREAM_MAX_M else None
+        if wave:
+            out.append(BmmConfig(bm, bn, bk, 8, warps, stages, wave, "f"))
+    return out
+
+
+def _wave_split(programs: int, k_tiles: int, sms: int) -> int | None:
+    """For a weight-streaming grid of one to three waves (aiter's B=16 N=1280 K=8192 at small M: 320
+    tiles on 132 SMs), the smallest split giving >= 4 waves of programs, so the last partial wave
+    costs less; each split keeps >= 4 K tiles. One-launch fixup only."""
+    if not sms <= programs < 3 * sms:
+        return None
+    return next((s for s in _SPLITS if k_tiles // s >= 4 and programs * s >= 4 * sms), None)
+
+
+def _key_ok(key: BatchedKey) -> bool:
+    return key.dtype in _DTYPES and key.outdtype in _DTYPES and 1 <= key.B <= MAX_GRID_YZ
+
+
+class TritonBatchedBackend(Backend):
+    name = "triton"
+    family = "batched"
+
+    # Runs where the a16w16 Triton backend runs: GPUs, or the CPU through the Triton interpreter.
+    is_available = TritonGemmBackend.is_available
+    unavailable_reason = TritonGemmBackend.unavailable_reason
+
+    def candidates(self, key: BatchedKey, device: torch.device) -> list[Solution]:
+        if not _key_ok(key):
+            return []
+        return [_solution(cfg) for cfg in config_space(key, hardware(device))]
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        cfg = parse_config(kernel_name)
+        if cfg is None:
+            return None
+        if solidx != stable_solidx(cfg.name):
+            log.info("triton row %s has solidx %s, expected %s; the name decides", kernel_name, solidx,
+                     stable_solidx(cfg.name))  # fmt: skip
+        return _solution(cfg)
+
+    def supports(self, solution: Solution, key: BatchedKey, device: torch.device) -> bool:
+        cfg = parse_config(solution.kernel_name)
+        if cfg is None or solution.libtype != self.name or not _key_ok(key):
+            return False
+        return cfg.smem_bytes(key.dtype.itemsize) + SMEM_MARGIN <= hardware(device).smem
+
+    def make_runner(self, solution: Solution, key: BatchedKey, device: torch.device) -> Runner:
+        cfg = parse_config(solution.kernel_name)
+        if cfg is None or not self.supports(solution, key, device):
+            raise ValueError(f"triton cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
+        run_kernel = BmmKernel(cfg, key.B, key.M, key.N, key.K, key.outdtype, device).run
+        shape_a, shape_b, dtype = (key.B, key.M, key.K), (key.B, key.K, key.N), key.dtype
+
+        def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            if a.shape != shape_a or b.shape != shape_b or a.dtype != dtype or b.dtype != dtype:
+                raise ValueError(
+                    f"triton batched runner for {key.describe()} got a {tuple(a.shape)} {a.dtype}, "
+                    f"b {tuple(b.shape)} {b.dtype} (needs a{shape_a}, b{shape_b} {dtype})"
+                )
+            return run_kernel(a, b)
+
+        warmup(cfg, key, device)
+        return run
+
+
+def _solution(cfg: BmmConfig) -> Solution:
+    return Solution("triton", cfg.name, stable_solidx(cfg.name), cfg.split_k)
+
+
+# ---- compiling ahead of the first call ----------------------------------------------------------
+def _twin_stride(v: int) -> int:
+    """A stride Triton specializes like v (0, 1, a multiple of 16, or none of these), kept small."""
+    return v if v <= 1 else (16 if v % 16 == 0 else 17)
+
+
+def stored_strides(key: BatchedKey) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Strides of the logical a (B, M, K), b (B, K, N) and c (B, M, N) views in the key's stored layouts."""
+    M, N, K = key.M, key.N, key.K
+    a = (M * K, 1, M) if key.transA else (M * K, K, 1)
+    b = (K * N, 1, K) if key.transB else (K * N, N, 1)
+    return a, b, (M * N, N, 1)
+
+
+def _stand_in(shape, strides, dtype, device) -> torch.Tensor:
+    # Elements may overlap (strides shrunk to their twins): stand-ins are only read, or written once.
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    return torch.zeros(size, dtype=dtype, device=device).as_strided(shape, strides)
+
+
+def compile_signature(cfg: BmmConfig, key: BatchedKey) -> tuple:
+    """What decides which compiled kernel a (config, key) launch uses: the launch constants and how
+    Triton specializes N, K and the strides (M, B and the split factor are not specialized on)."""
+    sa, sb, sc = (tuple(_twin_stride(s) for s in st) for st in stored_strides(key))
+    split = BmmConfig(cfg.bm, cfg.bn, cfg.bk, cfg.group_m, cfg.warps, cfg.stages,
+                      min(cfg.split_k, 2), cfg.sk_mode)  # fmt: skip
+    return (split.name, key.dtype, key.outdtype, _twin(key.N), _twin(key.K), key.K % cfg.bk, sa, sb, sc)
+
+
+def warmup(cfg: BmmConfig, key: BatchedKey, device: torch.device) -> None:
+    """Compile `cfg` for `key` now: one launch on one small batch whose strides specialize like the
+    key's stored layouts. Skipped while a CUDA graph is being captured (the launch would be recorded)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    m = min(max(key.M, 1), 16)
+    sa, sb, sc = (tuple(_twin_stride(s) for s in st) for st in stored_strides(key))
+    a = _stand_in((1, m, key.K), sa, key.dtype, device)
+    b = _stand_in((1, key.K, key.N), sb, key.dtype, device)
+    c = _stand_in((1, m, key.N), sc, key.outdtype, device)
+    BmmKernel(cfg, 1, m, key.N, key.K, key.outdtype, device).launch(a, b, c)
+
+
+def _precompile_worker(args):
+    names, keys, device_str = args
+    backend = TritonBatchedBackend()
+    device = torch.device(device_str)
+    failed = []
+    for name, key in zip(names, keys, strict=True):
+        try:
+            backend.make_runner(backend.solution_from_row(0, name, 0), key, device)
+        except Exception as exc:  # noqa: BLE001 - reported back, the tuner drops the config
+            failed.append((name, key, f"{type(exc).__name__}: {exc}"))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return failed
+
+
+def precompile(jobs: list[tuple[Solution, BatchedKey]], device: torch.device, workers: int = 8) -> list:
+    """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
+    this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
+    import multiprocessing as mp
+
+    uniq: dict[tuple, tuple[str, BatchedKey]] = {}
+    for sol, key in jobs:
+        cfg = parse_config(sol.kernel_name)
+        if cfg is not None:
+            uniq.setdefault(compile_signature(cfg, key), (cfg.name, key))
+    items = list(uniq.values())
+    if not items:
+        return []
+    workers = max(1, min(workers, len(items)))
+    chunks = [items[i::workers] for i in range(workers)]
+    args = [([n for n, _ in c], [k for _, k in c], str(device)) for c in chunks]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        results = pool.map(_precompile_worker, args)
+    return [f for r in results for f in r]

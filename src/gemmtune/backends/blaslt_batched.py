@@ -1,0 +1,217 @@
+"""The batched family's `blaslt` backend: cuBLASLt strided-batched algorithms (through nvmath-python).
+
+The a16w16 `blaslt` backend's machinery (backends/blaslt.py: algorithm enumeration, stable names with
+the cuBLASLt version, re-creation from attributes, the check) applied to one strided-batched problem:
+every matrix layout carries BATCH_COUNT = B and its STRIDED_BATCH_OFFSET.
+
+Layout: cuBLASLt is column-major, so c[M, N] = a[M, K] @ b[K, N] per batch is computed as
+c^T[N, M] = b^T @ a^T, with A = b and B = a. A row-major view X[R, C] with strides (sr, sc) is read as
+the column-major (C, R) matrix with ld = sr when sc == 1 (op N), or as (R, C) with ld = sc, transposed,
+when sr == 1 (op T): so a and b are used in place whatever their layout, as long as one stride of each
+is 1 and leading dimensions and batch strides keep 16-byte alignment; anything else is copied first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..families.batched import BatchedKey, stored
+from ..kernels._common import empty_out as _empty
+from .base import Runner, Solution, stable_solidx
+from .blaslt import (
+    _CUDA_R_32F,
+    _CUDA_TYPE,
+    _OP_N,
+    _OP_T,
+    ALIGN,
+    WORKSPACE_BYTES,
+    AlgoSpec,
+    BlasLtBackend,
+    _algo_array,
+    _cap_or,
+    _handle,
+    _index,
+    _lib,
+    _np,
+    _Problem,
+    _set,
+    _workspace,
+    algo_from_spec,
+    enumerate_algos,
+    lt_version,
+    search_mode,
+)
+
+
+def operand_layout(rows: int, cols: int, s_row: int, s_col: int) -> tuple[int, int, int, int] | None:
+    """How cuBLASLt reads the transpose of a row-major view X[rows, cols] with strides (s_row, s_col):
+    (op, layout rows, layout cols, ld) of a column-major matrix whose op() is X^T; None when neither
+    stride is unit (or the other one overlaps rows)."""
+    if s_col == 1 and (rows == 1 or s_row >= cols):
+        return _OP_N, cols, rows, s_row if rows > 1 else cols
+    if s_row == 1 and (cols == 1 or s_col >= rows):
+        return _OP_T, rows, cols, s_col if cols > 1 else rows
+    return None
+
+
+def blas_layout(key: BatchedKey, sa: tuple[int, ...], sb: tuple[int, ...], aligned: bool = True):
+    """(A = b's layout + batch stride, B = a's layout + batch stride) for logical a (B, M, K) and
+    b (B, K, N) with strides sa, sb; None when they cannot be used in place (with `aligned`, also when
+    a leading dimension or batch stride is not a multiple of 16 bytes)."""
+    la = operand_layout(key.K, key.N, sb[1], sb[2])
+    lb = operand_layout(key.M, key.K, sa[1], sa[2])
+    if la is None or lb is None:
+        return None
+    e = key.dtype.itemsize
+    if aligned and any((v * e) % ALIGN for v in (la[3], lb[3], sb[0] if key.B > 1 else 0, sa[0] if key.B > 1 else 0)):
+        return None
+    return (*la, sb[0]), (*lb, sa[0])
+
+
+def _key_strides(key: BatchedKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Strides of a and b in the key's stored layouts (what the tuner's inputs have)."""
+    a = stored(torch.empty((key.B, key.M, key.K), device="meta"), key.transA)
+    b = stored(torch.empty((key.B, key.K, key.N), device="meta"), key.transB)
+    return a.stride(), b.stride()
+
+
+class _BatchedProblem(_Problem):
+    """cuBLASLt descriptors for one strided-batched layout of a key (heuristic, check and cleanup are
+    the a16w16 problem's)."""
+
+    def __init__(self, key: BatchedKey, layout, device_index: int):
+        lt, cublas = _lib()
+        self.lt, self.key, self.bias = lt, key, False
+        self.handle = _handle(device_index)
+        a_t, d_t = _CUDA_TYPE[key.dtype], _CUDA_TYPE[key.outdtype]
+        self.types = (a_t, a_t, d_t, d_t)
+        self.compute = int(cublas.ComputeType.COMPUTE_32F)
+        self.desc = lt.matmul_desc_create(self.compute, _CUDA_R_32F)
+        dset = functools.partial(_set, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
+        (op_a, ra, ca, lda, sa), (op_b, rb, cb, ldb, sb) = layout
+        dset(self.desc, lt.MatmulDescAttribute.TRANSA, op_a)
+        dset(self.desc, lt.MatmulDescAttribute.TRANSB, op_b)
+        self.a = self._layout(a_t, ra, ca, lda, key.B, sa)
+        self.b = self._layout(a_t, rb, cb, ldb, key.B, sb)
+        self.d = self._layout(d_t, key.N, key.M, key.N, key.B, key.M * key.N)
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int, batch: int, stride: int) -> int:
+        lt = self.lt
+        lay = lt.matrix_layout_create(dtype, rows, cols, ld)
+        lset = functools.partial(_set, lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype)
+        lset(lay, lt.MatrixLayoutAttribute.BATCH_COUNT, batch)
+        lset(lay, lt.MatrixLayoutAttribute.STRIDED_BATCH_OFFSET, stride)
+        return lay
+
+
+class BlasLtBatchedBackend(BlasLtBackend):
+    """Availability, names and table rows are the a16w16 blaslt backend's; the problem is batched."""
+
+    family = "batched"
+
+    @staticmethod
+    def _key_ok(key: BatchedKey) -> bool:
+        if key.dtype not in _CUDA_TYPE or key.outdtype not in _CUDA_TYPE:
+            return False
+        return key.dtype == key.outdtype or key.outdtype == torch.float32
+
+    def _problem(self, key: BatchedKey, device: torch.device) -> _BatchedProblem:
+        layout = blas_layout(key, *_key_strides(key), aligned=False)
+        return _BatchedProblem(key, layout, _index(device))
+
+    def candidates(self, key: BatchedKey, device: torch.device) -> list[Solution]:
+        if not self.is_available(device) or not self._key_ok(key) or min(key.B, key.M, key.N, key.K) < 1:
+            return []
+        prob = self._problem(key, device)
+        algos = enumerate_algos(key, _index(device), wide=search_mode() == "wide", prob=prob)
+        return [Solution(self.name, spec.name, stable_solidx(spec.name), spec.split_k) for spec, _ in algos]
+
+    def supports(self, solution: Solution, key: BatchedKey, device: torch.device) -> bool:
+        spec = AlgoSpec.parse(solution.kernel_name)
+        if spec is None or not self.is_available(device) or not self._key_ok(key):
+            return False
+        if spec.version != lt_version() or min(key.B, key.M, key.N, key.K) < 1:
+            return False
+        prob = self._problem(key, device)
+        try:
+            return prob.check(algo_from_spec(spec, prob)) is not None
+        except Exception:  # noqa: BLE001 - an id unknown to this library
+            return False
+
+    def make_runner(self, solution: Solution, key: BatchedKey, device: torch.device) -> Runner:
+        spec = AlgoSpec.parse(solution.kernel_name)
+        if spec is None or not self.supports(solution, key, device):
+            raise ValueError(f"blaslt cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
+        return _LtBatchedRunner(spec, key, device)
+
+
+_COPY = None  # a plan entry meaning: these strides are copied to contiguous operands first
+
+
+class _LtBatchedRunner:
+    """runner(a, b) -> c for one algorithm; descriptors per stride pattern of (a, b) are made once."""
+
+    def __init__(self, spec: AlgoSpec, key: BatchedKey, device: torch.device):
+        np = _np()
+        self.spec, self.key, self.dev = spec, key, _index(device)
+        self.lt = _lib()[0]
+        self.handle = _handle(self.dev)
+        self._ws_addr = _workspace(self.dev).data_ptr()
+        self.alpha = np.ones(1, dtype=np.float32)
+        self.beta = np.zeros(1, dtype=np.float32)
+        self._alpha_addr, self._beta_addr = self.alpha.ctypes.data, self.beta.ctypes.data
+        self.shape_a, self.shape_b = (key.B, key.M, key.K), (key.B, key.K, key.N)
+        self.out_shape = (key.B, key.M, key.N)
+        self._out_like = torch.empty(0, dtype=key.outdtype, device=device)
+        self._plans: dict[tuple, tuple | None] = {}
+        contiguous = ((key.M * key.K, key.K, 1), (key.K * key.N, key.N, 1))
+        # Copied operands use this plan, aligned or not (the check and heuristic decide there).
+        self._contiguous = self._plan(*contiguous, aligned=False)
+        self._plan(*_key_strides(key), aligned=False)  # the tuned layout, checked now
+        algo = self._contiguous[1].tobytes()
+        self.align = max(ALIGN, _cap_or(algo, "MIN_ALIGNMENT_A_BYTES", ALIGN),
+                         _cap_or(algo, "MIN_ALIGNMENT_B_BYTES", ALIGN))  # fmt: skip
+
+    def _plan(self, sa: tuple, sb: tuple, aligned: bool = True):
+        layout = blas_layout(self.key, sa, sb, aligned)
+        plan = _COPY
+        if layout is not None:
+            prob = _BatchedProblem(self.key, layout, self.dev)
+            algo = algo_from_spec(self.spec, prob)
+            if prob.check(algo) is None:
+                # A stride pattern the algorithm does not cover: cuBLASLt's own pick for it.
+                ranked = prob.heuristic(1, min_align=ALIGN)
+                algo = ranked[0][0] if ranked else None
+            if algo is not None:
+                arr = _algo_array(algo)
+                plan = (prob, arr, arr.ctypes.data)  # the array stays alive beside its address
+        if plan is _COPY and not aligned:
+            raise RuntimeError(f"cuBLASLt has no algorithm for {self.key.describe()} with strides {sa}, {sb}")
+        self._plans[(sa, sb)] = plan
+        return plan
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        key = self.key
+        if a.shape != self.shape_a or b.shape != self.shape_b or a.dtype != key.dtype or b.dtype != key.dtype:
+            raise ValueError(
+                f"blaslt batched runner for {key.describe()} got a {tuple(a.shape)} {a.dtype}, "
+                f"b {tuple(b.shape)} {b.dtype}"
+            )
+        sa, sb = a.stride(), b.stride()
+        plan = self._plans[(sa, sb)] if (sa, sb) in self._plans else self._plan(sa, sb)
+        if plan is _COPY or a.data_ptr() % self.align or b.data_ptr() % self.align:
+            # Strides cuBLASLt cannot take in place, or a misaligned view: contiguous copies.
+            a = a.clone(memory_format=torch.contiguous_format)
+            b = b.clone(memory_format=torch.contiguous_format)
+            plan = self._contiguous
+        prob, _algo, algo_addr = plan
+        c = _empty(self.out_shape, self._out_like)
+        cp = c.data_ptr()
+        self.lt.matmul(
+            self.handle, prob.desc, self._alpha_addr, b.data_ptr(), prob.a, a.data_ptr(), prob.b,
+            self._beta_addr, cp, prob.d, cp, prob.d, algo_addr, self._ws_addr, WORKSPACE_BYTES,
+            torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip
+        return c
