@@ -6,7 +6,17 @@ from . import tuned_gemm
 from .configs import ConfigTable
 from .dispatch import get_dispatcher, resolve, set_capture, set_config
 from .keys import GemmKey
-from .ops import batched_gemm, gemm
+from .ops import (
+    batched_gemm,
+    cutlass_gemm,
+    gemm,
+    gemm_bias,
+    gemm_epilogue,
+    gemm_gelu,
+    gemm_relu,
+    prune_2_4,
+    sparse_gemm,
+)
 
 __version__ = "0.1.0"
 
@@ -29,7 +39,14 @@ __all__ = [
     "ConfigTable",
     "GemmKey",
     "batched_gemm",
+    "cutlass_gemm",
     "gemm",
+    "gemm_bias",
+    "gemm_epilogue",
+    "gemm_gelu",
+    "gemm_relu",
+    "prune_2_4",
+    "sparse_gemm",
     "get_dispatcher",
     "load_config",
     "resolve",

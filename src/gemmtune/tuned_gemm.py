@@ -2,14 +2,18 @@
 
 Same argument names as aiter's `tuned_gemm.gemm_a16w16` so call sites move over unchanged. B is the
 weight in nn.Linear layout [N, K]. aiter's quantization scales are not supported here: pass them as
-None (a non-None scale is an error rather than a silently unscaled result).
+None (a non-None scale is an error rather than a silently unscaled result). aiter's other GEMM entry
+points with the same names and arguments: gemm_bias, gemm_gelu, gemm_relu, cutlass_gemm (ops/epilogue.py)
+and sparse_gemm (ops/sparse.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .ops.epilogue import cutlass_gemm, gemm_bias, gemm_gelu, gemm_relu
 from .ops.gemm import gemm
+from .ops.sparse import sparse_gemm
 
 
 def gemm_a16w16(
@@ -26,4 +30,4 @@ def gemm_a16w16(
     return gemm(A, B, bias, otype)
 
 
-__all__ = ["gemm_a16w16"]
+__all__ = ["cutlass_gemm", "gemm_a16w16", "gemm_bias", "gemm_gelu", "gemm_relu", "sparse_gemm"]

@@ -21,6 +21,8 @@ _BUILTIN = {
     "gemmtune.backends.skinny": ("SkinnyBackend",),
     "gemmtune.backends.triton_gemm": ("TritonGemmBackend",),
     "gemmtune.backends.blaslt": ("BlasLtBackend",),
+    "gemmtune.backends.epilogue": ("TorchEpilogueBackend", "TritonEpilogueBackend"),
+    "gemmtune.backends.sparse": ("TorchSparseBackend",),
 }
 
 _registry: dict[tuple[str, str], Backend] = {}
