@@ -2,7 +2,8 @@
 
 - `torch` (the default): the unfused path a model runs, F.linear / addmm then the activation; and
   `addmm_activation`, torch's own fused call (cuBLASLt's RELU_BIAS / GELU_BIAS epilogues on CUDA where
-  its conditions hold, addmm + activation otherwise), for relu and gelu_tanh (its GELU is the tanh one).
+  its conditions hold, addmm + activation otherwise), for relu and for the GELU it computes: the tanh
+  approximation on GPUs (cuBLASLt's), the erf one on the CPU.
 - `triton`: the Triton GEMM (kernels/triton_gemm.py) with the epilogue applied in registers before the
   one store; the same config space and names as the a16w16 `triton` backend.
 """
@@ -48,7 +49,7 @@ def _unfused(key: EpilogueKey) -> Runner:
 
 
 def _addmm_activation(key: EpilogueKey) -> Runner:
-    gelu = key.act == "gelu_tanh"
+    gelu = key.act != "relu"
 
     def run(x, w, bias, c, alpha, beta):
         if c is not None and beta != 0.0:
@@ -84,7 +85,7 @@ class TorchEpilogueBackend(Backend):
             # One addend only (bias or beta * C), the activation torch fuses, no widening.
             return (
                 hasattr(torch, "_addmm_activation")
-                and key.act in ("relu", "gelu_tanh")
+                and key.act in ("relu", "gelu" if device.type == "cpu" else "gelu_tanh")
                 and key.bias != key.beta
                 and key.outdtype == key.dtype
             )
@@ -123,12 +124,15 @@ class TritonEpilogueBackend(Backend):
         return "triton is not installed" if not HAS_TRITON else self._gemm.unavailable_reason(device)
 
     def candidates(self, key: EpilogueKey, device: torch.device) -> list[Solution]:
-        return self._gemm.candidates(gemm_key(key), device)
+        return [s for s in self._gemm.candidates(gemm_key(key), device) if self.supports(s, key, device)]
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
         return self._gemm.solution_from_row(solidx, kernel_name, splitk)
 
     def supports(self, solution: Solution, key: EpilogueKey, device: torch.device) -> bool:
+        # TMA descriptors need the weight's K stride to be 1: not a [K, N]-stored weight.
+        if key.w_layout == "kn" and solution.kernel_name.split("_pdl")[0].endswith("_tma"):
+            return False
         return self._gemm.supports(solution, gemm_key(key), device)
 
     def make_runner(self, solution: Solution, key: EpilogueKey, device: torch.device) -> Runner:

@@ -170,7 +170,7 @@ class Epilogue(Family):
             b = randn((key.N,), device, gen, key.dtype) if key.bias else None
             c = None
             if key.beta:
-                shape = {"full": (key.M, key.N), "row": (key.N,), "col": (key.M, 1), "scalar": ()}[key.c]
+                shape = {"full": (key.M, key.N), "row": (key.N,), "col": (key.M, 1), "scalar": (1,)}[key.c]
                 c = expand_c(randn(shape, device, gen, key.outdtype), key.c, key.M, key.N)
             alpha = ALPHA_VALUE if key.alpha else 1.0
             beta = BETA_VALUE if key.beta else 0.0
