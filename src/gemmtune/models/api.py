@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from . import attention as attn_mod
-from . import families, fusion
+from . import epilogue_mlp, families, fusion
 from .linear import RouteOptions, is_routed, linear_skip_reason, route_linear, unroute_linear
 from .report import OptimizeReport
 from .version import check_transformers
@@ -214,6 +214,8 @@ class _Planner:
             if tier is not None:
                 self.actions.insert(0, Action("config", "", {"tier": tier}))
                 self.report.change(f"attention: {attn_mod.NAMES[tier]} ({tier} tier) via AttentionInterface")
+        if self.opts["fused_ops"]:
+            epilogue_mlp.plan(self, self.model)
         self.linears()
         return self.actions
 
@@ -250,6 +252,8 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
         mod.forward = types.MethodType(families.LAYER_FORWARDS[a.data["layout"]], mod)
     elif a.kind == "route":
         route_linear(mod, a.data["opts"])
+    elif a.kind == "epilogue_mlp":
+        epilogue_mlp.apply(mod, a.data["spec"])
     else:
         raise AssertionError(a.kind)
 
@@ -259,6 +263,7 @@ _ATTRS = {
     "mlp": ("forward", "_gemmtune_mlp"),
     "norm": ("forward", "_gemmtune_norm"),
     "layer": ("forward",),
+    "epilogue_mlp": epilogue_mlp.UNDO_ATTRS,
 }
 
 
