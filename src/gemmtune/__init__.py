@@ -6,7 +6,25 @@ from . import tuned_gemm
 from .configs import ConfigTable
 from .dispatch import get_dispatcher, resolve, set_capture, set_config, set_online_tuning
 from .keys import GemmKey
-from .ops import batched_gemm, fused_moe, gemm, grouped_gemm, prepare_expert_weights
+from .ops import (
+    batched_gemm,
+    cutlass_gemm,
+    fused_moe,
+    gemm,
+    gemm_a8w8,
+    gemm_a8w8_blockscale,
+    gemm_a8w8_blockscale_bpreshuffle,
+    gemm_a8w8_bpreshuffle,
+    gemm_bias,
+    gemm_epilogue,
+    gemm_gelu,
+    gemm_relu,
+    grouped_gemm,
+    int8_gemm,
+    prepare_expert_weights,
+    prune_2_4,
+    sparse_gemm,
+)
 
 __version__ = "0.1.0"
 
@@ -29,9 +47,21 @@ __all__ = [
     "ConfigTable",
     "GemmKey",
     "batched_gemm",
+    "cutlass_gemm",
     "fused_moe",
     "gemm",
+    "gemm_a8w8",
+    "gemm_a8w8_blockscale",
+    "gemm_a8w8_blockscale_bpreshuffle",
+    "gemm_a8w8_bpreshuffle",
+    "gemm_bias",
+    "gemm_epilogue",
+    "gemm_gelu",
+    "gemm_relu",
     "grouped_gemm",
+    "int8_gemm",
+    "prune_2_4",
+    "sparse_gemm",
     "get_dispatcher",
     "load_config",
     "prepare_expert_weights",

@@ -29,6 +29,8 @@ _BUILTIN = {
     "gemmtune.backends.moe": ("TorchMoeBackend", "TritonMoeBackend"),
     "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),
     "gemmtune.backends.blaslt_batched": ("BlasLtBatchedBackend",),
+    "gemmtune.backends.epilogue": ("TorchEpilogueBackend", "TritonEpilogueBackend"),
+    "gemmtune.backends.sparse": ("TorchSparseBackend",),
 }
 
 _registry: dict[tuple[str, str], Backend] = {}

@@ -25,9 +25,9 @@ def register(family: Family) -> Family:
 
 
 def _load_builtins() -> None:
-    from . import a16w16, batched, fmoe, quantized
+    from . import a16w16, batched, epilogue, fmoe, quantized, sparse
 
-    for fam in (a16w16.FAMILY, batched.FAMILY, *quantized.FAMILIES, fmoe.FAMILY):
+    for fam in (a16w16.FAMILY, batched.FAMILY, *quantized.FAMILIES, fmoe.FAMILY, epilogue.FAMILY, sparse.FAMILY):
         _REGISTRY.setdefault(fam.name, fam)
 
 

@@ -10,7 +10,10 @@ One kernel body covers every config the `triton` backend offers:
 - TMA tensor descriptors on Hopper (out-of-bounds rows and columns are zero-filled by the copy engine);
 - programmatic dependent launch (`_pdl1`: start while the previous kernel finishes, wait before reading
   x; `_pdl2`: also pull the first weight tile into L2 before waiting; see kernels/skinny.py).
-Bias and the output dtype are applied in the epilogue. `triton_gemm_ref` is the plain-PyTorch reference.
+The epilogue applies, in fp32 registers before the one store: alpha scaling, beta * C (C may broadcast
+through zero strides), the bias and an activation (relu, gelu erf, gelu tanh), then the output dtype;
+its constexprs default to off, so the plain GEMM compiles as before. `triton_gemm_ref` /
+`triton_epilogue_ref` are the plain-PyTorch references.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 
 triton_gemm_ref = gemm_ref  # the plain-PyTorch reference this kernel is checked against
+
+
+def triton_epilogue_ref(x, w, bias, c, alpha: float, beta: float, act: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """The fused-epilogue reference: act(alpha * x @ w^T + beta * c + bias) in fp32, one rounding."""
+    from ..families.epilogue import epilogue_ref
+
+    return epilogue_ref(x, w, bias, c, alpha, beta, act).to(out_dtype)
 
 
 @dataclass(frozen=True)
@@ -174,13 +184,30 @@ def _mainloop(
     return acc
 
 
+ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
+
+
 @triton.jit
-def _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
+              c, scm, scn, alpha, beta, HAS_ALPHA: tl.constexpr, HAS_C: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
+    """y = act(alpha * acc + beta * c + bias), in fp32 registers, one rounding at the store. C's strides
+    may be zero (a row, a column or a scalar broadcast over the tile). The defaults add only the bias."""
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_ALPHA:
+        acc = acc * alpha
+    if HAS_C:
+        cv = tl.load(c + offs_m[:, None] * scm + offs_n[None, :] * scn, mask=mask, other=0.0)
+        acc += beta * cv.to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ACT == 1:
+        acc = tl.maximum(acc, 0.0)
+    elif ACT == 2:
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))  # x / sqrt(2)
+    elif ACT == 3:  # 0.5 * (1 + tanh(u)) == 1 / (1 + exp(-2u)), u = sqrt(2 / pi) * (x + 0.044715 x^3)
+        acc = acc / (1.0 + tl.exp(-1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)))
     tl.store(y + offs_m[:, None] * sym + offs_n[None, :] * syn, acc.to(y.dtype.element_ty), mask=mask)
 
 
@@ -203,6 +230,11 @@ def _tg_kernel(
     sym,
     syn,
     split_k,
+    c,
+    scm,
+    scn,
+    alpha,
+    beta,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -217,6 +249,9 @@ def _tg_kernel(
     INPUT_PREC: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr = 0,
+    HAS_ALPHA: tl.constexpr = False,
+    HAS_C: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -232,7 +267,8 @@ def _tg_kernel(
                 x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, 0, k_tiles,
                 BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES,
             )  # fmt: skip
-            _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
+            _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
+                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
     else:
         tile = tl.program_id(0)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -248,7 +284,8 @@ def _tg_kernel(
             BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES,
         )  # fmt: skip
         if not IS_SPLIT:
-            _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
+            _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
+                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
         else:
             pid_k = tl.program_id(1)
             # Partials live per tile as [split_k, BM, BN] blocks: contiguous, no M/N masks needed.
@@ -265,7 +302,8 @@ def _tg_kernel(
                     acc = tl.load(tile_part + offs, cache_modifier=".cg")
                     for s in range(1, split_k):
                         acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=".cg")
-                    _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
+                    _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
+                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
                     tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
             else:
                 tl.store(tile_part + pid_k * (BM * BN) + offs, acc)
@@ -281,10 +319,18 @@ def _tg_reduce(
     sym,
     syn,
     split_k,
+    c,
+    scm,
+    scn,
+    alpha,
+    beta,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     GROUP_M: tl.constexpr,
+    HAS_ALPHA: tl.constexpr = False,
+    HAS_C: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
 ):
     # One program per output tile: sums its split_k partial blocks, adds bias, casts, stores.
     tile = tl.program_id(0)
@@ -296,7 +342,8 @@ def _tg_reduce(
     acc = tl.load(tile_part + offs)
     for s in range(1, split_k):
         acc += tl.load(tile_part + s * (BM * BN) + offs)
-    _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS)
+    _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
+                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
 
 
 _TL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -339,7 +386,19 @@ class TGKernel:
     def tiles(self, M: int, N: int) -> int:
         return triton.cdiv(M, self.cfg.bm) * triton.cdiv(N, self.cfg.bn)
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        y: torch.Tensor,
+        c: torch.Tensor | None = None,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+        act: str = "none",
+    ) -> torch.Tensor:
+        """y = act(alpha * x @ w^T + beta * c + bias); c is an (M, N) view (zero strides broadcast)
+        or None. The defaults compile to the plain GEMM + bias kernel."""
         cfg = self.cfg
         M, K = x.shape
         N = w.shape[0]
@@ -370,6 +429,9 @@ class TGKernel:
                 lock = self._lock
         grid = (min(tiles, self.num_sms),) if cfg.persistent else (tiles, cfg.split_k)
         b = bias if has_bias else y
+        has_c = c is not None and beta != 0.0
+        epi = {"HAS_ALPHA": alpha != 1.0, "HAS_C": has_c, "ACT": ACT_CODES[act]}  # all off: the plain GEMM
+        cv, scm, scn = (c, c.stride(0), c.stride(1)) if has_c else (y, 0, 0)
         _tg_kernel[grid](
             xa,
             wa,
@@ -387,6 +449,11 @@ class TGKernel:
             y.stride(0),
             y.stride(1),
             cfg.split_k,
+            cv,
+            scm,
+            scn,
+            float(alpha),
+            float(beta),
             HAS_BIAS=has_bias,
             BM=cfg.bm,
             BN=cfg.bn,
@@ -403,6 +470,7 @@ class TGKernel:
             num_warps=cfg.warps,
             num_stages=cfg.stages,
             **self._pdl,
+            **epi,
         )
         if cfg.split_k > 1 and cfg.sk_mode == "r":
             _tg_reduce[(tiles,)](
@@ -414,11 +482,17 @@ class TGKernel:
                 y.stride(0),
                 y.stride(1),
                 cfg.split_k,
+                cv,
+                scm,
+                scn,
+                float(alpha),
+                float(beta),
                 HAS_BIAS=has_bias,
                 BM=cfg.bm,
                 BN=cfg.bn,
                 GROUP_M=cfg.group_m,
                 num_warps=4,
+                **epi,
             )
         return y
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from . import attention as attn_mod
-from . import families, fusion
+from . import epilogue_mlp, families, fusion
 from . import moe as moe_mod
 from .linear import RouteOptions, is_routed, linear_skip_reason, route_linear, unroute_linear
 from .report import OptimizeReport
@@ -223,6 +223,8 @@ class _Planner:
                 self.actions.insert(0, Action("config", "", {"tier": tier}))
                 self.report.change("attention", "", type(self.model).__name__,
                                    f"{attn_mod.NAMES[tier]} ({tier} tier) via AttentionInterface")  # fmt: skip
+        if self.opts["fused_ops"]:
+            epilogue_mlp.plan(self, self.model)
         self.linears()
         return self.actions
 
@@ -261,6 +263,8 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
         route_linear(mod, a.data["opts"])
     elif a.kind == "moe":
         moe_mod.apply(mod, a.data["spec"])
+    elif a.kind == "epilogue_mlp":
+        epilogue_mlp.apply(mod, a.data["spec"])
     else:
         raise AssertionError(a.kind)
 
@@ -271,6 +275,7 @@ _ATTRS = {
     "norm": ("forward", "_gemmtune_norm"),
     "layer": ("forward",),
     "moe": ("forward", "_gemmtune_moe"),
+    "epilogue_mlp": epilogue_mlp.UNDO_ATTRS,
 }
 
 

@@ -1,6 +1,7 @@
 """Public GEMM ops, one module per family."""
 
 from .batched import batched_gemm
+from .epilogue import cutlass_gemm, gemm_bias, gemm_epilogue, gemm_gelu, gemm_relu
 from .gemm import gemm, key_of, validate
 from .moe import fused_moe, grouped_gemm, prepare_expert_weights
 from .quantized import (
@@ -10,18 +11,26 @@ from .quantized import (
     gemm_a8w8_bpreshuffle,
     int8_gemm,
 )
+from .sparse import prune_2_4, sparse_gemm
 
 __all__ = [
     "batched_gemm",
+    "cutlass_gemm",
     "fused_moe",
     "gemm",
     "gemm_a8w8",
     "gemm_a8w8_blockscale",
     "gemm_a8w8_blockscale_bpreshuffle",
     "gemm_a8w8_bpreshuffle",
+    "gemm_bias",
+    "gemm_epilogue",
+    "gemm_gelu",
+    "gemm_relu",
     "grouped_gemm",
     "int8_gemm",
     "key_of",
     "prepare_expert_weights",
+    "prune_2_4",
+    "sparse_gemm",
     "validate",
 ]

@@ -1,0 +1,168 @@
+"""Backends of the epilogue family (families/epilogue.py): runner(x, w, bias, c, alpha, beta) -> y.
+
+- `torch` (the default): the unfused path a model runs, F.linear / addmm then the activation; and
+  `addmm_activation`, torch's own fused call (cuBLASLt's RELU_BIAS / GELU_BIAS epilogues on CUDA where
+  its conditions hold, addmm + activation otherwise), for relu and for the GELU it computes: the tanh
+  approximation on GPUs (cuBLASLt's), the erf one on the CPU.
+- `triton`: the Triton GEMM (kernels/triton_gemm.py) with the epilogue applied in registers before the
+  one store; the same config space and names as the a16w16 `triton` backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..families.epilogue import EpilogueKey, apply_act
+from ..kernels._common import HAS_TRITON, pdl_enabled
+from ..keys import GemmKey
+from .base import Backend, Runner, Solution, stable_solidx
+
+UNFUSED = Solution("torch", "native", 0, 0)
+ADDMM_ACT = Solution("torch", "addmm_activation", stable_solidx("addmm_activation"), 0)
+
+
+def _unfused(key: EpilogueKey) -> Runner:
+    """alpha * x @ w^T + beta * c + bias, then act: one vendor GEMM and separate elementwise kernels
+    (none at all for a plain GEMM + bias). A wider out dtype computes in fp32."""
+    act, out_dtype = key.act, key.outdtype
+    wide = out_dtype == torch.float32 and key.dtype != torch.float32
+    cdt = torch.float32 if wide else key.dtype
+
+    def run(x, w, bias, c, alpha, beta):
+        if wide:
+            x, w = x.float(), w.float()
+        if bias is not None and bias.dtype != cdt:
+            bias = bias.to(cdt)
+        if c is not None and beta != 0.0:
+            y = torch.addmm(c.to(cdt), x, w.t(), beta=beta, alpha=alpha)
+            if bias is not None:
+                y = y + bias
+        elif alpha != 1.0:
+            y = torch.addmm(bias, x, w.t(), alpha=alpha) if bias is not None else torch.mm(x, w.t()) * alpha
+        else:
+            y = F.linear(x, w, bias)
+        y = apply_act(y, act)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    return run
+
+
+def _addmm_activation(key: EpilogueKey) -> Runner:
+    gelu = key.act != "relu"
+
+    def run(x, w, bias, c, alpha, beta):
+        if c is not None and beta != 0.0:
+            return torch._addmm_activation(c, x, w.t(), beta=beta, alpha=alpha, use_gelu=gelu)
+        return torch._addmm_activation(bias, x, w.t(), alpha=alpha, use_gelu=gelu)
+
+    return run
+
+
+class TorchEpilogueBackend(Backend):
+    name = "torch"
+    family = "epilogue"
+
+    def is_available(self, device: torch.device) -> bool:
+        return True
+
+    def candidates(self, key: EpilogueKey, device: torch.device) -> list[Solution]:
+        return [s for s in (UNFUSED, ADDMM_ACT) if self.supports(s, key, device)]
+
+    def default_solution(self, key: EpilogueKey, device: torch.device) -> Solution:
+        return UNFUSED
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        for sol in (UNFUSED, ADDMM_ACT):
+            if kernel_name == sol.kernel_name:
+                return sol
+        return UNFUSED if solidx == 0 and not kernel_name else None
+
+    def supports(self, solution: Solution, key: EpilogueKey, device: torch.device) -> bool:
+        if solution == UNFUSED:
+            return True
+        if solution == ADDMM_ACT:
+            # One addend only (bias or beta * C), the activation torch fuses, no widening.
+            return (
+                hasattr(torch, "_addmm_activation")
+                and key.act in ("relu", "gelu" if device.type == "cpu" else "gelu_tanh")
+                and key.bias != key.beta
+                and key.outdtype == key.dtype
+            )
+        return False
+
+    def make_runner(self, solution: Solution, key: EpilogueKey, device: torch.device) -> Runner:
+        if not self.supports(solution, key, device):
+            raise ValueError(f"torch cannot run {solution.kernel_name!r} for {key.describe()}")
+        return _addmm_activation(key) if solution == ADDMM_ACT else _unfused(key)
+
+
+def gemm_key(key: EpilogueKey) -> GemmKey:
+    """The a16w16 key with the same GEMM (the Triton config space and compile facts are shared)."""
+    return GemmKey(key.M, key.N, key.K, key.bias, key.dtype, key.outdtype)
+
+
+class TritonEpilogueBackend(Backend):
+    name = "triton"
+    family = "epilogue"
+
+    _backend = None
+
+    @property
+    def _gemm(self):
+        # Imported on first use: without triton the torch backend above must still load.
+        if self._backend is None:
+            from .triton_gemm import TritonGemmBackend
+
+            TritonEpilogueBackend._backend = TritonGemmBackend()
+        return self._backend
+
+    def is_available(self, device: torch.device) -> bool:
+        return HAS_TRITON and self._gemm.is_available(device)
+
+    def unavailable_reason(self, device: torch.device) -> str:
+        return "triton is not installed" if not HAS_TRITON else self._gemm.unavailable_reason(device)
+
+    def candidates(self, key: EpilogueKey, device: torch.device) -> list[Solution]:
+        return [s for s in self._gemm.candidates(gemm_key(key), device) if self.supports(s, key, device)]
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        return self._gemm.solution_from_row(solidx, kernel_name, splitk)
+
+    def supports(self, solution: Solution, key: EpilogueKey, device: torch.device) -> bool:
+        # TMA descriptors need the weight's K stride to be 1: not a [K, N]-stored weight.
+        if key.w_layout == "kn" and solution.kernel_name.split("_pdl")[0].endswith("_tma"):
+            return False
+        return self._gemm.supports(solution, gemm_key(key), device)
+
+    def make_runner(self, solution: Solution, key: EpilogueKey, device: torch.device) -> Runner:
+        from ..kernels.triton_gemm import TGConfig, TGKernel, parse_config
+
+        cfg = parse_config(solution.kernel_name)
+        if cfg is None or not self.supports(solution, key, device):
+            raise ValueError(f"triton cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
+        if cfg.pdl and not pdl_enabled(device):
+            cfg = TGConfig(**{**cfg.__dict__, "pdl": 0})  # the same kernel, plain launch
+        kern = TGKernel(cfg, device, lock_tiles=-(-max(key.M, 1) // cfg.bm) * -(-key.N // cfg.bn))
+        N, K, out_dtype, act = key.N, key.K, key.outdtype, key.act
+
+        def run(x, w, bias, c, alpha, beta):
+            if x.shape[1] != K or w.shape[0] != N:
+                raise ValueError(f"triton epilogue runner for N={N} K={K} got x {tuple(x.shape)}, w {tuple(w.shape)}")
+            y = torch.empty((x.shape[0], N), dtype=out_dtype, device=x.device)
+            return kern(x, w, bias, y, c, alpha, beta, act)
+
+        self._warmup(kern, key, device)
+        return run
+
+    @staticmethod
+    def _warmup(kern, key: EpilogueKey, device: torch.device) -> None:
+        """Compile now (stand-in tensors that specialize like the real ones), not inside a graph capture."""
+        from ..families import get
+
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        small = key._replace(M=min(key.M, 16))
+        x, w, b, c, alpha, beta = get("epilogue").make_inputs(small, device, 1, 0)[0]
+        y = torch.empty((small.M, key.N), dtype=key.outdtype, device=device)
+        kern(x, w, b, y, c, alpha, beta, key.act)

@@ -1,0 +1,171 @@
+"""Linear -> GELU (or ReLU) -> Linear MLPs through the fused-epilogue GEMMs (ops/epilogue.py).
+
+The up projection runs as one gemm_epilogue(x, W_up, b_up, act) (bias and activation fused into the
+GEMM's epilogue when a tuned row says so), the down projection as gemm_epilogue(h, W_down, b_down).
+Layouts known here (transformers 5.17-5.23; the stock forwards are reproduced op for op):
+- GPTNeoXMLP (GPT-NeoX / Pythia): dense_h_to_4h -> act -> dense_4h_to_h;
+- PhiMLP (Phi-1/1.5/2): fc1 -> activation_fn -> fc2;
+- Starcoder2MLP: c_fc -> act -> c_proj -> dropout(residual_dropout);
+- FalconMLP: dense_h_to_4h -> act -> dense_4h_to_h (FalconLinear: x @ W^T + b, nn.Linear's math).
+The activation module is identified on a probe tensor (exact GELU, tanh GELU, ReLU), never by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("gemmtune")
+_warned: set[str] = set()
+
+# class name -> (up projection, activation, down projection, dropout-probability attribute or None)
+LAYOUTS = {
+    "GPTNeoXMLP": ("dense_h_to_4h", "act", "dense_4h_to_h", None),
+    "PhiMLP": ("fc1", "activation_fn", "fc2", None),
+    "Starcoder2MLP": ("c_fc", "act", "c_proj", "residual_dropout"),
+    "FalconMLP": ("dense_h_to_4h", "act", "dense_4h_to_h", None),
+}
+# config hidden_act -> the family's act (shape lists; the module itself is always probed)
+_CONFIG_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                "relu": "relu"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    up: str
+    act: str  # the family's act: gelu, gelu_tanh, relu
+    down: str
+    dropout: str | None
+
+
+def detect_act(fn) -> str | None:
+    """gelu / gelu_tanh / relu when `fn` computes that on a probe (fp32, CPU), else None."""
+    x = torch.linspace(-6, 6, 257)
+    try:
+        with torch.no_grad():
+            y = fn(x.clone())
+    except Exception:  # noqa: BLE001 - an activation that cannot run on a CPU probe is not ours
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    for name, ref in (("gelu", F.gelu(x)), ("gelu_tanh", F.gelu(x, approximate="tanh")), ("relu", torch.relu(x))):
+        if torch.allclose(y.float(), ref, rtol=1e-5, atol=1e-6):
+            return name
+    return None
+
+
+def skip_reason(mod: nn.Module) -> tuple[MlpSpec | None, str]:
+    """(spec, '') when `mod` is a known MLP whose layout checks out; (None, why) otherwise."""
+    up_n, act_n, down_n, drop_n = LAYOUTS[type(mod).__name__]
+    up, down, act = getattr(mod, up_n, None), getattr(mod, down_n, None), getattr(mod, act_n, None)
+    if "forward" in mod.__dict__:
+        return None, "its forward is already overridden on the instance"
+    for name, lin in ((up_n, up), (down_n, down)):
+        if not isinstance(lin, nn.Linear) or "forward" in lin.__dict__ or getattr(lin, "_hf_hook", None):
+            return None, f"{name} is not a plain (un-hooked) nn.Linear"
+        if lin.weight.device.type == "meta" or not lin.weight.dtype.is_floating_point:
+            return None, f"{name} weights are not materialized float tensors"
+    if up.out_features != down.in_features:
+        return None, f"{up_n} width {up.out_features} != {down_n} input {down.in_features}"
+    if drop_n is not None and not isinstance(getattr(mod, drop_n, None), (int, float)):
+        return None, f"no {drop_n} attribute"
+    kind = detect_act(act) if act is not None else None
+    if kind is None:
+        return None, f"{type(act).__name__} is not exact GELU, tanh GELU or ReLU"
+    return MlpSpec(up_n, kind, down_n, drop_n), ""
+
+
+_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+)
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    spec: MlpSpec = self._gemmtune_epilogue_mlp
+    up, down = getattr(self, spec.up), getattr(self, spec.down)
+    w = up.weight
+    if x.dtype != w.dtype or down.weight.dtype != w.dtype or _autocast() or not x.is_floating_point():
+        return type(self).forward(self, x)
+    from ..ops.epilogue import gemm_epilogue
+
+    try:
+        h = gemm_epilogue(x, w, up.bias, act=spec.act)
+        y = gemm_epilogue(h, down.weight, down.bias)
+    except (RuntimeError, ValueError, TypeError) as exc:  # a broken fast tier must not break the model
+        tag = f"{type(exc).__name__}: {exc}"
+        if tag not in _warned:
+            _warned.add(tag)
+            log.warning("gemmtune fused MLP failed (%s); the stock forward runs for this call", tag)
+        return type(self).forward(self, x)
+    if spec.dropout is not None:
+        y = F.dropout(y, p=getattr(self, spec.dropout), training=self.training)
+    return y
+
+
+def plan(planner, model: nn.Module) -> None:
+    """Add an `epilogue_mlp` action for every known Linear -> act -> Linear MLP (optimize's planner)."""
+    for path, mod in model.named_modules():
+        if type(mod).__name__ not in LAYOUTS:
+            continue
+        if any(path.startswith(p) for p in planner.no_route_prefixes):
+            continue
+        spec, why = skip_reason(mod)
+        if spec is None:
+            planner.skip("epilogue mlp", path, mod, why)
+            continue
+        up = getattr(mod, spec.up)
+        planner.add("epilogue_mlp", path, mod, f"{spec.up} + bias + {spec.act} fused, {spec.down} + bias fused "
+                    f"({up.in_features}->{up.out_features})", spec=spec)  # fmt: skip
+        planner.no_route.update(
+            {f"{path}.{spec.up}" if path else spec.up, f"{path}.{spec.down}" if path else spec.down}
+        )
+
+
+def apply(mod: nn.Module, spec: MlpSpec) -> None:
+    mod._gemmtune_epilogue_mlp = spec
+    mod.forward = types.MethodType(_mlp_forward, mod)
+
+
+UNDO_ATTRS = ("forward", "_gemmtune_epilogue_mlp")
+
+
+# ---- shapes for tuning --------------------------------------------------------------------------
+def mlp_shape(config: dict) -> tuple[int, int, str, bool] | None:
+    """(hidden, intermediate, act, bias) of a Linear -> act -> Linear model's MLP, or None."""
+    mt = config.get("model_type")
+    hidden = config.get("hidden_size")
+    if mt in ("gpt_neox", "phi", "starcoder2"):
+        inter, act_name = config.get("intermediate_size"), config.get("hidden_act", "gelu")
+        bias = bool(config.get("use_bias", True)) if mt == "starcoder2" else True
+    elif mt == "falcon":
+        inter = config.get("ffn_hidden_size") or (4 * hidden if hidden else None)
+        act_name, bias = config.get("activation", "gelu"), bool(config.get("bias", False))
+    else:
+        return None
+    act = _CONFIG_ACTS.get(act_name)
+    if not hidden or not inter or act is None:
+        return None
+    return int(hidden), int(inter), act, bias
+
+
+def epilogue_keys(config: dict, tp: int, ms, dtype: torch.dtype) -> list:
+    """The epilogue-family keys of such a model at token counts `ms`: up as GEMM + bias + act (its
+    columns split over tp ranks), down as GEMM + bias (rows split; with tp > 1 the bias follows the
+    all-reduce, so the GEMM has none)."""
+    from ..families.epilogue import EpilogueKey
+
+    shape = mlp_shape(config)
+    if shape is None:
+        return []
+    hidden, inter, act, bias = shape
+    n_up, k_down = inter // tp, inter // tp
+    out = []
+    for m in ms:
+        out.append(EpilogueKey(m, n_up, hidden, bias, dtype, dtype, act))
+        out.append(EpilogueKey(m, hidden, k_down, bias and tp == 1, dtype, dtype))
+    return out

@@ -1,0 +1,230 @@
+"""`gemmtune.sparse_gemm(input, weight, sparsity_pattern, bias=None)`: y[..., N] = input[..., K] @ W^T
+(+ bias) for a sparse weight W [N, K] (nn.Linear layout), dispatched per key of the sparse family
+(families/sparse.py: shape, pattern, density bucket, block, dtype, bias) to its tuned solution, default
+the weight's own format (backends/sparse.py).
+
+sparsity_pattern names the weight's storage, which must match it:
+- 'csr' / 'coo' / 'bsr' (aiter's 'block'): torch.sparse_csr / sparse_coo / sparse_bsr tensors
+  (w.to_sparse_csr(), w.to_sparse(), w.to_sparse_bsr((R, C)));
+- '2:4': a SparseSemiStructuredTensor (NVIDIA GPUs; `prune_2_4(w)` makes one from a dense weight).
+The output may be a transposed view (torch.sparse computes W @ x^T).
+
+`prune_2_4(weight)` keeps the 2 largest-magnitude values of every 4 along K and reports the relative
+error this introduced, ||W - W_2:4|| / ||W||.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..dispatch import get_dispatcher
+from ..families.sparse import ALIASES, LAYOUTS, PATTERNS, SparseKey, density_bucket, prune_2_4_dense
+
+FAMILY = "sparse"
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_dispatcher = get_dispatcher()
+_calls = _dispatcher.cache(FAMILY)  # cleared in place by the dispatcher, never rebound
+
+
+# ---- 2:4 semi-structured ------------------------------------------------------------------------
+@functools.cache
+def _semi_cls():
+    try:
+        from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
+    except ImportError:
+        return None, None
+    return SparseSemiStructuredTensor, to_sparse_semi_structured
+
+
+def is_semi_structured(w) -> bool:
+    cls, _ = _semi_cls()
+    return cls is not None and isinstance(w, cls)
+
+
+@functools.cache
+def _capability(index) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def semi_structured_reason(device: torch.device, dtype: torch.dtype, shape=None) -> str:
+    """Why a 2:4 semi-structured weight cannot be made here ('' when it can)."""
+    cls, make = _semi_cls()
+    if cls is None:
+        return "this torch has no torch.sparse.to_sparse_semi_structured"
+    if device.type != "cuda" or torch.version.hip:
+        return f"2:4 semi-structured sparsity runs on NVIDIA GPUs (sm80+), not on {device.type}"
+    if _capability(device.index if device.index is not None else torch.cuda.current_device()) < (8, 0):
+        return "2:4 semi-structured sparsity needs an sm80+ GPU"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"2:4 semi-structured sparsity takes float16 / bfloat16, not {dtype}"
+    if shape is not None and (shape[0] % 64 or shape[1] % 64):
+        return f"2:4 semi-structured weights need N and K multiples of 64, got {tuple(shape)}"
+    return ""
+
+
+def semi_structured(dense: torch.Tensor):
+    """A dense [N, K] weight already in 2:4 form as a SparseSemiStructuredTensor (cuSPARSELt when
+    torch has it, else CUTLASS); ValueError saying why when this device cannot."""
+    why = semi_structured_reason(dense.device, dense.dtype, dense.shape)
+    if why:
+        raise ValueError(f"gemmtune: cannot make a 2:4 weight: {why}")
+    return _semi_cls()[1](dense)
+
+
+def prune_2_4(weight: torch.Tensor, compress: bool = True):
+    """(weight pruned to 2:4 by magnitude, ||W - W_2:4|| / ||W||).
+
+    compress=True returns a SparseSemiStructuredTensor for sparse_gemm(..., '2:4') (NVIDIA sm80+,
+    fp16/bf16, N and K multiples of 64; a clear ValueError elsewhere); compress=False the pruned dense
+    tensor (any device), e.g. to measure the error or to keep a dense twin."""
+    if not isinstance(weight, torch.Tensor) or weight.layout != torch.strided or weight.dim() != 2:
+        raise ValueError(f"gemmtune.prune_2_4: weight must be a dense 2-D [N, K] tensor, got {_d(weight)}")
+    if weight.shape[1] % 4:
+        raise ValueError(f"gemmtune.prune_2_4: K={weight.shape[1]} is not a multiple of 4 ({_d(weight)})")
+    if not weight.dtype.is_floating_point:
+        raise ValueError(f"gemmtune.prune_2_4: weight must be a float tensor, got {weight.dtype}")
+    with torch.no_grad():
+        pruned = prune_2_4_dense(weight.detach())
+        w32 = weight.detach().float()
+        rel = ((w32 - pruned.float()).norm() / w32.norm().clamp_min(1e-30)).item()
+    return (semi_structured(pruned) if compress else pruned), rel
+
+
+# ---- the op -------------------------------------------------------------------------------------
+def _d(t) -> str:
+    if t is None:
+        return "None"
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    kind = type(t).__name__ if is_semi_structured(t) else str(t.layout)
+    return f"{tuple(t.shape)} {t.dtype} {kind} on {t.device}"
+
+
+def _error(msg: str, x, w, bias) -> ValueError:
+    return ValueError(f"gemmtune.sparse_gemm: {msg} (input {_d(x)}, weight {_d(w)}, bias {_d(bias)})")
+
+
+_HOW = {
+    "csr": "weight.to_sparse_csr()",
+    "coo": "weight.to_sparse()",
+    "bsr": "weight.to_sparse_bsr((R, C))",
+    "2:4": "gemmtune.prune_2_4(weight)",
+}
+
+
+def normalize_pattern(pattern) -> str:
+    p = ALIASES.get(pattern, pattern) if isinstance(pattern, str) else pattern
+    if p not in PATTERNS:
+        raise ValueError(
+            f"gemmtune.sparse_gemm: unknown sparsity_pattern {pattern!r} "
+            "(expected 'csr', 'coo', 'block' / 'bsr' or '2:4')"
+        )
+    return p
+
+
+def validate(x, w, bias, pattern: str) -> None:
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise TypeError(f"gemmtune.sparse_gemm: input and weight must be tensors, got {_d(x)}, {_d(w)}")
+    if pattern == "2:4":
+        if not is_semi_structured(w):
+            raise _error(f"sparsity_pattern '2:4' needs a SparseSemiStructuredTensor ({_HOW['2:4']})", x, w, bias)
+    elif is_semi_structured(w) or w.layout != LAYOUTS[pattern]:
+        raise _error(f"sparsity_pattern {pattern!r} needs a {LAYOUTS[pattern]} weight ({_HOW[pattern]})", x, w, bias)
+    elif w.dense_dim() != 0:
+        raise _error("hybrid sparse weights (dense dimensions per element) are not supported", x, w, bias)
+    if w.dim() != 2:
+        raise _error(f"weight must be 2-D [N, K], got {w.dim()}-D", x, w, bias)
+    if x.layout != torch.strided or x.dim() < 1:
+        raise _error("input must be a dense tensor [..., K]", x, w, bias)
+    if x.shape[-1] != w.shape[1]:
+        raise _error(f"input[..., K={x.shape[-1]}] does not match weight [N, K={w.shape[1]}]", x, w, bias)
+    if x.dtype != w.dtype or x.dtype not in _FLOATS:
+        raise _error(
+            f"dtypes must match and be float16/bfloat16/float32: input {x.dtype}, weight {w.dtype}", x, w, bias
+        )
+    if x.device != w.device:
+        raise _error(f"device mismatch: input on {x.device}, weight on {w.device}", x, w, bias)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != w.shape[0]:
+            raise _error(f"bias must be a 1-D tensor of length N={w.shape[0]}", x, w, bias)
+        if bias.dtype != x.dtype or bias.device != x.device:
+            raise _error("bias must have the input's dtype and device", x, w, bias)
+
+
+def _wmeta(w, pattern: str) -> tuple:
+    """What of the weight the key depends on, all host-side metadata (no device sync); None for a
+    weight that does not match the pattern (the miss then says so)."""
+    if pattern == "2:4" or is_semi_structured(w):
+        return (type(w),)
+    if w.layout != LAYOUTS[pattern]:
+        return None
+    if pattern == "bsr":
+        return (w.layout, w._nnz(), tuple(w.values().shape[-2:]))
+    return (w.layout, w._nnz())
+
+
+def key_of(x, w, bias, pattern: str) -> SparseKey:
+    N, K = w.shape
+    M = x.numel() // K if K else 0
+    block = ""
+    if pattern == "2:4":
+        density = 0.5
+    elif pattern == "bsr":
+        r, c = w.values().shape[-2:]
+        block = f"{r}x{c}"
+        density = w._nnz() * r * c / max(N * K, 1)
+    else:
+        density = w._nnz() / max(N * K, 1)
+    return SparseKey(M, N, K, pattern, density_bucket(density), block, bias is not None, x.dtype)
+
+
+def _miss(sig, x, w, bias, pattern):
+    validate(x, w, bias, pattern)
+    key = key_of(x, w, bias, pattern)
+    out_shape = (*x.shape[:-1], key.N)
+    if 0 in (key.M, key.N, key.K):  # nothing to multiply: bias (or zeros) broadcast
+
+        def call(x, w, bias):
+            y = x.new_zeros(out_shape)
+            return y + bias if bias is not None else y
+    else:
+        run = _dispatcher.runner_for(key, x.device, family=FAMILY)
+        M, K = key.M, key.K
+
+        def call(x, w, bias):
+            return run(x.reshape(M, K), w, bias).reshape(out_shape)
+
+    _calls[sig] = call
+    return call
+
+
+def sparse_gemm(input: torch.Tensor, weight: torch.Tensor, sparsity_pattern: str, bias: torch.Tensor | None = None):
+    """y[..., N] = input[..., K] @ weight^T (+ bias) with weight a sparse [N, K] tensor stored as
+    `sparsity_pattern` says ('csr', 'coo', 'block'/'bsr', '2:4'). Runs the tuned solution for this
+    (shape, pattern, density, block), else the weight's own format."""
+    pattern = ALIASES.get(sparsity_pattern, sparsity_pattern)
+    if pattern not in PATTERNS:
+        pattern = normalize_pattern(sparsity_pattern)  # raises naming the choices
+    sig = (input.shape, input.dtype, input.device, weight.shape, weight.dtype, weight.device, pattern,
+           _wmeta(weight, pattern) if isinstance(weight, torch.Tensor) else None,
+           None if bias is None else (bias.shape, bias.dtype, bias.device))  # fmt: skip
+    call = _calls.get(sig)
+    if call is None:
+        call = _miss(sig, input, weight, bias, pattern)
+    return call(input, weight, bias)
+
+
+# ---- the custom op (torch.compile, export) -----------------------------------------------------
+@torch.library.custom_op("gemmtune::sparse_gemm", mutates_args=())
+def _sparse_op(input: torch.Tensor, weight: torch.Tensor, sparsity_pattern: str,
+               bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    with torch.no_grad():
+        y = sparse_gemm(input, weight, sparsity_pattern, bias)
+    return y.contiguous()  # a custom op returns a fresh plain tensor, not a transposed view
+
+
+@_sparse_op.register_fake
+def _sparse_fake(input, weight, sparsity_pattern, bias):
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))
