@@ -1,12 +1,12 @@
 """Batched-GEMM kernel study: torch.bmm against the batched family's triton and blaslt backends.
 
 Shapes (bf16, b stored (B, N, K) as aiter's and SGLang's batched weights are: transB):
-- aiter's untuned batched table (shared/reference/aiter-configs/bf16_untuned_batched_gemm.csv, built in
-  below since the GPU machine has no shared/): B=16, (N, K) in (1280, 8192), (8192, 1024), M 1..16384;
+- aiter's untuned batched table (tests/data/aiter-configs/bf16_untuned_batched_gemm.csv, built in
+  below so the script needs no data files): B=16, (N, K) in (1280, 8192), (8192, 1024), M 1..16384;
 - DeepSeek-V3 MLA's absorbed per-head GEMMs (gemmtune.tuner.shapes.batched_gemms) at tp 1 (128 heads)
   and tp 8 (16 heads), tokens 1, 4, 16, 64, 256, 1024, 4096.
 
-Method (../shared/BENCHMARKING.md) through gemmtune.tuner.timing.time_graphs: CUDA-graph replay over
+Method (docs/benchmarking.md) through gemmtune.tuner.timing.time_graphs: CUDA-graph replay over
 rotating input sets (> 2x L2), contenders interleaved in one process, median of repeats, ceilings
 measured in the same run (measure_ceilings), roof from families.get("batched").roof_us. Per shape:
 every candidate is checked against the fp32 reference (NaN or error over the family's threshold:

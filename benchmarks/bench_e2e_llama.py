@@ -213,8 +213,12 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--preset", choices=("8b", "70b-tp8-rank"), default="8b",
-                   help="Llama-3-8B, or one tp-8 rank of Llama-3-70B (its GEMM shapes, no all-reduce)")
+    p.add_argument(
+        "--preset",
+        choices=("8b", "70b-tp8-rank"),
+        default="8b",
+        help="Llama-3-8B, or one tp-8 rank of Llama-3-70B (its GEMM shapes, no all-reduce)",
+    )
     p.add_argument("--config", default=None, help="tuned table for gemmtune (else GEMMTUNE_CONFIG / default)")
     p.add_argument("--out", default=None, help="markdown file to write")
     p.add_argument("--skip", default="", help="comma list of: prefill,eager,graph,profile")

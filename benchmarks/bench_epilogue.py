@@ -14,7 +14,7 @@ at M in 512, 1024, 2048, 4096: the weight pruned to 2:4 as a SparseSemiStructure
 else CUTLASS) vs its dense twin through F.linear. A 2:4 row is dispatched only where it wins beyond
 noise; the table written says so.
 
-Method (../shared/BENCHMARKING.md): CUDA-graph replay over rotating cold input sets > 2x L2, contenders
+Method (docs/benchmarking.md): CUDA-graph replay over rotating cold input sets > 2x L2, contenders
 interleaved in one process, median of repeats; ceilings (read bandwidth, bf16 matmul) measured in the
 same run and % of roof printed. Triton configs are compiled up front in parallel processes.
 

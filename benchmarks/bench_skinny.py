@@ -113,8 +113,16 @@ def precompile(work: list[tuple[GemmKey, list[str]]], workers: int) -> list[str]
     for key, names in work:
         for name in names:
             cfg = ks.SkinnyConfig.parse(name)
-            sig = (cfg.kind, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.reduce,
-                   cfg.block_m(key.M), cfg.pdl)
+            sig = (
+                cfg.kind,
+                cfg.block_n,
+                cfg.block_k,
+                cfg.num_warps,
+                cfg.num_stages,
+                cfg.reduce,
+                cfg.block_m(key.M),
+                cfg.pdl,
+            )
             if sig not in seen:
                 seen.add(sig)
                 jobs.append(((key.M, key.N, key.K), [name]))
@@ -176,8 +184,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--budget-s", type=float, default=210, help="skip extras once this much time has passed")
-    ap.add_argument("--producers", action="store_true",
-                    help="also time cuBLAS, the best and the best non-PDL config behind a kernel that writes x")
+    ap.add_argument(
+        "--producers",
+        action="store_true",
+        help="also time cuBLAS, the best and the best non-PDL config behind a kernel that writes x",
+    )
     args = ap.parse_args()
     t_start = time.time()
     out = pathlib.Path(args.out)
@@ -234,8 +245,7 @@ def main() -> int:
         del inputs
         for name, why in bad.items():
             print(f"  FAILED {name} on {key.describe()}: {why}")
-        screen = bench_gemm(key, {"cublas": F.linear, "cublas_again": F.linear, **runners}, dev, args.reps,
-                            seed=idx)
+        screen = bench_gemm(key, {"cublas": F.linear, "cublas_again": F.linear, **runners}, dev, args.reps, seed=idx)
         sk_times = {nm: t for nm, t in screen.items() if nm.startswith("skinny") and math.isfinite(t)}
         if not sk_times:
             print(f"  no skinny candidate ran on {key.describe()}")
@@ -245,8 +255,12 @@ def main() -> int:
         plain = [nm for nm in sk_times if "_pdl" not in nm]
         best_plain = min(plain, key=sk_times.get) if plain else best
         # "read": one torch.sum over the same weight, the cost of a plain kernel that only streams it
-        confirm_runners = {"cublas": F.linear, "best": runners[best], "plain": runners[best_plain],
-                           "read": lambda x, w, b: w.sum()}
+        confirm_runners = {
+            "cublas": F.linear,
+            "best": runners[best],
+            "plain": runners[best_plain],
+            "read": lambda x, w, b: w.sum(),
+        }
         if dsol is not None:
             confirm_runners["default"] = runners.get(dsol.kernel_name) or be.make_runner(dsol, key, dev)
         conf = bench_gemm(key, confirm_runners, dev, args.reps, seed=10_000 + idx)
@@ -254,36 +268,67 @@ def main() -> int:
         for kind in ("torch", "pdl") if args.producers else ():
             if kind == "pdl" and not pdl_enabled(dev):
                 continue
-            prod[kind] = bench_gemm(key, {nm: with_producer(r, kind) for nm, r in (
-                ("cublas", F.linear), ("best", runners[best]), ("plain", runners[best_plain]))},
-                dev, args.reps, seed=30_000 + idx)
+            prod[kind] = bench_gemm(
+                key,
+                {
+                    nm: with_producer(r, kind)
+                    for nm, r in (("cublas", F.linear), ("best", runners[best]), ("plain", runners[best_plain]))
+                },
+                dev,
+                args.reps,
+                seed=30_000 + idx,
+            )
         roof = roof_us(key, ceil)
         row = {
-            "model": label, "layer": layer, "N": n, "K": k, "M": m, "suite": in_suite,
-            "weight_MB": n * k * 2 / 2**20, "cublas_us": conf["cublas"], "skinny_us": conf["best"],
-            "speedup": conf["cublas"] / conf["best"], "roof_us": roof,
-            "skinny_roof_pct": 100 * roof / conf["best"], "cublas_roof_pct": 100 * roof / conf["cublas"],
-            "best": best, "default": dsol.kernel_name if dsol else "",
-            "plain_best": best_plain, "plain_us": conf["plain"], "read_us": conf["read"],
+            "model": label,
+            "layer": layer,
+            "N": n,
+            "K": k,
+            "M": m,
+            "suite": in_suite,
+            "weight_MB": n * k * 2 / 2**20,
+            "cublas_us": conf["cublas"],
+            "skinny_us": conf["best"],
+            "speedup": conf["cublas"] / conf["best"],
+            "roof_us": roof,
+            "skinny_roof_pct": 100 * roof / conf["best"],
+            "cublas_roof_pct": 100 * roof / conf["cublas"],
+            "best": best,
+            "default": dsol.kernel_name if dsol else "",
+            "plain_best": best_plain,
+            "plain_us": conf["plain"],
+            "read_us": conf["read"],
             "prod": {kd: {nm: round(t, 3) for nm, t in v.items()} for kd, v in prod.items()},
             "default_us": conf.get("default", float("nan")),
-            "screen_cublas_us": screen["cublas"], "noise_pct": 100 * abs(screen["cublas"] - screen["cublas_again"])
-            / screen["cublas"], "candidates": len(runners), "failed": len(bad),
+            "screen_cublas_us": screen["cublas"],
+            "noise_pct": 100 * abs(screen["cublas"] - screen["cublas_again"]) / screen["cublas"],
+            "candidates": len(runners),
+            "failed": len(bad),
             "screen": {nm: round(t, 3) for nm, t in sorted(sk_times.items(), key=lambda kv: kv[1])},
         }
         rows.append(row)
-        print(f"{label:>15} {layer:>8} N={n:<6} K={k:<6} M={m:<3} cublas {row['cublas_us']:7.2f}  "
-              f"skinny {row['skinny_us']:7.2f}  x{row['speedup']:.2f}  roof {row['skinny_roof_pct']:5.1f}%  "
-              f"{best[7:]}  (default x{conf['cublas'] / row['default_us']:.2f})", flush=True)
+        print(
+            f"{label:>15} {layer:>8} N={n:<6} K={k:<6} M={m:<3} cublas {row['cublas_us']:7.2f}  "
+            f"skinny {row['skinny_us']:7.2f}  x{row['speedup']:.2f}  roof {row['skinny_roof_pct']:5.1f}%  "
+            f"{best[7:]}  (default x{conf['cublas'] / row['default_us']:.2f})",
+            flush=True,
+        )
         best_fx = min((nm for nm in sk_times if nm.endswith("_fx")), key=sk_times.get, default=None)
         cfg = ks.SkinnyConfig.parse(best_fx) if best_fx else None
         if in_suite and m in (1, 16) and cfg is not None:
-            variants = {suf: ks.SkinnyConfig(cfg.kind, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                                             cfg.num_stages, red)
-                        for suf, red in (("fixup", ks.REDUCE_FIXUP), ("reduce_kernel", ks.REDUCE_KERNEL),
-                                         ("atomic", ks.REDUCE_ATOMIC))}
-            rt = bench_gemm(key, {s: _variant_runner(c, key) for s, c in variants.items()}, dev, args.reps,
-                            seed=20_000 + idx)
+            variants = {
+                suf: ks.SkinnyConfig(
+                    cfg.kind, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages, red
+                )
+                for suf, red in (
+                    ("fixup", ks.REDUCE_FIXUP),
+                    ("reduce_kernel", ks.REDUCE_KERNEL),
+                    ("atomic", ks.REDUCE_ATOMIC),
+                )
+            }
+            rt = bench_gemm(
+                key, {s: _variant_runner(c, key) for s, c in variants.items()}, dev, args.reps, seed=20_000 + idx
+            )
             reductions.append({"model": label, "layer": layer, "N": n, "K": k, "M": m, "config": best_fx, **rt})
 
     eager = eager_overhead(be, dev)
@@ -311,56 +356,80 @@ def write_outputs(out: pathlib.Path, rows, reductions, ceil, sources, elapsed, e
             f"{r['cublas_us'] / r['default_us']:.2f} | {r['plain_us']:.2f} | {r['read_us']:.2f} |"
         )
     lines.append("")
-    lines.append(f"**Suite geomean speedup (best skinny vs cuBLAS, {len(suite)} cases): "
-                 f"{geomean([r['speedup'] for r in suite]):.3f}x**; with the untuned default choice: "
-                 f"{geomean([r['cublas_us'] / r['default_us'] for r in suite]):.3f}x")
+    lines.append(
+        f"**Suite geomean speedup (best skinny vs cuBLAS, {len(suite)} cases): "
+        f"{geomean([r['speedup'] for r in suite]):.3f}x**; with the untuned default choice: "
+        f"{geomean([r['cublas_us'] / r['default_us'] for r in suite]):.3f}x"
+    )
     for m in sorted({r["M"] for r in rows}):
         in_suite = any(r["suite"] and r["M"] == m for r in rows)  # suite Ms: suite rows only (no lm_head)
         sel = [r for r in rows if r["M"] == m and r["suite"] == in_suite]
         tag = "" if in_suite else " (extra)"
-        lines.append(f"- M={m}{tag}: geomean speedup {geomean([r['speedup'] for r in sel]):.3f}x, skinny "
-                     f"{geomean([r['skinny_roof_pct'] for r in sel]):.1f}% of roof (cuBLAS "
-                     f"{geomean([r['cublas_roof_pct'] for r in sel]):.1f}%)")
+        lines.append(
+            f"- M={m}{tag}: geomean speedup {geomean([r['speedup'] for r in sel]):.3f}x, skinny "
+            f"{geomean([r['skinny_roof_pct'] for r in sel]):.1f}% of roof (cuBLAS "
+            f"{geomean([r['cublas_roof_pct'] for r in sel]):.1f}%)"
+        )
     big = [r for r in suite if r["N"] * r["K"] * 2 >= BIG_WEIGHT]
     if big:
         worst = min(big, key=lambda r: r["skinny_roof_pct"])
-        lines.append(f"- weights >= 32 MB: min skinny % roof {worst['skinny_roof_pct']:.1f} "
-                     f"({worst['model']} {worst['layer']} M={worst['M']}); "
-                     f"{sum(r['skinny_roof_pct'] >= 85 for r in big)}/{len(big)} at >= 85%")
-    lines.append(f"- without PDL variants (best plain config, same confirm run): geomean "
-                 f"{geomean([r['cublas_us'] / r['plain_us'] for r in suite]):.3f}x; a read-only kernel over "
-                 f"the same weight (torch.sum) would be {geomean([r['cublas_us'] / r['read_us'] for r in suite]):.3f}x")
+        lines.append(
+            f"- weights >= 32 MB: min skinny % roof {worst['skinny_roof_pct']:.1f} "
+            f"({worst['model']} {worst['layer']} M={worst['M']}); "
+            f"{sum(r['skinny_roof_pct'] >= 85 for r in big)}/{len(big)} at >= 85%"
+        )
+    lines.append(
+        f"- without PDL variants (best plain config, same confirm run): geomean "
+        f"{geomean([r['cublas_us'] / r['plain_us'] for r in suite]):.3f}x; a read-only kernel over "
+        f"the same weight (torch.sum) would be {geomean([r['cublas_us'] / r['read_us'] for r in suite]):.3f}x"
+    )
     if big:
-        lines.append(f"- weights >= 32 MB, read-only kernel at >= 85% of roof: "
-                     f"{sum(100 * r['roof_us'] / r['read_us'] >= 85 for r in big)}/{len(big)}")
+        lines.append(
+            f"- weights >= 32 MB, read-only kernel at >= 85% of roof: "
+            f"{sum(100 * r['roof_us'] / r['read_us'] >= 85 for r in big)}/{len(big)}"
+        )
     for kind, what in (("torch", "a torch kernel (no early trigger)"), ("pdl", "a Triton kernel that triggers early")):
         sel = [r for r in suite if kind in r.get("prod", {})]
         if sel:
             ratio = lambda r, nm, kind=kind: r["prod"][kind]["cublas"] / r["prod"][kind][nm]
-            lines.append(f"- behind {what} writing x: best {geomean([ratio(r, 'best') for r in sel]):.3f}x, "
-                         f"best no-PDL {geomean([ratio(r, 'plain') for r in sel]):.3f}x "
-                         f"({len(sel)} cases; the producer's time is in both sides)")
+            lines.append(
+                f"- behind {what} writing x: best {geomean([ratio(r, 'best') for r in sel]):.3f}x, "
+                f"best no-PDL {geomean([ratio(r, 'plain') for r in sel]):.3f}x "
+                f"({len(sel)} cases; the producer's time is in both sides)"
+            )
     losses = [r for r in rows if r["speedup"] < 1.0]
-    lines.append(f"- skinny loses (speedup < 1) in {len(losses)} cases: " + (", ".join(
-        f"{r['model']} {r['layer']} M={r['M']} (x{r['speedup']:.2f})" for r in losses) or "none"))
+    lines.append(
+        f"- skinny loses (speedup < 1) in {len(losses)} cases: "
+        + (", ".join(f"{r['model']} {r['layer']} M={r['M']} (x{r['speedup']:.2f})" for r in losses) or "none")
+    )
     if reductions:
-        lines += ["", "Split-K reduction study (the best split-K config's tiles and split; us):", "",
-                  "| model | layer | M | config | fix-up (1 launch) | partials + reduce kernel "
-                  "| atomics + memset + cast |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Split-K reduction study (the best split-K config's tiles and split; us):",
+            "",
+            "| model | layer | M | config | fix-up (1 launch) | partials + reduce kernel | atomics + memset + cast |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in reductions:
-            lines.append(f"| {r['model']} | {r['layer']} | {r['M']} | {r['config'][7:]} | {r['fixup']:.2f} | "
-                         f"{r['reduce_kernel']:.2f} | {r['atomic']:.2f} |")
-        lines.append(f"\ngeomean time vs fix-up: reduce kernel "
-                     f"{geomean([r['reduce_kernel'] / r['fixup'] for r in reductions]):.3f}x, atomics "
-                     f"{geomean([r['atomic'] / r['fixup'] for r in reductions]):.3f}x")
+            lines.append(
+                f"| {r['model']} | {r['layer']} | {r['M']} | {r['config'][7:]} | {r['fixup']:.2f} | "
+                f"{r['reduce_kernel']:.2f} | {r['atomic']:.2f} |"
+            )
+        lines.append(
+            f"\ngeomean time vs fix-up: reduce kernel "
+            f"{geomean([r['reduce_kernel'] / r['fixup'] for r in reductions]):.3f}x, atomics "
+            f"{geomean([r['atomic'] / r['fixup'] for r in reductions]):.3f}x"
+        )
     if eager:
-        lines.append("\nEager wall time per call, M=1 N=4096 K=4096 (GPU time plus CPU launch; not in the table): "
-                     + ", ".join(f"{k} {v:.1f} us" for k, v in eager.items()))
+        lines.append(
+            "\nEager wall time per call, M=1 N=4096 K=4096 (GPU time plus CPU launch; not in the table): "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in eager.items())
+        )
     text = "\n".join(lines) + "\n"
     (out / "skinny_decode.md").write_text(text)
-    (out / "skinny_decode.json").write_text(json.dumps({"rows": rows, "reductions": reductions, "eager_us": eager,
-                                                         "ceilings": ceil.__dict__}, indent=1))
+    (out / "skinny_decode.json").write_text(
+        json.dumps({"rows": rows, "reductions": reductions, "eager_us": eager, "ceilings": ceil.__dict__}, indent=1)
+    )
     with open(out / "skinny_decode.csv", "w", newline="") as fh:
         cols = [c for c in rows[0] if c != "screen"] if rows else []
         wr = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")

@@ -82,8 +82,18 @@ def test_capture_cli_runs_the_command(tmp_path):
 
 def test_capture_cli_passes_the_exit_code(tmp_path):
     res = subprocess.run(
-        [sys.executable, "-m", "gemmtune.cli.main", "capture", "-o", str(tmp_path / "x.csv"), "--",
-         sys.executable, "-c", "raise SystemExit(3)"],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gemmtune.cli.main",
+            "capture",
+            "-o",
+            str(tmp_path / "x.csv"),
+            "--",
+            sys.executable,
+            "-c",
+            "raise SystemExit(3)",
+        ],  # fmt: skip
         capture_output=True,
         text=True,
     )

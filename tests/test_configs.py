@@ -58,9 +58,7 @@ def write(tmp_path, name, lines, header=HEADER):
 
 
 def row(M, us, libtype="torch", gfx="sm90", cu=132, N=256, K=512, kernel="native", outdtype="torch.bfloat16"):
-    return (
-        f"{gfx},{cu},{M},{N},{K},False,torch.bfloat16,{outdtype},False,False,{libtype},0,0,{us},{kernel},0.0,1.0,2.0"
-    )
+    return f"{gfx},{cu},{M},{N},{K},False,torch.bfloat16,{outdtype},False,False,{libtype},0,0,{us},{kernel},0.0,1.0,2.0"
 
 
 H100 = DeviceIdentity("sm90", 132)
@@ -206,8 +204,11 @@ def test_nvidia_rows_are_per_product_with_bare_arch_rows_as_fallback(tmp_path):
     p = write(
         tmp_path,
         "t.csv",
-        [row(16, 1.0, gfx="sm90-H100-80GB-HBM3", kernel="h100"), row(16, 1.0, gfx="sm90", kernel="any-sm90"),
-         row(64, 1.0, gfx="sm90-H200", kernel="h200")],  # fmt: skip
+        [
+            row(16, 1.0, gfx="sm90-H100-80GB-HBM3", kernel="h100"),
+            row(16, 1.0, gfx="sm90", kernel="any-sm90"),
+            row(64, 1.0, gfx="sm90-H200", kernel="h200"),
+        ],  # fmt: skip
     )
     table = ConfigTable.load(str(p))
     assert table.lookup(key(16), h100).kernel_name == "h100"  # exact product beats the bare arch

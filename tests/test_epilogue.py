@@ -211,7 +211,7 @@ def test_table_detected_loaded_and_dispatched(tmp_path, monkeypatch):
     from gemmtune.families import detect, get
     from gemmtune.families.epilogue import EpilogueKey
 
-    p = _table(tmp_path, [_row(), _row(act="gelu_tanh", M=16)])
+    p = _table(tmp_path, [_row(M=37), _row(act="gelu_tanh", M=16)])
     fam = get("epilogue")
     assert detect(list(fam.tuned_columns), str(p)).name == "epilogue"
     assert detect(list(fam.untuned_columns), "shapes.csv").name == "epilogue"
@@ -226,7 +226,7 @@ def test_table_detected_loaded_and_dispatched(tmp_path, monkeypatch):
     y = gemmtune.gemm_relu(x, w, b)
     assert _rel_err(y, _ref(x, w, b, None, 1, 0, "relu")) < 1e-6
     # A row the torch backend cannot run (the CPU's addmm_activation has no tanh GELU) falls back.
-    gemmtune.set_config(str(_table(tmp_path, [_row(act="gelu_tanh")], "bad_epilogue.csv")))
+    gemmtune.set_config(str(_table(tmp_path, [_row(act="gelu_tanh", M=37)], "bad_epilogue.csv")))
     res = gemmtune.resolve(key._replace(act="gelu_tanh"), "cpu", family="epilogue")
     assert res.solution.kernel_name == "native" and "fallback" in res.note
 

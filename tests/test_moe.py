@@ -151,10 +151,10 @@ def test_grouped_gemm_semantics_layouts_and_errors():
 
 
 # ---- family -----------------------------------------------------------------------------------------
-def test_aiter_table_loads_and_rewrites_byte_identically(shared, tmp_path):
+def test_aiter_table_loads_and_rewrites_byte_identically(aiter_configs, tmp_path):
     from gemmtune.configs.table import ConfigTable, read_table_file
 
-    path = shared / "reference" / "aiter-configs" / "tuned_fmoe.csv"
+    path = aiter_configs / "tuned_fmoe.csv"
     before = hashlib.sha256(path.read_bytes()).hexdigest()
     table = ConfigTable.load(str(path))
     assert table.family.name == "fmoe" and len(table) > 100

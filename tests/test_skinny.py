@@ -70,8 +70,7 @@ def _interp_main() -> None:
 @pytest.fixture(scope="module")
 def interp_results():
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {tuple(r["case"]): r for r in rows}
@@ -87,6 +86,7 @@ def test_interpreter_matches_reference(interp_results, case):
 
 
 # ---- solution ids (no kernels run) --------------------------------------------------------------
+
 
 def test_solution_ids_round_trip():
     from gemmtune.backends.base import stable_solidx
@@ -123,9 +123,17 @@ def test_pdl_names_round_trip():
 
 @pytest.mark.parametrize(
     "name",
-    ["native", "skinny_dot_bn64_bk256_sk4_w4_s3", "skinny_dot_bn64_bk256_sk1_w4_s3_fx",
-     "skinny_dot_bn60_bk256_sk1_w4_s3", "skinny_mma_bn64_bk256_sk1_w4_s3", "skinny_dot_bn8_bk256_sk1_w4_s3",
-     "skinny_dot_bn64_bk256_sk2_w4_s3_at", "skinny_dot_bn64_bk256_sk65_w4_s3_fx", ""],
+    [
+        "native",
+        "skinny_dot_bn64_bk256_sk4_w4_s3",
+        "skinny_dot_bn64_bk256_sk1_w4_s3_fx",
+        "skinny_dot_bn60_bk256_sk1_w4_s3",
+        "skinny_mma_bn64_bk256_sk1_w4_s3",
+        "skinny_dot_bn8_bk256_sk1_w4_s3",
+        "skinny_dot_bn64_bk256_sk2_w4_s3_at",
+        "skinny_dot_bn64_bk256_sk65_w4_s3_fx",
+        "",
+    ],
 )
 def test_unknown_names_give_none(name):
     from gemmtune.backends.skinny import SkinnyBackend
@@ -162,6 +170,7 @@ def test_bad_operands_raise_value_error():
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
+
 
 def _representatives(be, key, device):
     """A few candidates that cover every code path (each kernel kind x reduction, the default, and

@@ -175,7 +175,7 @@ def test_table_loads_and_routes_to_the_dense_twin(tmp_path):
     x = torch.randn(16, 48)
     key = gemmtune.ops.sparse.key_of(x, ws, None, "bsr")
     cols = list(fam.tuned_columns)
-    row = dict(gfx=ident.gfx, cu_num=ident.cu_num, M=64, N=40, K=48, bias="False", dtype="torch.float32",
+    row = dict(gfx=ident.gfx, cu_num=ident.cu_num, M=16, N=40, K=48, bias="False", dtype="torch.float32",
                libtype="torch", solidx=0, splitK=0, us=1, kernelName="dense", err_ratio=0, tflops=0, bw=0,
                pattern="bsr", density=str(key.density * 0.9), block="4x8")  # fmt: skip
     p = tmp_path / "sparse_tuned.csv"

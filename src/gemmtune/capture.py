@@ -155,3 +155,8 @@ class CaptureSet:
 
     def files(self) -> list[str]:
         return [c.path for c in self._by_family.values()]
+
+    @property
+    def counts(self) -> dict:
+        """Calls per key so far in this process, every family together."""
+        return {k: n for cap in self._by_family.values() for k, n in cap.counts.items()}

@@ -13,7 +13,6 @@ import torch
 
 from .ops.epilogue import cutlass_gemm, gemm_bias, gemm_gelu, gemm_relu
 from .ops.gemm import gemm
-from .ops.sparse import sparse_gemm
 from .ops.quantized import (  # noqa: F401 - aiter's 8-bit op names, re-exported
     gemm_a8w8,
     gemm_a8w8_blockscale,
@@ -21,6 +20,7 @@ from .ops.quantized import (  # noqa: F401 - aiter's 8-bit op names, re-exported
     gemm_a8w8_bpreshuffle,
     int8_gemm,
 )
+from .ops.sparse import sparse_gemm
 from .quant.shuffle import shuffle_weight  # noqa: F401
 
 

@@ -22,9 +22,14 @@ _BUILTIN = {
     "gemmtune.backends.triton_gemm": ("TritonGemmBackend",),
     "gemmtune.backends.blaslt": ("BlasLtBackend",),
     "gemmtune.backends.quantized": (
-        "TorchA8W8Backend", "TorchA8W8BPreshuffleBackend", "TorchBlockscaleBackend",
-        "TorchBlockscaleBPreshuffleBackend", "TritonA8W8Backend", "TritonA8W8BPreshuffleBackend",
-        "TritonBlockscaleBackend", "TritonBlockscaleBPreshuffleBackend",
+        "TorchA8W8Backend",
+        "TorchA8W8BPreshuffleBackend",
+        "TorchBlockscaleBackend",
+        "TorchBlockscaleBPreshuffleBackend",
+        "TritonA8W8Backend",
+        "TritonA8W8BPreshuffleBackend",
+        "TritonBlockscaleBackend",
+        "TritonBlockscaleBPreshuffleBackend",
     ),  # fmt: skip
     "gemmtune.backends.moe": ("TorchMoeBackend", "TritonMoeBackend"),
     "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),

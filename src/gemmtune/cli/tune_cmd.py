@@ -96,9 +96,13 @@ def _log(msg: str) -> None:
 @click.option("--ms", default=None,
               help="Tune every shape of SHAPES at these Ms instead of the list's own: a comma list, LO..HI "
               "for the powers of two between, or both (e.g. 1..8192).")  # fmt: skip
-@click.option("--verify-range/--no-verify-range", default=True, show_default=True,
-              help="Time each winner at the middle and lower edge of the M range its row will answer (down "
-              "to the next smaller tuned M) and record the range where it is not slower than the default.")
+@click.option(
+    "--verify-range/--no-verify-range",
+    default=True,
+    show_default=True,
+    help="Time each winner at the middle and lower edge of the M range its row will answer (down "
+    "to the next smaller tuned M) and record the range where it is not slower than the default.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Base seed (per shape derived).")
 @click.option(
     "--precompile/--no-precompile",

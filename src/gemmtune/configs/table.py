@@ -108,7 +108,7 @@ class ConfigTable:
                  family: Family | str = "a16w16"):  # fmt: skip
         self.family: Family = families.get(family) if isinstance(family, str) else family
         self.files: list[str] = list(files or [])
-        self.columns: list[str] = list(self.family.tuned_columns)
+        self.columns: list[str] = list(self.family.table_columns())
         self.conflicts: list[Conflict] = []
         self._rows: dict[tuple, TunedRow] = {}
         self._index: dict[DeviceIdentity, dict[tuple, tuple[list[int], list[TunedRow]]]] = {}

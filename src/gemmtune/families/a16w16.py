@@ -25,7 +25,7 @@ class A16W16(Family):
         int_col("M"), int_col("N"), int_col("K"), bool_col("bias"), dtype_col("dtype"),
         dtype_col("outdtype"), bool_col("scaleAB"), bool_col("bpreshuffle"),
     )  # fmt: skip
-    tuned_columns = (*AITER_TUNED_COLUMNS, "M_lo", "M_hi")
+    tuned_columns = AITER_TUNED_COLUMNS
     untuned_columns = ("M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle")
     signature = frozenset({"M", "N", "K"})
     excludes = frozenset({"B", "q_dtype_w", "kernelId", "token", "act", "alpha", "beta", "pattern"})

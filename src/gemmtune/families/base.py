@@ -125,6 +125,10 @@ class Family:
         """Columns of the M range a row was verified on (written by gemmtune's tuner, absent in aiter's)."""
         return (f"{self.m_field}_lo", f"{self.m_field}_hi")
 
+    def table_columns(self) -> tuple[str, ...]:
+        """The header of a table gemmtune writes: the family's columns, then the verified M range."""
+        return (*self.tuned_columns, *(c for c in self.range_columns if c not in self.tuned_columns))
+
     def with_m(self, key, m: int):
         return key._replace(**{self.m_field: m})
 

@@ -53,7 +53,7 @@ class Batched(Family):
     roles = Roles(libtype="libtype", solidx="kernelId", err_ratio="err_ratio")
     tuned_columns = (
         "gfx", "cu_num", "B", "M", "N", "K", "kernelId", "splitK", "us", "kernelName", "tflops", "bw",
-        "errRatio", "libtype", "dtype", "outdtype", "transA", "transB", "M_lo", "M_hi",
+        "errRatio", "libtype", "dtype", "outdtype", "transA", "transB",
     )  # fmt: skip
     untuned_columns = ("B", "M", "N", "K", "dtype", "outdtype", "transA", "transB")
     signature = frozenset({"B", "M", "N", "K"})

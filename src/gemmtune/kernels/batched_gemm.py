@@ -117,7 +117,7 @@ def _bmm_kernel(
         BM, BN, BK, EVEN_K, False, INPUT_PREC, STAGES,
     )  # fmt: skip
     if not IS_SPLIT:
-        _epilogue(acc, c, c, M, N, scm, scn, pid_m, pid_n, BM, BN, False)
+        _epilogue(acc, c, c, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
     else:
         pid_k = tl.program_id(2)
         # Partials live per (batch, tile) as [split_k, BM, BN] fp32 blocks: contiguous, no masks.
@@ -135,7 +135,7 @@ def _bmm_kernel(
                 acc = tl.load(tile_part + offs, cache_modifier=".cg")
                 for s in range(1, split_k):
                     acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=".cg")
-                _epilogue(acc, c, c, M, N, scm, scn, pid_m, pid_n, BM, BN, False)
+                _epilogue(acc, c, c, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
                 tl.atomic_xchg(lock + slot, 0, sem="relaxed", scope="gpu")  # ready for the next call
         else:
             tl.store(tile_part + pid_k * (BM * BN) + offs, acc)
@@ -157,7 +157,7 @@ def _bmm_reduce(
     acc = tl.load(tile_part + offs)
     for s in range(1, split_k):
         acc += tl.load(tile_part + s * (BM * BN) + offs)
-    _epilogue(acc, c, c + batch * scb, M, N, scm, scn, pid_m, pid_n, BM, BN, False)
+    _epilogue(acc, c, c + batch * scb, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
 
 
 class BmmKernel:

@@ -122,8 +122,8 @@ class _Planner:
             if isinstance(spec, str):
                 self.skip("moe", path, mlp, spec)
             else:
-                self.add("moe", _join(path, "experts"), mlp.experts, f"experts -> gemmtune.fused_moe ({spec.describe()})",
-                         spec=spec)  # fmt: skip
+                detail = f"experts -> gemmtune.fused_moe ({spec.describe()})"
+                self.add("moe", _join(path, "experts"), mlp.experts, detail, spec=spec)
             return
         act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"
         act_fn = getattr(mlp, act_attr, None)

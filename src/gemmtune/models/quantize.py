@@ -110,13 +110,13 @@ def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:
         if type(mod) is not nn.Linear and not isinstance(mod, FusedLinear):
             continue
         if mod is out_emb and not lm_head:
-            report.skip(f"quantize: {path}", "lm_head stays 16-bit (quantize_lm_head=True to quantize it)")
+            report.skip("quantize", path, type(mod).__name__, "lm_head stays 16-bit (quantize_lm_head=True)")
             continue
         if _STATE in mod.__dict__:
             continue
         why = _skip_reason(mod, mode)
         if why:
-            report.skip(f"quantize: {path}", why)
+            report.skip("quantize", path, type(mod).__name__, why)
             continue
         wq, ws, err = _quantize_weight(mod.weight.detach(), mode, mod.weight.device)
         bias = None if mod.bias is None else mod.bias.detach()
@@ -125,5 +125,5 @@ def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:
         mod.forward = types.MethodType(_quant_forward, mod)
         done.append(mod)
         scales = "128x128 blocks" if mode == "fp8-block" else "per channel"
-        report.change(f"quantize: {path} ({mod.weight.shape[0]}x{mod.weight.shape[1]}, {wq.dtype} {scales}, "
-                      f"weight rel err {err:.1e})")  # fmt: skip
+        report.change("quantize", path, type(mod).__name__, f"{mod.weight.shape[0]}x{mod.weight.shape[1]}, "
+                      f"{wq.dtype} {scales}, weight rel err {err:.1e}")  # fmt: skip

@@ -18,8 +18,11 @@ _SECTIONS = {
     "mlp": "swapped",
     "norm": "swapped",
     "route": "routed through gemmtune.gemm",
+    "moe": "swapped",
+    "epilogue_mlp": "fused",
+    "quantize": "quantized",
 }
-_ORDER = ("fused", "swapped", "routed through gemmtune.gemm", "left alone")
+_ORDER = ("fused", "swapped", "quantized", "routed through gemmtune.gemm", "left alone")
 # What was not done, per kind of skip, so a reason reads as "q/k/v not fused: <why>".
 _NOT_DONE = {
     "fuse qkv": "q/k/v not fused",
@@ -29,6 +32,9 @@ _NOT_DONE = {
     "norm": "not swapped",
     "layer": "layer not fused",
     "linear": "not routed",
+    "moe": "experts not swapped",
+    "epilogue mlp": "MLP epilogue not fused",
+    "quantize": "not quantized",
 }
 _MAX_PATHS = 3
 

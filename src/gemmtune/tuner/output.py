@@ -26,7 +26,7 @@ def existing_table(path: str, family: Family) -> TableFile:
     """The output table as it is (empty, in the family's schema, when the file does not exist yet).
     A file of another family is an error: tuning bf16 keys into an a8w8 table would mix their rows."""
     if not os.path.exists(path):
-        return TableFile(path, family, list(family.tuned_columns), [])
+        return TableFile(path, family, list(family.table_columns()), [])
     return read_table_file(path, family, allow_empty=True)
 
 
@@ -39,7 +39,7 @@ def full_header(tf: TableFile) -> list[str]:
     written into a legacy file (no gfx / dtype / bias ...) must keep its key and GPU, not read back as
     'bf16, no bias, any arch'. Columns the family does not know stay, after the family's."""
     have = tf.columns
-    schema = list(tf.family.tuned_columns)
+    schema = list(tf.family.table_columns())
     if all(c in have for c in (families.normalize(tf.family, schema))):
         return list(tf.raw_header)
     extra = [h for h, c in zip(tf.raw_header, have) if c not in families.normalize(tf.family, schema)]

@@ -167,8 +167,18 @@ def tune_file(
     bar = _Progress(fam, todo, progress, log)
     say = bar.say
     gen: Iterator = (
-        run_workers(todo, device, opts, mp_workers, timeout, say, verbose=verbose, family=fam.name,
-                    describe=lambda t: fam.describe(t.key), m_lo=floors)  # fmt: skip
+        run_workers(
+            todo,
+            device,
+            opts,
+            mp_workers,
+            timeout,
+            say,
+            verbose=verbose,
+            family=fam.name,
+            describe=lambda t: fam.describe(t.key),
+            m_lo=floors,
+        )  # fmt: skip
         if mp_workers
         else run_inprocess(todo, device, opts, say if verbose else (lambda m: None), fam, floors)
     )

@@ -87,7 +87,7 @@ def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_pe
         # the GPU busy while every launch of the round is queued; the order rotates so no contender
         # always runs first.
         torch.cuda._sleep(_SPACER_CYCLES * (1 + len(names) // 8))
-        order = names[rep % len(names):] + names[: rep % len(names)] if names else []
+        order = names[rep % len(names) :] + names[: rep % len(names)] if names else []
         for name in order:
             start, end = events[name]
             start.record()
