@@ -150,3 +150,31 @@ def test_bench_progress_eta_weighs_shapes_by_cost(tmp_path, monkeypatch, capsys)
     assert sorted(updates) == [c_small, c_big]
     err = capsys.readouterr().err
     assert "100%" in err and "(2/2 shapes)" in err
+
+
+def test_bench_any_ms_through_the_table_and_other_families(tmp_path):
+    from gemmtune.tuner.runner import tune_file
+    from gemmtune.tuner.search import TuneOptions
+
+    shapes = tmp_path / "s.csv"
+    shapes.write_text("M,N,K,dtype\n4,32,16,torch.float32\n")
+    table = tmp_path / "t.csv"
+    tune_file(str(shapes), str(table), TuneOptions(reps=5), CPU, progress=False, ms=[4, 16], log=lambda m: None)
+    res = CliRunner().invoke(cli, ["bench", str(table), "--device", "cpu", "--reps", "5", "--no-progress",
+                                   "--ms", "3,12,16,40", "-o", str(tmp_path / "b")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "b.json").read_text())
+    got = {r["M"]: r["row_m"] for r in data["rows"]}
+    assert got == {3: 4, 12: 16, 16: 16, 40: 0}  # verified ranges 1..4 and 5..16 (default kept); 40: none
+    assert data["meta"]["family"] == "a16w16" and data["meta"]["ms"] == [3, 12, 16, 40]
+    # A batched table benches through its own op's runners.
+    bshapes = tmp_path / "b.csv"
+    bshapes.write_text("B,M,N,K,dtype\n2,4,8,16,torch.float32\n")
+    btable = tmp_path / "bt.csv"
+    tune_file(str(bshapes), str(btable), TuneOptions(reps=5), CPU, progress=False, log=lambda m: None)
+    res = CliRunner().invoke(cli, ["bench", str(btable), "--device", "cpu", "--reps", "5", "--no-progress",
+                                   "--ms", "1,4,9", "-o", str(tmp_path / "bb")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "bb.json").read_text())["rows"]
+    assert [(r["family"], r["M"]) for r in rows] == [("batched", 1), ("batched", 4), ("batched", 9)]
+    assert "B=2" in rows[0]["shape"] and "N=8" in rows[0]["shape"]

@@ -13,6 +13,7 @@ from ..device import identity, parse_device
 from ..errors import GemmtuneError
 from ..tuner.bench import HEADER, bench_table, dispatch_overhead_us, summarize, summary_lines, write_outputs
 from ..tuner.runner import import_plugins
+from ..tuner.shapes import parse_nsets
 from ..tuner.timing import measure_ceilings
 
 
@@ -30,13 +31,17 @@ from ..tuner.timing import measure_ceilings
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--plugin", multiple=True, help="Module to import that registers extra backends.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
-def command(tuned, prefix, reps, device, seed, plugin, progress) -> None:  # fmt: skip
-    """Benchmark every row of TUNED that applies to this GPU: gemmtune.gemm with the table in effect vs
-    the vendor default (F.linear, timed twice for the noise) vs the roofline, one interleaved CUDA-graph
-    run over cold weights per shape. Prints a table and geomean speedups per M range; writes CSV,
+@click.option("--ms", default=None,
+              help="Bench every shape of TUNED at these Ms, tuned or not (a comma list, LO..HI for the powers "
+              "of two between, or both), e.g. 1..8192,3,12,24,48,96: the Ms a server runs.")  # fmt: skip
+def command(tuned, prefix, reps, device, seed, plugin, progress, ms) -> None:  # fmt: skip
+    """Benchmark TUNED (a tuned table of any GEMM family) on this GPU: what the runtime dispatches with the
+    table in effect vs the family's default (F.linear, torch.bmm ..., timed twice for the noise) vs the
+    roofline, one interleaved CUDA-graph run over cold weights per key: every row that applies here, or
+    with --ms every shape at every M given. Prints a table and geomean speedups per M range; writes CSV,
     JSON and a PNG plot (with matplotlib). Example:
 
-        gemmtune bench tuned.csv -o results/llama8b
+        gemmtune bench tuned.csv -o results/llama8b --ms 1..4096,3,12,24,48,96,192,384,768,1536,3072
     """
     import importlib
 
@@ -52,6 +57,7 @@ def command(tuned, prefix, reps, device, seed, plugin, progress) -> None:  # fmt
         raise click.BadParameter(str(exc), param_hint="'--device'") from None
     try:
         table = ConfigTable.load([tuned])
+        ladder = parse_nsets(ms) if ms else None
     except (GemmtuneError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     ident = identity(dev)
@@ -63,7 +69,8 @@ def command(tuned, prefix, reps, device, seed, plugin, progress) -> None:  # fmt
             f"the table has rows for {', '.join(f'{g}/{c}' for g, c in gpus) or 'nothing'}"
         )
     t0 = time.perf_counter()
-    meta = {"table": os.path.abspath(tuned), "device": str(dev), "gfx": ident.gfx, "cu_num": ident.cu_num,
+    meta = {"table": os.path.abspath(tuned), "family": table.family.name, "ms": ladder, "device": str(dev),
+            "gfx": ident.gfx, "cu_num": ident.cu_num,
             "torch": torch.__version__, "reps": reps, "title": f"{os.path.basename(tuned)} on {ident.gfx}"}  # fmt: skip
     if dev.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(dev)
@@ -75,7 +82,7 @@ def command(tuned, prefix, reps, device, seed, plugin, progress) -> None:  # fmt
         click.echo("CPU: times are eager wall-clock (no CUDA graphs), so the tuned column includes gemmtune's "
                    "per-call dispatch overhead; no roofline.")  # fmt: skip
     click.echo(HEADER)
-    rows = bench_table(table, dev, reps=reps, seed=seed, log=click.echo, progress=progress)
+    rows = bench_table(table, dev, reps=reps, seed=seed, log=click.echo, progress=progress, ms=ladder)
     summary = summarize(rows)
     meta["dispatch_overhead_us"] = dispatch_overhead_us(dev)
     meta["seconds"] = time.perf_counter() - t0

@@ -1,9 +1,12 @@
-"""`gemmtune bench`: a tuned table, dispatched through the runtime, vs the vendor default vs the roof.
+"""`gemmtune bench`: a tuned table of any GEMM family, dispatched through the runtime, vs the family's
+default vs the roof, at the table's own Ms or at any list of Ms (`--ms`: tuned or not, what a server runs).
 
-Per row of the table that applies to this GPU, one interleaved bench_gemm run (docs/benchmarking.md:
-CUDA-graph replay over rotating cold input sets, median) of three contenders on the same inputs:
-  tuned     gemmtune.gemm with the table in effect (dispatch.set_config), i.e. what a user gets;
-  default   the vendor default (torch's default solution: F.linear), timed before and after tuned
+Per key (a row of the table that applies to this GPU, or each of its shapes at each M of `ms`), one
+interleaved bench_gemm run (docs/benchmarking.md: CUDA-graph replay over rotating cold input sets,
+median) of three contenders on the same inputs:
+  tuned     what the runtime dispatches with the table in effect (dispatch.set_config): for a16w16 the
+            call goes through gemmtune.gemm, for other families through the runner their op caches;
+  default   the family's default (torch's default solution: F.linear, torch.bmm ...), timed before and after tuned
             (default, default#2); the noise is the spread between the two, drift included, but never
             less than NOISE_FLOOR (1%, measured with A/A rows, see below).
 speedup = default_us / tuned_us; % of roof = roof_us / us (timing.roof_us, ceilings measured in the
@@ -29,16 +32,16 @@ from .. import backends
 from ..configs.table import ConfigTable
 from ..device import identity
 from ..dispatch import get_dispatcher, resolve, set_config
+from ..families import Family
 from ..keys import GemmKey, dtype_name
 from ..ops.gemm import gemm
-from .search import DEFAULT_LIBTYPE, shape_seed
+from .search import NOISE_FLOOR, shape_seed
 from .timing import Ceilings, bench_gemm, measure_ceilings, roof_us
 
-# The smallest difference this method resolves. Rows that dispatch to the default kernel itself are
-# A/A runs: on an H100 (76 such rows of the decode, prefill and llama-3-8b benches, 2026-11-21) they
-# read 0.993x-1.008x against the same F.linear timed beside them, some in the recheck too, while the
-# two default timings agreed to 0.0-0.3%. Two samples understate the noise; below 1% is no difference.
-NOISE_FLOOR = 0.01
+# NOISE_FLOOR (search.py): the smallest difference this method resolves. Rows that dispatch to the
+# default kernel itself are A/A runs: on an H100 (76 such rows of the decode, prefill and llama-3-8b
+# benches) they read 0.993x-1.008x against the same F.linear timed beside them, while the two default
+# timings agreed to 0.0-0.3%. Two samples understate the noise; below 1% is no difference.
 
 M_RANGES = (("M<=16", 1, 16), ("16<M<=512", 17, 512), ("M>512", 513, 1 << 62))
 
@@ -75,6 +78,9 @@ class BenchRow:
 
     recheck_speedup: float = math.nan  # second, independent run of a row the first run found slower
     is_default: bool = False  # the row dispatches to the default solution: tuned and default are one kernel
+    family: str = "a16w16"
+    shape: str = ""  # the key without M, as the family writes it
+    row_m: int = 0  # M of the table row that answered (0: none, the default ran)
 
     @property
     def first_run_slower(self) -> bool:
@@ -121,11 +127,15 @@ def dispatch_overhead_us(device: torch.device, calls: int = 2000) -> float:
     return out["gemm"] - min(out["linear"], out["linear2"])
 
 
-def estimated_cost_us(key: GemmKey, device: torch.device, reps: int, ceilings: Ceilings | None = None) -> float:
+def estimated_cost_us(key, device: torch.device, reps: int, ceilings: Ceilings | None = None,
+                      family: Family | None = None) -> float:  # fmt: skip
     """Rough wall time of one shape's bench run (setup, then `reps` interleaved rounds of the
     contenders at roofline speed); weighs the progress bar's ETA, is never reported as a time."""
     kind = "cuda" if device.type == "cuda" else "cpu"
-    call_us = max(roof_us(key, ceilings or _NOMINAL_CPU), _CALL_FLOOR_US[kind])
+    try:
+        call_us = max(roof_us(key, ceilings or _NOMINAL_CPU, family), _CALL_FLOOR_US[kind])
+    except NotImplementedError:
+        call_us = _CALL_FLOOR_US[kind]
     return _SETUP_US[kind] + reps * (_ROUND_US[kind] + _CONTENDERS * call_us)
 
 
@@ -138,6 +148,25 @@ def _progress_bar(total: float, shapes: int, enabled: bool):
                 disable=not (enabled and shapes))  # fmt: skip
 
 
+def bench_keys(table: ConfigTable, ident, ms: list[int] | None = None) -> list[tuple]:
+    """What to bench: the table's rows for this GPU (key, recorded us), or with `ms` each of its shapes
+    at every M of `ms` (recorded us where a row has exactly that key, else NaN)."""
+    fam = table.family
+    rows = table.rows_for(ident)
+    order = lambda k: (str(fam.shape_family(k)), fam.m_of(k))  # noqa: E731
+    if not ms:
+        return sorted(((r.key, r.us) for r in rows), key=lambda p: order(p[0]))
+    recorded = {r.key: r.us for r in rows}
+    shapes = dict.fromkeys(fam.with_m(r.key, 1) for r in rows)
+    keys = [fam.with_m(k, m) for k in shapes for m in sorted(set(ms))]
+    return sorted(((k, recorded.get(k, math.nan)) for k in keys), key=lambda p: order(p[0]))
+
+
+def _shape_text(fam: Family, key) -> str:
+    text = fam.describe(key).removeprefix(fam.name + " ")
+    return " ".join(p for p in text.split() if not p.startswith(f"{fam.m_field}="))
+
+
 def bench_table(
     table: ConfigTable,
     device: torch.device,
@@ -145,18 +174,21 @@ def bench_table(
     seed: int = 0,
     log: Callable[[str], None] = lambda m: None,
     progress: bool = False,
+    ms: list[int] | None = None,
 ) -> list[BenchRow]:
-    """Benchmark every row of `table` that applies to `device`; the table is in effect meanwhile.
+    """Benchmark `table` on `device` (its rows for this GPU, or its shapes at every M of `ms`); the table
+    is in effect meanwhile.
 
     progress: a bar on stderr whose ETA weighs each shape by estimated_cost_us."""
+    fam = table.family
     ident = identity(device)
-    rows = sorted(table.rows_for(ident), key=lambda r: (r.key.shape_family()[:3], str(r.key.dtype), r.key.M))
+    keys = bench_keys(table, ident, ms)
     ceilings = measure_ceilings(device) if device.type == "cuda" else None
-    torch_backend = backends.get(DEFAULT_LIBTYPE)
+    torch_backend = backends.get(fam.default_libtype, fam.name)
     dispatcher = get_dispatcher()
-    previous = dispatcher.table()
-    costs = [estimated_cost_us(r.key, device, reps, ceilings) for r in rows]
-    bar = _progress_bar(sum(costs), len(rows), progress)
+    previous = dispatcher.store()
+    costs = [estimated_cost_us(k, device, reps, ceilings, fam) for k, _ in keys]
+    bar = _progress_bar(sum(costs), len(keys), progress)
 
     def say(msg: str) -> None:
         with bar.external_write_mode():  # lift the bar off the terminal while the line is written
@@ -165,48 +197,53 @@ def bench_table(
     set_config(table)
     out: list[BenchRow] = []
     try:
-        for i, (row, cost) in enumerate(zip(rows, costs)):
-            key = row.key
-            bar.set_description_str(f"bench {key.M}x{key.N}x{key.K} ({i + 1}/{len(rows)} shapes)", refresh=False)
-            if key.scaleAB or key.bpreshuffle or not key.dtype.is_floating_point:
-                say(f"skipped {key.describe()}: gemmtune bench covers a16w16 GEMMs only")
+        for i, ((key, table_us), cost) in enumerate(zip(keys, costs)):
+            bar.set_description_str(f"bench {fam.describe(key)} ({i + 1}/{len(keys)} shapes)", refresh=False)
+            why = _unbenchable(fam, key, torch_backend)
+            if why:
+                say(f"skipped {fam.describe(key)}: {why}")
                 bar.update(cost)
                 continue
             default_solution = torch_backend.default_solution(key, device)
             default = torch_backend.make_runner(default_solution, key, device)
-            res = resolve(key, device)
+            res = resolve(key, device, fam.name)
             is_default = res.solution == default_solution
-            # On a GPU the call goes through gemmtune.gemm inside the graph (its CPU cost vanishes, as in
-            # serving); without graphs (CPU) wall time would be dispatch cost, reported apart, so the
-            # row's resolved runner (what gemm calls) is timed instead.
-            tuned = _runner_through_dispatch(key) if device.type == "cuda" else res.runner
+            # On a GPU the a16w16 call goes through gemmtune.gemm inside the graph (its CPU cost vanishes,
+            # as in serving); without graphs (CPU) wall time would be dispatch cost, reported apart, so
+            # the row's resolved runner (what the op calls) is timed instead.
+            through_op = device.type == "cuda" and fam.name == "a16w16"
+            tuned = _runner_through_dispatch(key) if through_op else res.runner
             runners = {"default": default, "tuned": tuned, "default#2": default}
-            t = bench_gemm(key, runners, device=device, reps=reps, seed=shape_seed(key, seed))
+            sseed = shape_seed(key, seed, fam)
+            t = bench_gemm(key, runners, device=device, reps=reps, seed=sseed, family=fam)
             d1, d2 = t["default"], t["default#2"]
             recheck = math.nan
             noise = max(abs(d1 - d2) / min(d1, d2), NOISE_FLOOR) if min(d1, d2) > 0 else math.nan
             if not is_default and t["tuned"] > (d1 + d2) / 2 * (1 + noise):
                 # Found slower: time it again on fresh inputs and graphs before calling it a regression.
                 bar.total += cost
-                t2 = bench_gemm(key, runners, device=device, reps=reps, seed=shape_seed(key, seed + 1))
+                t2 = bench_gemm(key, runners, device=device, reps=reps, seed=sseed + 1, family=fam)
                 recheck = (t2["default"] + t2["default#2"]) / 2 / t2["tuned"]
                 bar.update(cost)
             out.append(
                 BenchRow(
-                    key.M,
-                    key.N,
-                    key.K,
-                    key.bias,
-                    dtype_name(key.dtype),
-                    dtype_name(key.outdtype),
+                    fam.m_of(key),
+                    getattr(key, "N", 0),
+                    getattr(key, "K", 0),
+                    bool(getattr(key, "bias", False)),
+                    dtype_name(getattr(key, "dtype", torch.bfloat16)),
+                    dtype_name(fam.out_dtype(key)),
                     res.solution.describe(),
-                    row.us,
+                    table_us,
                     t["tuned"],
                     (d1 + d2) / 2,
                     noise,
-                    roof_us(key, ceilings) if ceilings else math.nan,
+                    roof_us(key, ceilings, fam) if ceilings else math.nan,
                     recheck,
                     is_default,
+                    fam.name,
+                    _shape_text(fam, key),
+                    res.row.m if res.row is not None else 0,
                 )  # fmt: skip
             )
             say(_line(out[-1]))
@@ -217,13 +254,26 @@ def bench_table(
     return out
 
 
+def _unbenchable(fam: Family, key, torch_backend) -> str:
+    if torch_backend is None:
+        return f"the {fam.name} family has no runnable op here ({fam.unrunnable})"
+    if fam.name == "a16w16" and (key.scaleAB or key.bpreshuffle or not key.dtype.is_floating_point):
+        return "scaled / pre-shuffled a16w16 rows are aiter's: gemmtune runs no such kernel"
+    return ""
+
+
 def _line(r: BenchRow) -> str:
-    shape = f"{r.M}x{r.N}x{r.K}{'+b' if r.bias else ''}"
+    if r.family == "a16w16":
+        shape = f"{r.M}x{r.N}x{r.K}{'+b' if r.bias else ''}"
+    else:
+        shape = f"M={r.M} {r.shape}"
     roof_t = r.roof_pct(r.tuned_us)
     roof_d = r.roof_pct(r.default_us)
     rt = "-" if roof_t != roof_t else f"{roof_t:.0f}%"
     rd = "-" if roof_d != roof_d else f"{roof_d:.0f}%"
     flag = "  (= default: noise only)" if r.is_default else ""
+    if r.row_m and r.row_m != r.M:
+        flag += f"  [row M={r.row_m}]"
     if r.first_run_slower:
         again = f"recheck {r.recheck_speedup:.3f}x"
         flag = f"  SLOWER ({again})" if r.slower_beyond_noise else f"  (slower once; {again})"
@@ -319,20 +369,21 @@ def plot(rows: list[BenchRow], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fams: dict[tuple, list[BenchRow]] = {}
+    shapes: dict[str, list[BenchRow]] = {}
     for r in rows:
-        fams.setdefault((r.N, r.K, r.bias, r.dtype), []).append(r)
+        label = f"{r.N}x{r.K}{'+b' if r.bias else ''}" if r.family == "a16w16" else r.shape
+        shapes.setdefault(label, []).append(r)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for (n, k, b, _), rs in fams.items():
+    for label, rs in shapes.items():
         rs = sorted(rs, key=lambda r: r.M)
         ms = [r.M for r in rs]
-        line = ax1.plot(ms, [r.speedup for r in rs], marker="o", label=f"{n}x{k}{'+b' if b else ''}")[0]
+        line = ax1.plot(ms, [r.speedup for r in rs], marker="o", label=label)[0]
         if any(r.roof_us == r.roof_us for r in rs):
             ax2.plot(ms, [r.roof_pct(r.tuned_us) for r in rs], marker="o", color=line.get_color())
             ax2.plot(ms, [r.roof_pct(r.default_us) for r in rs], ls="--", color=line.get_color())
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.set(xscale="log", xlabel="M (tokens)", ylabel="speedup vs default (default us / tuned us)", title=title)
-    ax1.legend(fontsize=7, title="N x K")
+    ax1.legend(fontsize=7, title="shape")
     ax2.set(xscale="log", xlabel="M (tokens)", ylabel="% of roof (solid tuned, dashed default)", ylim=(0, 105))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
