@@ -1,6 +1,6 @@
 """How the fused elementwise ops (norms, act*mul, rope) run inside torch.compile, per op.
 
-- "ref": the plain PyTorch formula, which inductor fuses with the ops around it (the default).
+- "ref": the plain PyTorch formula, which inductor fuses with the ops around it.
 - "op":  the Triton kernel as an opaque custom op (`torch.ops.gemmtune.<op>`, fake impl, no mutated
          inputs); launched directly, inductor would trace it as a user Triton kernel and, seeing its
          inline asm (the PDL wait), assume every input is mutated, which blocks fusion around it.
@@ -17,11 +17,13 @@ import os
 OPS = ("rmsnorm", "add_rmsnorm", "act_mul", "rope")
 MODES = ("ref", "op")
 ENV = "GEMMTUNE_COMPILE_OPS"
+# Without GEMMTUNE_COMPILE_OPS. Measure with benchmarks/bench_compile_ops.py before changing one.
+DEFAULTS = {"rmsnorm": "ref", "add_rmsnorm": "ref", "act_mul": "ref", "rope": "ref"}
 
 
 def parse(spec: str) -> dict[str, str]:
-    """'op' / 'ref' / 'ref,rope=op,act_mul=op' -> {op: mode} for every op."""
-    out = dict.fromkeys(OPS, "ref")
+    """'' (the defaults) / 'op' / 'ref' / 'ref,rope=op,act_mul=op' -> {op: mode} for every op."""
+    out = dict(DEFAULTS)
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
