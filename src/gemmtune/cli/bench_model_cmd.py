@@ -10,7 +10,7 @@ from ..tuner.shapes import PRESETS
 
 # On the CPU (CI, smoke tests) the defaults shrink so a tiny model runs in seconds.
 _GPU_DEFAULTS = {"prefill": "1x2048", "batches": "1,8", "ctx": 1024, "reps": 7}
-_CPU_DEFAULTS = {"prefill": "1x64", "batches": "1,4", "ctx": 64, "reps": 3}
+_CPU_DEFAULTS = {"prefill": "1x64", "batches": "1,4", "ctx": 64, "reps": 5}
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -46,7 +46,7 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
 @click.option("--prefill", default=None, help="BATCHxSEQ list [GPU 1x2048, CPU 1x64].")
 @click.option("--batches", default=None, help="Decode batch sizes [GPU 1,8, CPU 1,4].")
 @click.option("--ctx", type=click.IntRange(min=1), default=None, help="Decode context length [GPU 1024, CPU 64].")
-@click.option("--reps", type=click.IntRange(min=1), default=None, help="Timed rounds (median) [GPU 7, CPU 3].")
+@click.option("--reps", type=click.IntRange(min=1), default=None, help="Timed rounds (median) [GPU 7, CPU 5].")
 @click.option("--contenders", default="stock,optimize,compile,compile+optimize", show_default=True,
               help="Which of stock, optimize, compile, compile+optimize to run.")  # fmt: skip
 @click.option("--compile-ops", "compile_ops", multiple=True,

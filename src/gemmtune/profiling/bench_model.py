@@ -145,7 +145,7 @@ def _compile(module, backend: str):
     return torch.compile(module, backend=backend)
 
 
-def _raise_recompile_limits() -> None:
+def raise_recompile_limits() -> None:
     # Every contender x shape is its own compiled graph of the same forward code objects.
     import torch._dynamo.config as dc
 
@@ -249,6 +249,7 @@ def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
     import transformers
 
     from ..kernels.compile_mode import describe
+    from ..models.families import FAMILIES
 
     return {
         "model": desc,
@@ -258,6 +259,7 @@ def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
         "table": s.table or "none (default dispatch: vendor BLAS through torch)",
         "compile_backend": backend,
         "compile_ops_default": describe(),
+        "optimize_families": ", ".join(sorted(FAMILIES)) + " (other model types: plain Linear routing only)",
         "timing": (
             "CUDA events, contenders interleaved per round in rotating order, median of rounds"
             if cuda
@@ -276,7 +278,7 @@ def run(s: Settings) -> Result:
     cuda = device.type == "cuda"
     backend = s.compile_backend or ("inductor" if cuda else "aot_eager")
     torch._dynamo.reset()
-    _raise_recompile_limits()
+    raise_recompile_limits()
     stock, desc = build_model(s.model, s.layers, device, s.dtype, s.seed)
     log(f"model: {desc}")
     opt = copy.deepcopy(stock) if any(c in s.contenders for c in ("optimize", "compile+optimize")) else None

@@ -67,7 +67,7 @@ _ELEMENTWISE = re.compile(
     r"abs|cos|sin|reciprocal|erf|maximum|minimum|max|min|amax|amin|argmax|argmin|cumsum|eq|ne|lt|gt|le|ge|"
     r"logical_\w+|bitwise_\w+|triu|tril|arange|lerp|addcmul|addcdiv|sign|round|floor|ceil|square|"
     r"any|all|isnan|isinf|nan_to_num|dropout|native_dropout|_softmax_backward_data|threshold_backward|"
-    r"silu_backward|gelu_backward|mish|hardtanh|leaky_relu|elu|glu)_?$"
+    r"silu_backward|gelu_backward|mish|hardtanh|leaky_relu|elu|glu|diff)_?$"
 )  # fmt: skip
 # Ops that only make views or read metadata: no kernel, only dispatcher time (host time on the CPU
 # unless a categorized op around them owns it).
@@ -90,9 +90,9 @@ _ATTENTION_OP = re.compile(r"scaled_dot_product|flash_attention|efficient_attent
 
 
 def _is_batched_product(f: Frame) -> bool:
-    """torch.matmul of two batched activations (q @ k^T, p @ v): the eager attention formula."""
+    """torch.matmul of two [batch, heads, L, D] activations (q @ k^T, p @ v): eager attention."""
     s = f.shapes
-    return f.name == "aten::matmul" and len(s) >= 2 and len(s[0]) >= 3 and len(s[1]) >= 3
+    return f.name == "aten::matmul" and len(s) >= 2 and len(s[0]) >= 4 and len(s[1]) >= 4
 
 
 def frame_category(f: Frame, parent: Frame | None = None) -> str | None:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import runpy
 import sys
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -115,7 +116,7 @@ def _script_argv(command: list[str]) -> tuple[str, str, list[str]]:
 def profile_script(command: list[str], *, device=None, trace: str | None = None, annotate: bool = True):
     """Run `python script.py args` (or `python -m module args`) in-process under the profiler.
 
-    Returns (Profile, exit code of the script).
+    Returns (Profile, exit code of the script: 1 if it raised, after printing the traceback).
     """
     kind, target, argv = _script_argv(command)
     cuda = _cuda_in_use(device)
@@ -137,6 +138,9 @@ def profile_script(command: list[str], *, device=None, trace: str | None = None,
                         runpy.run_module(target, run_name="__main__", alter_sys=True)
                 except SystemExit as exc:
                     code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                except Exception:  # noqa: BLE001 - the profile of what ran is still written
+                    traceback.print_exc()
+                    code = 1
                 _sync(cuda)
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
