@@ -258,6 +258,90 @@ def test_gemm_label_round_trips():
     assert gemms.status(c, "cpu")[0] == "default"
 
 
+class _Ev:
+    """A Kineto event as torch.profiler hands them out (times in us here, ns there)."""
+
+    def __init__(self, name, start, end, *, cuda=False, corr=0, linked=0, thread=1, shapes=(), dtypes=(), ann=False):
+        times = dict(start=int(start * 1000), end=int(end * 1000))
+        self._v = dict(name=name, cuda=cuda, corr=corr, linked=linked, thread=thread, ann=ann, **times,
+                       shapes=[list(x) for x in shapes], dtypes=list(dtypes))  # fmt: skip
+
+    def name(self):
+        return self._v["name"]
+
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self._v["cuda"] else torch.autograd.DeviceType.CPU
+
+    def start_ns(self):
+        return self._v["start"]
+
+    def end_ns(self):
+        return self._v["end"]
+
+    def correlation_id(self):
+        return self._v["corr"]
+
+    def linked_correlation_id(self):
+        return self._v["linked"]
+
+    def start_thread_id(self):
+        return self._v["thread"]
+
+    def shapes(self):
+        return self._v["shapes"]
+
+    def dtypes(self):
+        return self._v["dtypes"]
+
+    def is_async(self):
+        return False
+
+    def is_user_annotation(self):
+        return self._v["ann"]
+
+
+class _Prof:
+    def __init__(self, events):
+        results = type("R", (), {"events": lambda self: events, "trace_start_ns": lambda self: 0})()
+        self.profiler = type("P", (), {"kineto_results": results})()
+
+
+def test_cuda_timeline_from_kineto_events():
+    """The CUDA path without a GPU: launch sites through runtime calls, graph kernels by hint and
+    name, overlapping streams counted once, GPU-side annotation copies ignored, idle = the rest."""
+    from gemmtune.profiling.timeline import build
+
+    bf = ("c10::BFloat16",) * 3
+    ev = [
+        _Ev("gemmtune.step", 0, 100, corr=1, ann=True),
+        _Ev("aten::linear", 5, 20, corr=2, shapes=((4, 64), (128, 64), (128,)), dtypes=bf),
+        _Ev("aten::addmm", 6, 19, corr=3, shapes=((128,), (4, 64), (64, 128)), dtypes=bf),
+        _Ev("cudaLaunchKernel", 10, 12, corr=900, linked=3, thread=77),  # the runtime call: another tid
+        _Ev("nvjet_tst_x", 30, 50, cuda=True, corr=900, linked=3),  # GEMM kernel, site aten::addmm
+        _Ev("aten::add", 21, 25, corr=4),
+        _Ev("cuLaunchKernel", 22, 23, corr=901, linked=4, thread=77),
+        _Ev("my_fused_kernel", 50, 60, cuda=True, corr=901, linked=4),  # unknown name, site aten::add
+        _Ev("my_fused_kernel", 55, 65, cuda=True, corr=902),  # overlaps; no site: hint from the one above
+        _Ev("cudaGraphLaunch", 26, 27, corr=903, linked=0, thread=77),
+        _Ev("_rmsnorm_kernel", 70, 80, cuda=True, corr=903),  # graph replay: by name
+        _Ev("mystery", 80, 85, cuda=True, corr=903),  # unknown: other, listed
+        _Ev("Memcpy DtoD (Device -> Device)", 85, 90, cuda=True, corr=904),
+        _Ev("gemmtune.step", 0, 100, cuda=True, ann=True),  # GPU-side copy of the range
+    ]
+    bd = breakdown.analyze(build(_Prof(ev)))
+    assert bd.mode == "cuda" and bd.total_ms == pytest.approx(0.1)
+    c = {k: v * 1e3 for k, v in bd.categories.items()}  # us
+    assert c["gemm"] == pytest.approx(20) and c["elementwise"] == pytest.approx(15 + 10)
+    assert c["other"] == pytest.approx(5) and c["memory"] == pytest.approx(5)
+    assert c["idle"] == pytest.approx(100 - 20 - 15 - 10 - 5 - 5)
+    how = {(i.name, i.category): i.how for i in bd.items}
+    assert how[("my_fused_kernel", "elementwise")] == "site"  # the site-less one joined it as "hint"
+    assert how[("_rmsnorm_kernel", "elementwise")] == "name" and how[("mystery", "other")] == "unknown"
+    (row,) = bd.gemms
+    assert (row.call.op, row.call.M, row.call.N, row.call.K, row.call.bias) == ("aten::linear", 4, 128, 64, True)
+    assert row.call.dtype == torch.bfloat16 and row.calls == 1 and row.ms == pytest.approx(0.02)
+
+
 def test_overlapping_kernels_split_their_time():
     shares = breakdown._split_busy([(0.0, 10.0), (5.0, 15.0), (20.0, 21.0)])
     assert shares == pytest.approx([7.5, 7.5, 1.0])

@@ -28,7 +28,7 @@ class Item:
 
     name: str
     category: str
-    how: str  # "site" (launch site), "hint" (same name elsewhere), "name" (name rules), "unknown"
+    how: str  # "site" (launch site), "hint" (same kernel name's site, given or in this run), "name", "unknown"
     ms: float = 0.0
     calls: float = 0.0
 
@@ -53,8 +53,15 @@ class Breakdown:
     notes: list[str] = field(default_factory=list)
 
     def kernel_categories(self) -> dict[str, str]:
-        """Kernel name -> category for kernels categorized by their launch site (hints for graph replays)."""
-        return {i.name: i.category for i in self.items if i.how == "site"}
+        """Kernel name -> category for kernels categorized by their launch site (hints for graph replays).
+
+        A kernel launched from several kinds of site (a copy kernel for casts and for clones) gets the
+        category it spent most time in."""
+        out: dict[str, str] = {}
+        for i in sorted(self.items, key=lambda i: i.ms):  # most time last: it wins
+            if i.how == "site":
+                out[i.name] = i.category
+        return out
 
 
 def _split_busy(spans: list[tuple[float, float]]) -> list[float]:
@@ -102,15 +109,15 @@ def _outer_gemm(chain: list[Node]) -> Node | None:
 
 class _Acc:
     def __init__(self, device):
-        self.items: dict[str, Item] = {}
+        self.items: dict[tuple[str, str], Item] = {}  # (name, category): one kernel, several kinds of site
         self.gemm: dict[object, GemmRow] = {}
         self.gemm_frames: dict[object, set[int]] = {}
         self.device = device
 
     def add(self, name, cat, how, ms, calls=1.0):
-        it = self.items.get(name)
+        it = self.items.get((name, cat))
         if it is None:
-            it = self.items[name] = Item(name, cat, how)
+            it = self.items[(name, cat)] = Item(name, cat, how)
         it.ms += ms
         it.calls += calls
 
@@ -184,18 +191,30 @@ def _device_time(tl, windows, starts, hints, cats, acc: _Acc) -> None:
         if c is None:
             continue
         chain = ev.site.chain() if ev.site is not None else []
-        cat = kernel_name_category(ev.name) if ev.name.startswith(("Memcpy", "Memset")) else None
-        how = "name" if cat else ""
-        if cat is None and chain:
-            cat = chain_category([n.frame for n in chain])
+        if ev.name.startswith(("Memcpy", "Memset")):
+            cat, how = kernel_name_category(ev.name), "name"
+        else:
+            cat = chain_category([n.frame for n in chain]) if chain else None
             how = "site" if cat else ""
-        if cat is None and ev.name in hints:
-            cat, how = hints[ev.name], "hint"
-        if cat is None:
-            cat = kernel_name_category(ev.name)
-            how = "name" if cat else "unknown"
         spans.append(c)
-        meta.append((ev.name, cat or "other", how, chain))
+        meta.append([ev.name, cat, how, chain])
+    # kernels without a site: the category the same kernel name got from its sites (the caller's
+    # hints first, then this run), else the name rules
+    seen: dict[str, dict[str, float]] = {}
+    for (name, cat, how, _), (s, e) in zip(meta, spans):
+        if how == "site":
+            seen.setdefault(name, {}).setdefault(cat, 0.0)
+            seen[name][cat] += e - s
+    for m in meta:
+        name, cat = m[0], m[1]
+        if cat is not None:
+            continue
+        if name in hints or name in seen:
+            m[1] = hints.get(name) or max(seen[name].items(), key=lambda kv: kv[1])[0]
+            m[2] = "hint"
+        else:
+            m[1] = kernel_name_category(name) or "other"
+            m[2] = "name" if m[1] != "other" else "unknown"
     for (name, cat, how, chain), share in zip(meta, _split_busy(spans)):
         cats[cat] += share
         acc.add(name, cat, how, share)

@@ -104,8 +104,11 @@ def _ns(e, what: str) -> int:
 def _raw_events(prof) -> list[_Raw]:
     import torch
 
-    events = prof.profiler.kineto_results.events()
-    base = min((_ns(e, "start") for e in events), default=0)
+    results = prof.profiler.kineto_results
+    events = results.events()
+    base = results.trace_start_ns() if hasattr(results, "trace_start_ns") else 0
+    if base <= 0:
+        base = min((t for t in (_ns(e, "start") for e in events) if t > 0), default=0)
     out = []
     for e in events:
         name = e.name()
@@ -170,19 +173,20 @@ def build(prof) -> Timeline:
             by_corr.setdefault(n.corr, n)
 
     def site_of(rt: _Raw | None) -> Node | None:
+        """The innermost frame around a launch call: the op Kineto linked it to, refined by time to a
+        frame inside that op (a range without a correlation id of its own); by time alone without one."""
         if rt is None:
             return None
-        threads = []
         op = by_corr.get(rt.linked) if rt.linked > 0 else None
         if op is not None:
-            threads.append(op.thread)
-        threads += [rt.thread] + [t for t in nodes if t != rt.thread and (op is None or t != op.thread)]
-        for th in threads:
+            n = _innermost(nodes[op.thread], starts[op.thread], rt.start)
+            return n if n is not None and any(a is op for a in n.chain()) else op
+        for th in [rt.thread] + [t for t in nodes if t != rt.thread]:
             if th in nodes:
                 n = _innermost(nodes[th], starts[th], rt.start)
                 if n is not None:
                     return n
-        return op
+        return None
 
     def linked(r: _Raw) -> Node | None:
         return by_corr.get(r.linked) if r.linked > 0 else None
