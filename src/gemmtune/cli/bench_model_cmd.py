@@ -52,7 +52,7 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
 @click.option("--compile-ops", "compile_ops", multiple=True,
               help="How gemmtune's norms/act/rope run under torch.compile, one compile+optimize contender per "
                    "use: ref (inductor fuses the PyTorch formula), op (Triton kernel as a custom op), or e.g. "
-                   "'ref,rope=op'. Default: GEMMTUNE_COMPILE_OPS, else ref.")  # fmt: skip
+                   "'ref,rope=op'. Default: GEMMTUNE_COMPILE_OPS, else the built-in per-op defaults.")  # fmt: skip
 @click.option("--compile-backend", default=None, help="torch.compile backend [GPU inductor, CPU aot_eager].")
 @click.option("--no-profile", is_flag=True, help="Only time; no profile breakdown.")
 @click.option("-o", "--out", "out_dir", default=None, help="Report folder (default: bench-model-<model name>).")
