@@ -1,14 +1,14 @@
-"""End to end: stock Hugging Face Llama (sdpa) vs gemmtune.optimize(), same process, same weights.
+"""End to end on Llama: stock Hugging Face vs gemmtune.optimize(), with the rows `gemmtune bench-model`
+does not time: eager decode (DynamicCache and StaticCache) and every masked-decode strategy of the
+SDPA tier under CUDA graphs. Everything else (model building, interleaved timing, CUDA-graph decode,
+the profile breakdown) is gemmtune.profiling; for the four-contender comparison with torch.compile
+use `gemmtune bench-model --model llama-3-8b`.
 
-A Llama-3-8B-architecture model (tests/data/models/llama-3-8b.json) with random weights and a few
-layers, bf16:
+A Llama-3-8B-architecture model (../shared/models/llama-3-8b.json, inlined below because shared/
+does not travel) with random weights and a few layers, bf16:
   prefill  batch 1 x 2048 tokens, logits of the last token only (as generate() asks);
   decode   batch 1 and 8, one token per step on a 1024-token KV cache: eager with a DynamicCache,
-           eager with a StaticCache, and replayed CUDA graphs of one step with a StaticCache (for each
-           masked-decode strategy of gemmtune's SDPA tier, --masked-decode).
-Timing: CUDA events, stock and optimized interleaved rep by rep, median per call over reps.
-Breakdown: torch.profiler device time per call, kernels grouped by name into GEMM / attention /
-elementwise / other.
+           eager with a StaticCache, and CUDA-graph replays of one step with a StaticCache.
 
     python benchmarks/bench_e2e_llama.py --layers 4 --out benchmarks/results/e2e_h100.md
     python benchmarks/bench_e2e_llama.py --skip prefill,eager,profile    # only the CUDA-graph decode rows
@@ -22,125 +22,62 @@ import copy
 import json
 import os
 import pathlib
-import re
 import statistics
 import sys
-import time
 import traceback
 
 import torch
 
-CONFIG_FILE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "models" / "llama-3-8b.json"
-LLAMA3_8B = {k: v for k, v in json.loads(CONFIG_FILE.read_text()).items() if k != "torch_dtype"}
+import gemmtune
+from gemmtune.models import attention as attn_mod
+from gemmtune.profiling import profile
+from gemmtune.profiling.bench_model import Contender, Decode, interleaved, prefill_call
+from gemmtune.profiling.build import build_model
+from gemmtune.profiling.categorize import CATEGORIES, label
+
+LLAMA3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}
 TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 4096}  # fmt: skip
 # One tensor-parallel rank of Llama-3-70B at tp 8 (heads, kv heads, intermediate and vocab split by 8):
 # the per-rank GEMM shapes of the decode suite, without the all-reduces a real tp run adds.
 LLAMA3_70B_TP8_RANK = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 3584, "num_attention_heads": 8,
                        "num_key_value_heads": 1, "vocab_size": 16032}  # fmt: skip
-
-CATEGORIES = [
-    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|softmax", re.I)),
-    ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|matmul|splitk|sm90_|sm80_|_mm_|dot", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|reduce|norm|act_mul|rope|triton|copy|cat|index|where|fill|"
-                               r"arange|unrolled|mul|add|neg|pow|rsqrt|silu|exp|cast|scatter|gather", re.I)),
-]  # fmt: skip
+CONFIG_FILE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "llama-3-8b.json"
 
 
 def log(*a):
     print(*a, flush=True)
 
 
-def build(n_layers: int, device, tiny: bool, preset: str = "8b"):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = dict(TINY if tiny else LLAMA3_70B_TP8_RANK if preset == "70b-tp8-rank" else LLAMA3_8B)
-    cfg["num_hidden_layers"] = n_layers
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa"))
-    finally:
-        torch.set_default_dtype(prev)
-    return model.eval()
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, iters, device) -> float:
-    """ms per call of `fn` over `iters` back-to-back calls."""
-    if device.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t) * 1e3 / iters
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def interleaved(fns: dict, iters, reps, device) -> dict:
-    """Median ms per call for each fn, measured alternately rep by rep."""
-    times = {k: [] for k in fns}
-    for fn in fns.values():  # warm-up (compiles Triton kernels, fills dispatch caches)
-        fn()
-    sync(device)
-    for _ in range(reps):
-        for k, fn in fns.items():
-            times[k].append(timed(fn, iters, device))
-    return {k: (statistics.median(v), max(v) - min(v)) for k, v in times.items()}
-
-
-def categorize(prof) -> dict:
-    out = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0, "other": 0.0}
-    kernels = {}
-    for e in prof.key_averages():
-        dev = getattr(e, "self_device_time_total", None)
-        if dev is None:
-            dev = getattr(e, "self_cuda_time_total", 0.0)
-        if not dev or getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
-        cat = next((c for c, rx in CATEGORIES if rx.search(e.key)), "other")
-        out[cat] += dev
-        kernels[e.key] = kernels.get(e.key, 0.0) + dev
-    return out, kernels
-
-
-def profile(fn, calls, device) -> tuple[dict, dict]:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
-
-    fn()
-    sync(device)
-    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        sync(device)
-    cats, kernels = categorize(prof)
-    return {k: v / calls / 1e3 for k, v in cats.items()}, {k: v / calls / 1e3 for k, v in kernels.items()}
-
-
-# ---- scenarios -----------------------------------------------------------------------------------
-def prefill_fn(model, ids):
-    def run():
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
-
-    return run
+def config_of(args) -> dict:
+    if args.tiny:
+        return dict(TINY)
+    if args.preset != "8b":
+        return dict(LLAMA3_70B_TP8_RANK)
+    cfg = dict(LLAMA3_8B)
+    if CONFIG_FILE.exists():
+        cfg.update(json.loads(CONFIG_FILE.read_text()))
+    return cfg
 
 
 class EagerDecode:
-    """One decode step at a time on a DynamicCache primed with `ctx` tokens."""
+    """One eager decode step at a time on a DynamicCache primed with `ctx` tokens."""
 
     def __init__(self, model, batch, ctx, device, vocab):
         from transformers import DynamicCache
@@ -158,50 +95,15 @@ class EagerDecode:
             self.model(input_ids=self.tok, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
 
 
-class GraphDecode:
-    """One decode step with a StaticCache, captured once in a CUDA graph and replayed."""
-
-    def __init__(self, model, batch, ctx, device, vocab, max_steps, use_graph=True, before_capture=None):
-        from transformers import StaticCache
-
-        g = torch.Generator(device="cpu").manual_seed(1)
-        prompt = torch.randint(0, vocab, (batch, ctx), generator=g).to(device)
-        self.cache = StaticCache(config=model.config, max_cache_len=ctx + max_steps)
-        self.tok = torch.randint(0, vocab, (batch, 1), generator=g).to(device)
-        with torch.no_grad():
-            model(input_ids=prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-
-            def step():
-                return model(input_ids=self.tok, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
-
-            self.step = step
-            if device.type != "cuda" or not use_graph:
-                self.graph = None
-                return
-            if before_capture is not None:
-                before_capture()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(s)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = step()
-
-    def __call__(self):
-        if self.graph is None:
-            with torch.no_grad():
-                self.step()
-        else:
-            self.graph.replay()
+def graph_and_step(d: Decode):
+    """(the replay to profile, the un-graphed step whose launch sites categorize its kernels)"""
+    return d.replay, d.step
 
 
-# ---- main ----------------------------------------------------------------------------------------
-def fmt_row(name, st, op):
-    (a, sa), (b, sb) = st, op
-    return f"| {name} | {a:.3f} (±{sa / 2:.3f}) | {b:.3f} (±{sb / 2:.3f}) | {a / b:.2f}x |"
+def fmt_row(name, st: list[float], op: list[float]) -> str:
+    a, b = statistics.median(st), statistics.median(op)
+    sa, sb = (max(st) - min(st)) / 2, (max(op) - min(op)) / 2
+    return f"| {name} | {a:.3f} (±{sa:.3f}) | {b:.3f} (±{sb:.3f}) | {a / b:.2f}x |"
 
 
 def main(argv=None):
@@ -213,145 +115,99 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument(
-        "--preset",
-        choices=("8b", "70b-tp8-rank"),
-        default="8b",
-        help="Llama-3-8B, or one tp-8 rank of Llama-3-70B (its GEMM shapes, no all-reduce)",
-    )
+    p.add_argument("--preset", choices=("8b", "70b-tp8-rank"), default="8b",
+                   help="Llama-3-8B, or one tp-8 rank of Llama-3-70B (its GEMM shapes, no all-reduce)")  # fmt: skip
     p.add_argument("--config", default=None, help="tuned table for gemmtune (else GEMMTUNE_CONFIG / default)")
     p.add_argument("--out", default=None, help="markdown file to write")
     p.add_argument("--skip", default="", help="comma list of: prefill,eager,graph,profile")
     p.add_argument("--masked-decode", default="fold,fold_efficient,gqa,repeat", help="strategies to time (graphs)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    cuda = device.type == "cuda"
     import transformers
 
-    import gemmtune
-
-    stock = build(args.layers, device, args.tiny, args.preset)
+    stock, desc = build_model(config_of(args), args.layers, device)
     opt = copy.deepcopy(stock)
     report = gemmtune.optimize(opt, config=args.config)
     vocab = stock.config.vocab_size
+    cs, co = Contender("stock", stock, stock), Contender("gemmtune", opt, opt)
     table_src = args.config or os.environ.get("GEMMTUNE_CONFIG") or "none (default dispatch: vendor BLAS via torch)"
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     head = [
-        f"device: {dev_name}; torch {torch.__version__}; transformers {transformers.__version__}",
-        f"model: {'one tp-8 rank of Llama-3-70B (no all-reduce)' if args.preset != '8b' else 'Llama-3-8B'} "
-        f"architecture, {args.layers} layers, random weights, "
-        f"{'bf16' if device.type == 'cuda' else 'fp32'}; tuned table: {table_src}",
-        f"optimize(): {report.summary().splitlines()[1].strip()}; "
-        + ", ".join(f"{k} x{v}" for k, v in sorted(report.counts().items())),
+        f"device: {torch.cuda.get_device_name(device) if cuda else 'cpu'}; torch {torch.__version__}; "
+        f"transformers {transformers.__version__}",
+        f"model: {desc}; tuned table: {table_src}",
+        "optimize(): " + ", ".join(f"{k} x{v}" for k, v in sorted(report.counts().items())),
     ]
     for h in head:
         log(h)
     rows, breakdown, errors = [], {}, []
-    g = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, vocab, (1, args.prefill), generator=g).to(device)
-    with torch.no_grad():  # same answer first: last-token logits of the prefill
-        la = stock(input_ids=ids, use_cache=False, logits_to_keep=1).logits.float()
-        lb = opt(input_ids=ids, use_cache=False, logits_to_keep=1).logits.float()
-    parity = (
-        f"parity (prefill, last-token logits): max |diff| {(la - lb).abs().max().item():.3g} "
-        f"(logits max |x| {la.abs().max().item():.3g}), argmax equal: {bool((la.argmax(-1) == lb.argmax(-1)).all())}"
-    )
+    ids = torch.randint(0, vocab, (1, args.prefill), generator=torch.Generator().manual_seed(0)).to(device)
+    la, lb = (prefill_call(c, ids)().logits.float() for c in (cs, co))
+    same = bool((la.argmax(-1) == lb.argmax(-1)).all())
+    parity = (f"parity (prefill, last-token logits): max |diff| {(la - lb).abs().max().item():.3g} "
+              f"(logits max |x| {la.abs().max().item():.3g}), argmax equal: {same}")  # fmt: skip
     head.append(parity)
     log(parity)
 
     def section(name, make, iters):
         try:
             fns = make()
-            res = interleaved(fns, iters, args.reps, device)
-            rows.append(fmt_row(name, res["stock"], res["gemmtune"]))
-            log(rows[-1])
+            for f in fns.values():
+                f()
+            res = interleaved(fns, iters, args.reps, cuda)
+            for other in [k for k in res if k != "stock"]:
+                label_ = name if len(res) == 2 else f"{name}, masked decode={other}"
+                rows.append(fmt_row(label_, res["stock"], res[other]))
+                log(rows[-1])
         except Exception as exc:  # noqa: BLE001 - report and go on with the other scenarios
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             log(errors[-1])
             traceback.print_exc()
 
     skip = set(args.skip.split(","))
-    if "prefill" not in skip:
-        section(
-            f"prefill b=1 s={args.prefill} (eager)",
-            lambda: {"stock": prefill_fn(stock, ids), "gemmtune": prefill_fn(opt, ids)},
-            3,
-        )
     batches = [int(b) for b in args.batches.split(",")]
-    modes = [m for m in args.masked_decode.split(",") if m]
-    max_steps = 3 + (args.reps + 1) * 16 + 8
+    steps = 16 + (args.reps + 2) * 16
+    if "prefill" not in skip:
+        section(f"prefill b=1 s={args.prefill} (eager)", lambda: {c.name: prefill_call(c, ids) for c in (cs, co)}, 3)
     for b in [] if "eager" in skip else batches:
-
-        def eager_dynamic(b=b):
-            fns = {
-                "stock": EagerDecode(stock, b, args.ctx, device, vocab),
-                "gemmtune": EagerDecode(opt, b, args.ctx, device, vocab),
-            }
-            if device.type == "cuda":  # allocator traffic of a growing DynamicCache, for the notes
-                before = torch.cuda.memory_stats().get("num_device_alloc", 0)
-                for f in fns.values():
-                    for _ in range(16):
-                        f()
-                sync(device)
-                grew = torch.cuda.memory_stats().get("num_device_alloc", 0) - before
-                log(f"b={b}: cudaMalloc calls during 2 x 16 DynamicCache decode steps: {grew}")
-            return fns
-
-        section(f"decode b={b} ctx={args.ctx} (eager, DynamicCache)", eager_dynamic, 16)
         section(
-            f"decode b={b} ctx={args.ctx} (eager, StaticCache)",
-            lambda b=b: {
-                "stock": GraphDecode(stock, b, args.ctx, device, vocab, max_steps, use_graph=False),
-                "gemmtune": GraphDecode(opt, b, args.ctx, device, vocab, max_steps, use_graph=False),
-            },
+            f"decode b={b} ctx={args.ctx} (eager, DynamicCache)",
+            lambda b=b: {c.name: EagerDecode(c.module, b, args.ctx, device, vocab) for c in (cs, co)},
             16,
         )
-    if device.type == "cuda" and "graph" not in skip:
-        from gemmtune.models import attention as attn_mod
-
+        section(f"decode b={b} ctx={args.ctx} (eager, StaticCache)",
+                lambda b=b: {c.name: Decode(c, b, args.ctx, steps, False, vocab, 1).step for c in (cs, co)},
+                16)  # fmt: skip
+    if cuda and "graph" not in skip:
         default_mode = attn_mod.MASKED_DECODE
         for b in batches:
-            try:
-                fns = {"stock": GraphDecode(stock, b, args.ctx, device, vocab, max_steps)}
-                for mode in modes:  # the masked-decode strategy is fixed when the graph is captured
-                    fns[mode] = GraphDecode(
-                        opt, b, args.ctx, device, vocab, max_steps,
-                        before_capture=lambda mode=mode: attn_mod.set_masked_decode(mode),
-                    )  # fmt: skip
-                attn_mod.set_masked_decode(default_mode)
-                res = interleaved(fns, 16, args.reps, device)
-                for mode in modes:
-                    rows.append(fmt_row(f"decode b={b} ctx={args.ctx} (CUDA graph, StaticCache), "
-                                        f"masked decode={mode}", res["stock"], res[mode]))  # fmt: skip
-                    log(rows[-1])
-                del fns
-                torch.cuda.empty_cache()
-            except Exception as exc:  # noqa: BLE001
-                attn_mod.set_masked_decode(default_mode)
-                errors.append(f"graph decode b={b}: {type(exc).__name__}: {exc}")
-                traceback.print_exc()
 
-    # per-category device time (profiler): eager steps, and graph replays where they were captured
-    if device.type == "cuda" and "profile" not in skip:
-        scen = {f"prefill s={args.prefill} (eager)": lambda: (prefill_fn(stock, ids), prefill_fn(opt, ids), 2)}
+            def graphs(b=b):
+                fns = {"stock": Decode(cs, b, args.ctx, steps, True, vocab, 1).replay}
+                for mode in [m for m in args.masked_decode.split(",") if m]:
+                    attn_mod.set_masked_decode(mode)  # fixed when the graph is captured
+                    fns[mode] = Decode(co, b, args.ctx, steps, True, vocab, 1).replay
+                attn_mod.set_masked_decode(default_mode)
+                return fns
+
+            section(f"decode b={b} ctx={args.ctx} (CUDA graph, StaticCache)", graphs, 16)
+            attn_mod.set_masked_decode(default_mode)
+            torch.cuda.empty_cache()
+    if cuda and "profile" not in skip:
+        scen = {f"prefill s={args.prefill} (eager)": lambda c: (prefill_call(c, ids), None)}
         for b in batches:
-            scen[f"decode b={b} (eager)"] = lambda b=b: (
-                EagerDecode(stock, b, args.ctx, device, vocab),
-                EagerDecode(opt, b, args.ctx, device, vocab),
-                8,
-            )
-            scen[f"decode b={b} (CUDA graph)"] = lambda b=b: (
-                GraphDecode(stock, b, args.ctx, device, vocab, 64),
-                GraphDecode(opt, b, args.ctx, device, vocab, 64),
-                8,
+            scen[f"decode b={b} (eager)"] = lambda c, b=b: (EagerDecode(c.module, b, args.ctx, device, vocab), None)
+            scen[f"decode b={b} (CUDA graph)"] = lambda c, b=b: graph_and_step(
+                Decode(c, b, args.ctx, 64, True, vocab, 1)
             )
         for name, make in scen.items():
             try:
-                fs, fo, calls = make()
-                cs, ks = profile(fs, calls, device)
-                co, ko = profile(fo, calls, device)
-                breakdown[name] = (cs, co, ks, ko)
-                log(name, "stock", cs, "gemmtune", co)
-                del fs, fo
+                got = []
+                for c in (cs, co):
+                    fn, eager_step = make(c)
+                    hints = profile(eager_step, warmup=1, iters=3).kernel_categories() if eager_step else None
+                    got.append(profile(fn, warmup=1, iters=8, hints=hints, annotate=eager_step is None))
+                breakdown[name] = got
                 torch.cuda.empty_cache()
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"profile {name}: {type(exc).__name__}: {exc}")
@@ -361,23 +217,18 @@ def main(argv=None):
     lines += ["Median ms per call (± half the spread over reps), stock and gemmtune interleaved in one process.", ""]
     lines += ["| scenario | stock ms | gemmtune ms | speedup |", "|---|---|---|---|", *rows, ""]
     if breakdown:
-        lines += ["## Device time per call by kernel category (torch.profiler, eager), ms", ""]
-        lines += [
-            "| scenario | side | GEMM | attention | elementwise | other | total |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, (cs, co, _ks, _ko) in breakdown.items():
-            for side, c in (("stock", cs), ("gemmtune", co)):
-                tot = sum(c.values())
-                lines.append(
-                    f"| {name} | {side} | {c['gemm']:.3f} | {c['attention']:.3f} | {c['elementwise']:.3f} "
-                    f"| {c['other']:.3f} | {tot:.3f} |"
-                )
+        lines += ["## Device time per call by category (gemmtune.profile), ms", ""]
+        lines += ["| scenario | side | " + " | ".join(label(c, "cuda") for c in CATEGORIES) + " | total |",
+                  "|---" * (len(CATEGORIES) + 3) + "|"]  # fmt: skip
+        for name, profs in breakdown.items():
+            for side, pr in zip(("stock", "gemmtune"), profs):
+                vals = " | ".join(f"{pr.categories[c]:.3f}" for c in CATEGORIES)
+                lines.append(f"| {name} | {side} | {vals} | {pr.total_ms:.3f} |")
         lines += ["", "Top kernels (ms per call):", ""]
-        for name, (_, _, ks, ko) in breakdown.items():
-            for side, k in (("stock", ks), ("gemmtune", ko)):
-                top = sorted(k.items(), key=lambda kv: -kv[1])[:8]
-                lines.append(f"- {name}, {side}: " + "; ".join(f"`{n[:70]}` {v:.3f}" for n, v in top))
+        for name, profs in breakdown.items():
+            for side, pr in zip(("stock", "gemmtune"), profs):
+                top = [i for i in pr.breakdown.items if i.category != "idle"][:8]
+                lines.append(f"- {name}, {side}: " + "; ".join(f"`{i.name[:70]}` {i.ms:.3f}" for i in top))
         lines.append("")
     if errors:
         lines += ["## Errors", "", *[f"- {e}" for e in errors], ""]

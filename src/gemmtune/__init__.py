@@ -40,6 +40,10 @@ def __getattr__(name):
         from . import models
 
         return getattr(models, name)
+    if name == "profile":
+        from .profiling import profile
+
+        return profile
     raise AttributeError(f"module 'gemmtune' has no attribute {name!r}")
 
 
@@ -72,4 +76,5 @@ __all__ = [
     "tuned_gemm",
     "optimize",
     "restore",
+    "profile",
 ]

@@ -34,7 +34,7 @@ def _register_optional() -> None:
     # Commands of the tuner (shapes/tune/bench) register themselves when their modules exist.
     import importlib
 
-    for module in ("shapes_cmd", "tune_cmd", "bench_cmd"):
+    for module in ("shapes_cmd", "tune_cmd", "bench_cmd", "profile_cmd", "bench_model_cmd"):
         try:
             mod = importlib.import_module(f"gemmtune.cli.{module}")
         except ModuleNotFoundError as exc:

@@ -3,7 +3,8 @@
 Rounding follows the model's two ops: act(gate) is rounded to the input dtype, then the product is
 rounded again, so the fused result matches `act_fn(gate_proj(x)) * up_proj(x)` up to the activation's
 own last-bit differences. `silu_mul` / `gelu_tanh_mul` use Triton for CUDA/ROCm tensors and the
-reference otherwise; `impl="triton"` forces the kernel (interpreter tests on CPU).
+reference otherwise; `impl="triton"` forces the kernel (interpreter tests on CPU). Under torch.compile
+`act_mul` follows compile_mode: the reference (fused by inductor) or the custom op `gemmtune::act_mul`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # 
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
 from ._common import pdl_kwargs as _pdl_kwargs
+from .compile_mode import compile_impl
+
+_is_compiling = torch.compiler.is_compiling
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -92,6 +96,8 @@ def act_mul(gu: torch.Tensor, act: str, *, impl: str = "auto") -> torch.Tensor:
     if act not in _REFS:
         raise ValueError(f"act_mul: unknown activation {act!r} (expected one of {ACTIVATIONS})")
     _halves(gu)
+    if impl == "auto" and _is_compiling():
+        return _traced(gu, act)
     ok = HAS_TRITON and gu.dtype in _KERNEL_DTYPES
     if impl == "ref" or (impl == "auto" and not (ok and gu.is_cuda)):
         return _REFS[act](gu)
@@ -108,3 +114,28 @@ def silu_mul(gu: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
 
 def gelu_tanh_mul(gu: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
     return act_mul(gu, "gelu_tanh", impl=impl)
+
+
+# ---- torch.compile -------------------------------------------------------------------------------
+def _traced(gu: torch.Tensor, act: str) -> torch.Tensor:
+    """The custom op (mode "op", kernel dtypes, no gradient needed: it has no backward) or the
+    reference for inductor to fuse."""
+    if (
+        compile_impl("act_mul") == "op"
+        and gu.dtype in _KERNEL_DTYPES
+        and not (torch.is_grad_enabled() and gu.requires_grad)
+    ):
+        return torch.ops.gemmtune.act_mul(gu, act)
+    return _REFS[act](gu)
+
+
+@torch.library.custom_op("gemmtune::act_mul", mutates_args=())
+def _act_mul_op(gu: torch.Tensor, act: str) -> torch.Tensor:
+    if gu.is_cuda and HAS_TRITON:
+        return _launch(gu, act)
+    return _REFS[act](gu).contiguous()
+
+
+@_act_mul_op.register_fake
+def _act_mul_fake(gu, act):
+    return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))

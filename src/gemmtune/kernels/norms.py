@@ -10,7 +10,8 @@ norm reads it, as `residual + hidden_states` does in the model.
 
 `rmsnorm` / `add_rmsnorm` pick the Triton kernel for CUDA/ROCm tensors and the reference otherwise
 (CPU, or dtype mixes the kernel does not reproduce exactly); `impl="triton"` forces the kernel
-(used by the interpreter tests on CPU).
+(used by the interpreter tests on CPU). Under torch.compile they follow compile_mode: the reference
+(fused by inductor) or the custom ops `gemmtune::rmsnorm` / `gemmtune::add_rmsnorm`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # 
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
 from ._common import pdl_kwargs as _pdl_kwargs
+from .compile_mode import compile_impl
+
+_is_compiling = torch.compiler.is_compiling
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -154,17 +158,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         raise ValueError(f"add_rmsnorm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
 
 
-def _use_kernel(x, weight, residual, cast_before_weight, impl: str) -> bool:
-    if impl == "ref" or (impl == "auto" and not x.is_cuda):
-        return False
-    ok = (
-        HAS_TRITON
-        and x.dtype in _KERNEL_DTYPES
+def _kernel_dtypes_ok(x, weight, residual, cast_before_weight) -> bool:
+    """The dtype mixes the kernel reproduces exactly (its output is then x's dtype, like the reference)."""
+    return (
+        x.dtype in _KERNEL_DTYPES
         and x.shape[-1] > 0
         and (residual is None or residual.dtype == x.dtype)
         # Llama style promotes w * x to w's dtype when they differ; only the equal case is fused.
         and (not cast_before_weight or weight.dtype == x.dtype)
     )
+
+
+def _use_kernel(x, weight, residual, cast_before_weight, impl: str) -> bool:
+    if impl == "ref" or (impl == "auto" and not x.is_cuda):
+        return False
+    ok = HAS_TRITON and _kernel_dtypes_ok(x, weight, residual, cast_before_weight)
     if impl == "triton":
         if not ok:
             raise ValueError(
@@ -186,6 +194,8 @@ def rmsnorm(
 ) -> torch.Tensor:
     """RMSNorm over the last dim; returns a contiguous tensor shaped like x."""
     _check(x, weight, None)
+    if impl == "auto" and _is_compiling():
+        return _traced(x, None, weight, eps, offset, cast_before_weight)
     if _use_kernel(x, weight, None, cast_before_weight, impl):
         return _launch(x, None, weight, eps, offset, cast_before_weight)
     return rmsnorm_ref(x, weight, eps, offset=offset, cast_before_weight=cast_before_weight)
@@ -203,6 +213,60 @@ def add_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(residual + x), residual + x) in one pass over the data."""
     _check(x, weight, residual)
+    if impl == "auto" and _is_compiling():
+        return _traced(x, residual, weight, eps, offset, cast_before_weight)
     if _use_kernel(x, weight, residual, cast_before_weight, impl):
         return _launch(x, residual, weight, eps, offset, cast_before_weight)
     return add_rmsnorm_ref(x, residual, weight, eps, offset=offset, cast_before_weight=cast_before_weight)
+
+
+# ---- torch.compile -------------------------------------------------------------------------------
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _traced(x, residual, weight, eps, offset, cast_before_weight):
+    """What torch.compile traces: the custom op (mode "op", when the kernel's dtypes fit and no
+    gradient is needed: the op has no backward) or the reference, for inductor to fuse."""
+    op = "rmsnorm" if residual is None else "add_rmsnorm"
+    if (
+        compile_impl(op) == "op"
+        and _kernel_dtypes_ok(x, weight, residual, cast_before_weight)
+        and not _needs_grad(x, residual, weight)
+    ):
+        args = (weight, float(eps), float(offset), bool(cast_before_weight))
+        if residual is None:
+            return torch.ops.gemmtune.rmsnorm(x, *args)
+        return torch.ops.gemmtune.add_rmsnorm(x, residual, *args)
+    if residual is None:
+        return rmsnorm_ref(x, weight, eps, offset=offset, cast_before_weight=cast_before_weight)
+    return add_rmsnorm_ref(x, residual, weight, eps, offset=offset, cast_before_weight=cast_before_weight)
+
+
+@torch.library.custom_op("gemmtune::rmsnorm", mutates_args=())
+def _rmsnorm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_before_weight: bool
+) -> torch.Tensor:
+    if x.is_cuda and HAS_TRITON:
+        return _launch(x, None, weight, eps, offset, cast_before_weight)
+    return rmsnorm_ref(x, weight, eps, offset=offset, cast_before_weight=cast_before_weight).contiguous()
+
+
+@_rmsnorm_op.register_fake
+def _rmsnorm_fake(x, weight, eps, offset, cast_before_weight):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("gemmtune::add_rmsnorm", mutates_args=())
+def _add_rmsnorm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_before_weight: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda and HAS_TRITON:
+        return _launch(x, residual, weight, eps, offset, cast_before_weight)
+    y, s = add_rmsnorm_ref(x, residual, weight, eps, offset=offset, cast_before_weight=cast_before_weight)
+    return y.contiguous(), s.contiguous()
+
+
+@_add_rmsnorm_op.register_fake
+def _add_rmsnorm_fake(x, residual, weight, eps, offset, cast_before_weight):
+    return x.new_empty(x.shape), x.new_empty(x.shape)

@@ -4,6 +4,8 @@ Layout is the fused-projection one: q [B, S, Hq, D] and k [B, S, Hkv, D] (views 
 output are read in place), cos/sin [B or 1, S, R] with R <= D (partial rotary: the last D - R
 features pass through). Outputs are contiguous [B, S, H, D]. Rounding follows transformers'
 `(x * cos) + (rotate_half(x) * sin)`: each product and the sum are rounded to the input dtype.
+Under torch.compile `rope` follows compile_mode: the reference (fused by inductor) or the custom op
+`gemmtune::rope`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import torch
 from ._common import HAS_TRITON, tl, triton  # noqa: F401 - re-exported for callers
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
+from .compile_mode import compile_impl
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def _rotate_half(x):
@@ -92,25 +97,36 @@ def _heads_view_ok(x: torch.Tensor) -> bool:
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "auto"):
     """(q_rot, k_rot), contiguous [B, S, H, D]; q [B, S, Hq, D], k [B, S, Hkv, D], cos/sin [b, S, R]."""
     B, S, HQ, D = q.shape
-    HKV = k.shape[2]
     if k.shape[0] != B or k.shape[1] != S or k.shape[3] != D or cos.shape != sin.shape or cos.dim() != 3:
         raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit")
     R = cos.shape[-1]
     if R > D or R % 2 or cos.shape[1] != S or cos.shape[0] not in (1, B):
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit q {tuple(q.shape)} (need [1|B, S, R<=D])")
-    ok = (
-        HAS_TRITON
-        and q.dtype in _KERNEL_DTYPES
+    ok = HAS_TRITON and _kernel_fits(q, k, cos, sin)
+    if impl == "auto" and _is_compiling():
+        return _traced(q, k, cos, sin)
+    if impl == "ref" or (impl == "auto" and not (ok and q.is_cuda)):
+        return rope_ref(q, k, cos, sin)
+    if not ok:
+        raise ValueError(f"rope: the Triton kernel cannot run q {q.dtype} {tuple(q.stride())}, cos {cos.dtype}")
+    return _launch(q, k, cos, sin)
+
+
+def _kernel_fits(q, k, cos, sin) -> bool:
+    return (
+        q.dtype in _KERNEL_DTYPES
         and k.dtype == q.dtype
         and cos.dtype == q.dtype
         and sin.dtype == q.dtype
         and _heads_view_ok(q)
         and _heads_view_ok(k)
     )
-    if impl == "ref" or (impl == "auto" and not (ok and q.is_cuda)):
-        return rope_ref(q, k, cos, sin)
-    if not ok:
-        raise ValueError(f"rope: the Triton kernel cannot run q {q.dtype} {tuple(q.stride())}, cos {cos.dtype}")
+
+
+def _launch(q, k, cos, sin):
+    B, S, HQ, D = q.shape
+    HKV = k.shape[2]
+    R = cos.shape[-1]
     if cos.stride(-1) != 1:
         cos = cos.contiguous()
     if sin.stride() != cos.stride():
@@ -132,3 +148,28 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         BLOCK_H=block_h, HALF=half, BLOCK_P=block_p, num_warps=4 if block_h * half >= 512 else 2,
     )  # fmt: skip
     return qo, ko
+
+
+# ---- torch.compile -------------------------------------------------------------------------------
+def _traced(q, k, cos, sin):
+    """The custom op (mode "op", kernel layouts, no gradient needed: it has no backward) or the
+    reference for inductor to fuse."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
+    if compile_impl("rope") == "op" and _kernel_fits(q, k, cos, sin) and not grad:
+        return torch.ops.gemmtune.rope(q, k, cos, sin)
+    return rope_ref(q, k, cos, sin)
+
+
+@torch.library.custom_op("gemmtune::rope", mutates_args=())
+def _rope_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.is_cuda and HAS_TRITON:
+        return _launch(q, k, cos, sin)
+    qo, ko = rope_ref(q, k, cos, sin)
+    return qo.contiguous(), ko.contiguous()
+
+
+@_rope_op.register_fake
+def _rope_fake(q, k, cos, sin):
+    return q.new_empty(q.shape), k.new_empty(k.shape)

@@ -1,0 +1,109 @@
+"""`gemmtune bench-model --model PRESET|config.json`: stock vs optimize() vs torch.compile of each."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..tuner.shapes import PRESETS
+
+# On the CPU (CI, smoke tests) the defaults shrink so a tiny model runs in seconds.
+_GPU_DEFAULTS = {"prefill": "1x2048", "batches": "1,8", "ctx": 1024, "reps": 7}
+_CPU_DEFAULTS = {"prefill": "1x64", "batches": "1,4", "ctx": 64, "reps": 5}
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{what}: expected a comma list of integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise click.BadParameter(f"{what}: expected positive integers, got {text!r}")
+    return vals
+
+
+def _prefill(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        b, _, s = part.partition("x")
+        try:
+            out.append((int(b), int(s)))
+        except ValueError:
+            raise click.BadParameter(f"prefill: expected BATCHxSEQ[,BATCHxSEQ...], got {part!r}") from None
+    if not out:
+        raise click.BadParameter(f"prefill: no BATCHxSEQ in {text!r}")
+    return tuple(out)
+
+
+@click.command("bench-model")
+@click.option("--model", "-m", required=True,
+              help=f"config.json, a folder holding one, or a preset: {', '.join(sorted(PRESETS))}.")  # fmt: skip
+@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Decoder layers to build.")
+@click.option("--table", default=None, help="Tuned table(s) for optimize() (a CSV; several joined by ':').")
+@click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
+@click.option("--dtype", default=None, help="Model dtype (default: bfloat16 on a GPU, float32 on the CPU).")
+@click.option("--prefill", default=None, help="BATCHxSEQ list [GPU 1x2048, CPU 1x64].")
+@click.option("--batches", default=None, help="Decode batch sizes [GPU 1,8, CPU 1,4].")
+@click.option("--ctx", type=click.IntRange(min=1), default=None, help="Decode context length [GPU 1024, CPU 64].")
+@click.option("--reps", type=click.IntRange(min=1), default=None, help="Timed rounds (median) [GPU 7, CPU 5].")
+@click.option("--contenders", default="stock,optimize,compile,compile+optimize", show_default=True,
+              help="Which of stock, optimize, compile, compile+optimize to run.")  # fmt: skip
+@click.option("--compile-ops", "compile_ops", multiple=True,
+              help="How gemmtune's norms/act/rope run under torch.compile, one compile+optimize contender per "
+                   "use: ref (inductor fuses the PyTorch formula), op (Triton kernel as a custom op), or e.g. "
+                   "'ref,rope=op'. Default: GEMMTUNE_COMPILE_OPS, else the built-in per-op defaults.")  # fmt: skip
+@click.option("--compile-backend", default=None, help="torch.compile backend [GPU inductor, CPU aot_eager].")
+@click.option("--no-profile", is_flag=True, help="Only time; no profile breakdown.")
+@click.option("-o", "--out", "out_dir", default=None, help="Report folder (default: bench-model-<model name>).")
+def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, contenders, compile_ops,
+            compile_backend, no_profile, out_dir) -> None:  # fmt: skip
+    """Build MODEL with random weights (nothing downloaded) and time, in one process and interleaved:
+    stock Hugging Face, gemmtune.optimize(), torch.compile of stock and torch.compile of optimize(),
+    for prefill (BATCHxSEQ, last-token logits) and CUDA-graph decode (static cache of CTX tokens, one
+    token per step, each batch size). Reports ms, speedup vs stock and the profile breakdown of each
+    as OUT/report.md, report.json and report.png. On the CPU: eager decode, wall-clock timing. Example:
+
+        gemmtune bench-model --model llama-3-8b --layers 4 -o results/llama
+    """
+    import os
+
+    import torch
+
+    from ..errors import GemmtuneError
+    from ..kernels.compile_mode import describe, parse
+    from ..keys import parse_dtype
+    from ..profiling import bench_model, bench_report
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev not in ("cuda", "cpu") and not dev.startswith("cuda:"):
+        raise click.BadParameter(f"--device {dev!r}: expected cuda or cpu")
+    defaults = _GPU_DEFAULTS if dev.startswith("cuda") else _CPU_DEFAULTS
+    ops = tuple(compile_ops) or (describe(),)
+    try:
+        for spec in ops:
+            parse(spec)
+        settings = bench_model.Settings(
+            model=model,
+            layers=layers,
+            table=table.split(":") if table and ":" in table else table,
+            device=dev,
+            dtype=parse_dtype(dtype) if dtype else None,
+            prefill=_prefill(prefill or defaults["prefill"]),
+            batches=_ints(batches or defaults["batches"], "batches"),
+            ctx=ctx or defaults["ctx"],
+            reps=reps or defaults["reps"],
+            contenders=tuple(c.strip() for c in contenders.split(",") if c.strip()),
+            compile_ops=ops,
+            compile_backend=compile_backend,
+            profile=not no_profile,
+        )
+        res = bench_model.run(settings)
+    except (GemmtuneError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    name = os.path.basename(os.path.normpath(model)).removesuffix(".json")
+    out = out_dir or f"bench-model-{name}"
+    text = bench_report.markdown(res, "gemmtune bench-model " + " ".join(sys.argv[2:]))
+    click.echo(text)
+    for note in bench_report.write(res, out, "gemmtune bench-model " + " ".join(sys.argv[2:])):
+        click.echo(note, err=True)

@@ -1,0 +1,40 @@
+"""`gemmtune profile -o DIR -- python script.py ...`: time by category, top kernels, GEMM table."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+
+@click.command("profile", context_settings={"ignore_unknown_options": True})
+@click.option("-o", "--out", "out_dir", default="gemmtune-profile", show_default=True,
+              type=click.Path(file_okay=False), help="Folder for profile.json, trace.json, profile.png.")  # fmt: skip
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Profile CUDA activity or only the CPU (default: CUDA when available).")  # fmt: skip
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Kernels listed per category.")
+@click.option("--no-annotate", is_flag=True, help="Do not name gemmtune.gemm calls by their shape in the trace.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def command(out_dir, device, top, no_annotate, command) -> None:
+    """Run a Python script under torch.profiler, in this process, and report where the time goes.
+
+    GPU time (CPU time without a GPU) by category: GEMM, attention, elementwise/norm, memory copies,
+    idle gaps between kernels (launch overhead), other; the top kernels of each; and every GEMM shape
+    the run executed with its time share, calls and what the tuned tables in effect run for it.
+    The steps measured are the script's `with gemmtune.profiling.step():` blocks, else the whole run.
+    Example:
+
+        gemmtune profile -o prof -- python serve_one_batch.py --model ...
+    """
+    from ..profiling import profile_script
+
+    trace = os.path.join(out_dir, "trace.json")
+    try:
+        prof, code = profile_script(list(command), device=device, trace=trace, annotate=not no_annotate)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(prof.table(top))
+    for note in prof.save(out_dir, title=" ".join(command)[-60:]):
+        click.echo(note, err=True)
+    sys.exit(code)

@@ -1,0 +1,361 @@
+"""Stock Hugging Face vs optimize() vs torch.compile of each, on one model, in one process.
+
+Contenders share one set of random weights: "stock" (the model as built), "optimize" (a deep copy
+after gemmtune.optimize), "compile" (torch.compile of stock) and "compile+optimize" (torch.compile of
+the optimized copy; one contender per compile-ops mode asked for, see kernels/compile_mode.py).
+Scenarios: prefill (batch x seq, last-token logits as generate() asks) and decode (one token per
+step on a static cache primed with `ctx` tokens, captured once in a CUDA graph and replayed).
+Timing follows ../shared/BENCHMARKING.md: contenders interleaved round by round (order rotated, the
+GPU kept busy while a round is queued), median ms per call over the rounds. On the CPU there are no
+graphs: eager steps, wall clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels.compile_mode import compile_ops
+from .collect import profile
+from .report import Profile
+
+CONTENDERS = ("stock", "optimize", "compile", "compile+optimize")
+_SPACER_CYCLES = 2_000_000  # ~1 ms of GPU sleep: longer than queueing a round's first launches
+
+
+@dataclass
+class Settings:
+    model: str
+    layers: int | None = 4
+    table: str | None = None
+    device: str = "cuda"
+    dtype: torch.dtype | None = None
+    prefill: tuple[tuple[int, int], ...] = ((1, 2048),)
+    batches: tuple[int, ...] = (1, 8)
+    ctx: int = 1024
+    reps: int = 7
+    contenders: tuple[str, ...] = CONTENDERS
+    compile_ops: tuple[str, ...] = ("ref",)  # one compile+optimize contender per mode spec
+    compile_backend: str | None = None  # default: inductor on a GPU, aot_eager on the CPU
+    profile: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = [c for c in self.contenders if c not in CONTENDERS]
+        if bad or not self.contenders:
+            raise ValueError(f"contenders {bad or '(none)'}: expected some of {', '.join(CONTENDERS)}")
+        if any(b < 1 for b in self.batches) or any(b < 1 or s < 1 for b, s in self.prefill) or self.ctx < 1:
+            raise ValueError(f"batches {self.batches}, prefill {self.prefill} and ctx {self.ctx} must be positive")
+        if self.reps < 1:
+            raise ValueError(f"reps must be >= 1, got {self.reps}")
+
+
+@dataclass
+class Contender:
+    name: str
+    module: torch.nn.Module  # the eager module (stock or optimized): primes caches
+    call: Callable  # the module, or its torch.compile wrapper
+    ops: str | None = None  # compile-ops mode the calls run under
+
+    def context(self):
+        return compile_ops(self.ops) if self.ops else contextlib.nullcontext()
+
+
+@dataclass
+class Cell:
+    """One contender in one scenario."""
+
+    ms: float = float("nan")
+    spread: float = float("nan")  # half the max-min range over rounds
+    error: str = ""
+    profile: Profile | None = None
+    gemm_profile: Profile | None = None  # decode: the un-graphed step (shapes and launch sites)
+
+
+@dataclass
+class Scenario:
+    name: str
+    kind: str  # "prefill" or "decode"
+    cells: dict[str, Cell] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    settings: Settings
+    meta: dict
+    optimize_summary: str
+    parity: dict[str, str]
+    scenarios: list[Scenario]
+    errors: list[str]
+    seconds: float = 0.0
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict[str, Callable], iters: int, reps: int, cuda: bool) -> dict[str, list[float]]:
+    """ms per call of each fn, one sample per round; rounds interleave the fns in rotating order."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    events = (
+        {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in names} if cuda else {}
+    )
+    for rep in range(reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(_SPACER_CYCLES)
+            for n in order:
+                start, end = events[n]
+                start.record()
+                for _ in range(iters):
+                    fns[n]()
+                end.record()
+            torch.cuda.synchronize()
+            for n in names:
+                start, end = events[n]
+                times[n].append(start.elapsed_time(end) / iters)
+        else:
+            for n in order:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fns[n]()
+                times[n].append((time.perf_counter() - t0) * 1e3 / iters)
+    return times
+
+
+# ---- contenders ---------------------------------------------------------------------------------
+def _compile(module, backend: str):
+    # torch.compile's defaults, as a user would call it: a size or int that changes between calls is
+    # recompiled once as dynamic (HF's sliding-window static cache keeps a Python int position).
+    return torch.compile(module, backend=backend)
+
+
+def raise_recompile_limits() -> None:
+    # Every contender x shape is its own compiled graph of the same forward code objects.
+    import torch._dynamo.config as dc
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dc, name):
+            setattr(dc, name, max(64, getattr(dc, name)))
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dc, name):
+            setattr(dc, name, max(1024, getattr(dc, name)))
+
+
+def make_contenders(stock, opt, s: Settings, backend: str) -> list[Contender]:
+    out = []
+    for name in s.contenders:
+        if name == "stock":
+            out.append(Contender(name, stock, stock))
+        elif name == "optimize":
+            out.append(Contender(name, opt, opt))
+        elif name == "compile":
+            out.append(Contender(name, stock, _compile(stock, backend)))
+        else:
+            for ops in s.compile_ops:
+                label = name if len(s.compile_ops) == 1 else f"{name}[{ops}]"
+                out.append(Contender(label, opt, _compile(opt, backend), ops))
+    return out
+
+
+# ---- scenarios ----------------------------------------------------------------------------------
+def _ids(batch: int, seq: int, vocab: int, device, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+
+
+def prefill_call(c: Contender, ids: torch.Tensor) -> Callable:
+    def run():
+        with torch.no_grad(), c.context():
+            return c.call(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    return run
+
+
+class Decode:
+    """One decode step of `c` on a static cache primed with ctx tokens; `replay` is the timed call
+    (a CUDA graph of the step on a GPU, the eager step on the CPU)."""
+
+    def __init__(self, c: Contender, batch: int, ctx: int, steps: int, cuda: bool, vocab: int, seed: int):
+        from transformers import StaticCache
+
+        device = next(c.module.parameters()).device
+        prompt = _ids(batch, ctx, vocab, device, seed)
+        self.tok = _ids(batch, 1, vocab, device, seed + 1)
+        # Every call (replays too) advances the cache by one token: room for all of them.
+        self.cache = StaticCache(config=c.module.config, max_cache_len=ctx + steps)
+        self.c = c
+        with torch.no_grad(), c.context():
+            c.module(input_ids=prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            for _ in range(2):  # compiles here, outside any capture
+                self.step()
+        self.graph = None
+        if cuda:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self.step()
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.step()
+
+    def step(self):
+        with torch.no_grad(), self.c.context():
+            return self.c.call(input_ids=self.tok, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+
+    def replay(self):
+        if self.graph is None:
+            self.step()
+        else:
+            self.graph.replay()
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def _parity(contenders: list[Contender], ids) -> dict[str, str]:
+    out, ref = {}, None
+    for c in contenders:
+        try:
+            logits = prefill_call(c, ids)().logits.float()
+        except Exception as exc:  # noqa: BLE001 - reported per contender
+            out[c.name] = f"failed: {type(exc).__name__}: {exc}"
+            continue
+        if ref is None:
+            ref = logits
+            out[c.name] = f"reference (logits max |x| {ref.abs().max().item():.3g})"
+            continue
+        same = bool((logits.argmax(-1) == ref.argmax(-1)).all())
+        out[c.name] = f"max |diff| {(logits - ref).abs().max().item():.3g}, argmax {'equal' if same else 'DIFFERS'}"
+    return out
+
+
+def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
+    import transformers
+
+    from ..kernels.compile_mode import describe
+    from ..models.families import FAMILIES
+
+    return {
+        "model": desc,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "table": s.table or "none (default dispatch: vendor BLAS through torch)",
+        "compile_backend": backend,
+        "compile_ops_default": describe(),
+        "optimize_families": ", ".join(sorted(FAMILIES)) + " (other model types: plain Linear routing only)",
+        "timing": (
+            "CUDA events, contenders interleaved per round in rotating order, median of rounds"
+            if cuda
+            else "wall clock (CPU: no CUDA graphs), contenders interleaved per round, median of rounds"
+        ),
+    }
+
+
+def run(s: Settings) -> Result:
+    import gemmtune
+
+    from .build import build_model
+
+    t0 = time.perf_counter()
+    device = torch.device(s.device)
+    cuda = device.type == "cuda"
+    backend = s.compile_backend or ("inductor" if cuda else "aot_eager")
+    torch._dynamo.reset()
+    raise_recompile_limits()
+    stock, desc = build_model(s.model, s.layers, device, s.dtype, s.seed)
+    log(f"model: {desc}")
+    opt = copy.deepcopy(stock) if any(c in s.contenders for c in ("optimize", "compile+optimize")) else None
+    summary = str(gemmtune.optimize(opt, config=s.table)) if opt is not None else "optimize() not run"
+    log(summary)
+    contenders = make_contenders(stock, opt, s, backend)
+    meta = _meta(s, desc, backend, cuda)
+    vocab = stock.config.vocab_size
+    errors: list[str] = []
+    b0, s0 = s.prefill[0]
+    parity = _parity(contenders, _ids(b0, s0, vocab, device, s.seed))
+    for name, text in parity.items():
+        log(f"parity {name}: {text}")
+    scenarios: list[Scenario] = []
+    for b, seq in s.prefill:
+        sc = Scenario(f"prefill {b}x{seq}", "prefill")
+        ids = _ids(b, seq, vocab, device, s.seed)
+        _bench(sc, {c.name: prefill_call(c, ids) for c in contenders}, 3 if cuda else 2, s, cuda, errors)
+        scenarios.append(sc)
+    decode_iters = 16 if cuda else 4
+    # room in the cache for every step: warm-up and capture, timed rounds, profiles, slack
+    steps = 8 + s.reps * decode_iters + 2 * (decode_iters + 8) + 16
+    for b in s.batches:
+        label = f"decode b={b} ctx={s.ctx}" + (" (CUDA graph)" if cuda else " (eager, CPU)")
+        sc = Scenario(label, "decode")
+        decs: dict[str, Decode] = {}
+        for c in contenders:
+            try:
+                decs[c.name] = Decode(c, b, s.ctx, steps, cuda, vocab, s.seed)
+            except Exception as exc:  # noqa: BLE001 - one contender failing does not stop the others
+                sc.cells[c.name] = Cell(error=f"{type(exc).__name__}: {exc}")
+                errors.append(f"{label} {c.name}: {sc.cells[c.name].error}")
+                log(errors[-1])
+                traceback.print_exc()
+        _bench(sc, {n: d.replay for n, d in decs.items()}, decode_iters, s, cuda, errors, decs)
+        scenarios.append(sc)
+        del decs
+        if cuda:
+            torch.cuda.empty_cache()
+    res = Result(s, meta, summary, parity, scenarios, errors)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _bench(sc: Scenario, fns: dict[str, Callable], iters: int, s: Settings, cuda: bool, errors, decs=None) -> None:
+    ok = {}
+    for name, fn in fns.items():  # warm-up: compiles, fills caches; a failure drops the contender
+        try:
+            fn()
+            ok[name] = fn
+        except Exception as exc:  # noqa: BLE001
+            sc.cells[name] = Cell(error=f"{type(exc).__name__}: {exc}")
+            errors.append(f"{sc.name} {name}: {sc.cells[name].error}")
+            log(errors[-1])
+    _sync(cuda)
+    times = interleaved(ok, iters, s.reps, cuda) if ok else {}
+    base = statistics.median(times["stock"]) if "stock" in times else None
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        cell = sc.cells.setdefault(name, Cell())
+        cell.ms, cell.spread = med, (max(ts) - min(ts)) / 2
+        speed = f" ({base / med:.2f}x vs stock)" if base else ""
+        log(f"{sc.name:<34} {name:<24} {med:9.3f} ms (±{cell.spread:.3f}){speed}")
+    if not s.profile:
+        return
+    for name, fn in ok.items():
+        cell = sc.cells[name]
+        try:
+            if decs is not None and decs[name].graph is not None:
+                # graph replays have no launch sites: categorize their kernels as the eager step's
+                cell.gemm_profile = profile(decs[name].step, warmup=1, iters=3)
+                cell.profile = profile(
+                    fn, warmup=1, iters=5, hints=cell.gemm_profile.kernel_categories(), annotate=False
+                )
+            else:
+                cell.profile = profile(fn, warmup=1, iters=3 if cuda else 2)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"profile {sc.name} {name}: {type(exc).__name__}: {exc}")
+            log(errors[-1])
+            traceback.print_exc()

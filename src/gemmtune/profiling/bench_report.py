@@ -1,0 +1,191 @@
+"""bench-model's outputs: a markdown report, report.json and report.png."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from .bench_model import Result
+from .categorize import CATEGORIES, label
+from .report import COLORS
+
+
+def _f(v: float, nd: int = 3) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
+
+
+def _names(res: Result) -> list[str]:
+    seen: dict[str, None] = {}
+    for sc in res.scenarios:
+        for n in sc.cells:
+            seen.setdefault(n)
+    return list(seen)
+
+
+def _speedup(sc, name) -> float:
+    base, cell = sc.cells.get("stock"), sc.cells.get(name)
+    if base is None or cell is None or not (base.ms > 0 and cell.ms > 0):
+        return float("nan")
+    return base.ms / cell.ms
+
+
+def markdown(res: Result, command: str = "") -> str:
+    m, names = res.meta, _names(res)
+    lines = [f"# gemmtune bench-model: {m['model']}", ""]
+    lines += [f"- {k}: {v}" for k, v in m.items() if k != "model"]
+    lines += [f"- run time: {res.seconds:.0f} s", ""]
+    lines += ["## optimize()", "", "```", res.optimize_summary, "```", ""]
+    lines += ["Parity (prefill, last-token logits vs the first contender):", ""]
+    lines += [f"- {k}: {v}" for k, v in res.parity.items()] + [""]
+    lines += ["## Speed: median ms per call (speedup vs stock)", ""]
+    lines += ["| scenario | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for sc in res.scenarios:
+        row = []
+        for n in names:
+            c = sc.cells.get(n)
+            if c is None or c.error:
+                row.append("error" if c is not None else "-")
+            elif n == "stock":
+                row.append(_f(c.ms))
+            else:
+                row.append(f"{_f(c.ms)} ({_f(_speedup(sc, n), 2)}x)")
+        lines.append(f"| {sc.name} | " + " | ".join(row) + " |")
+    lines.append("")
+    prof_rows = [(sc, n, sc.cells[n].profile) for sc in res.scenarios for n in names
+                 if n in sc.cells and sc.cells[n].profile is not None]  # fmt: skip
+    if prof_rows:
+        mode = prof_rows[0][2].mode
+        lines += ["## Time by category (torch.profiler, ms per call)", ""]
+        lines += ["Profiled apart from the timed rounds (each step ends with a synchronize), so totals differ a "
+                  "little from the medians above. Decode rows profile the CUDA-graph replays; their kernels are "
+                  "categorized by the un-graphed step's launch sites.", ""]  # fmt: skip
+        heads = [label(c, mode) for c in CATEGORIES]
+        lines += ["| scenario | contender | " + " | ".join(heads) + " | total |", "|---" * (len(heads) + 3) + "|"]
+        for sc, n, p in prof_rows:
+            vals = " | ".join(_f(p.categories[c]) for c in CATEGORIES)
+            lines.append(f"| {sc.name} | {n} | {vals} | {_f(p.total_ms)} |")
+        lines.append("")
+        lines += ["Top kernels per contender (ms per call):", ""]
+        for sc, n, p in prof_rows:
+            top = [i for i in p.breakdown.items if i.category != "idle"][:6]
+            lines.append(f"- {sc.name}, {n}: " + "; ".join(f"`{i.name[:60]}` {i.ms:.3f} ({i.category})" for i in top))
+        lines.append("")
+        lines += _gemm_section(res, names)
+    if res.errors:
+        lines += ["## Errors", "", *[f"- {e}" for e in res.errors], ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    return "\n".join(lines)
+
+
+def _gemm_section(res: Result, names: list[str]) -> list[str]:
+    out = ["## GEMMs of each scenario (optimize() contenders: what the tables in effect run)", ""]
+    for sc in res.scenarios:
+        for n in names:
+            c = sc.cells.get(n)
+            p = c and (c.gemm_profile or c.profile)
+            if p is None or "optimize" not in n:
+                continue
+            out.append(f"{sc.name}, {n}:")
+            out.append("")
+            out += ["```", *p.gemm_lines(), "```", ""]
+    return out
+
+
+def _num(v: float) -> float | None:
+    return None if math.isnan(v) else v
+
+
+def to_dict(res: Result) -> dict:
+    s = res.settings
+    scen = []
+    for sc in res.scenarios:
+        cells = {}
+        for n, c in sc.cells.items():
+            d = {
+                "ms": _num(c.ms),
+                "spread": _num(c.spread),
+                "speedup_vs_stock": _num(_speedup(sc, n)),
+                "error": c.error,
+            }
+            if c.profile is not None:
+                d["profile"] = c.profile.to_dict(top=20)
+            if c.gemm_profile is not None:
+                d["eager_step_profile"] = c.gemm_profile.to_dict(top=20)
+            cells[n] = d
+        scen.append({"name": sc.name, "kind": sc.kind, "contenders": cells})
+    return {
+        "meta": res.meta,
+        "settings": {
+            "model": s.model,
+            "layers": s.layers,
+            "table": s.table,
+            "device": s.device,
+            "prefill": [list(p) for p in s.prefill],
+            "batches": list(s.batches),
+            "ctx": s.ctx,
+            "reps": s.reps,
+            "contenders": list(s.contenders),
+            "compile_ops": list(s.compile_ops),
+        },  # fmt: skip
+        "optimize": res.optimize_summary,
+        "parity": res.parity,
+        "scenarios": scen,
+        "errors": res.errors,
+        "seconds": res.seconds,
+    }
+
+
+def plot(res: Result, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = _names(res)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5))
+    width = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        xs = [j + i * width for j in range(len(res.scenarios))]
+        ax1.bar(xs, [_speedup(sc, n) for sc in res.scenarios], width, label=n)
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(res.scenarios))], [sc.name for sc in res.scenarios],
+                   fontsize=8)  # fmt: skip
+    ax1.set_ylabel("speedup vs stock (stock ms / ms)")
+    ax1.set_title(res.meta["model"][:80], fontsize=9)
+    ax1.legend(fontsize=8)
+    bars = [(f"{sc.name}\n{n}", sc.cells[n].profile) for sc in res.scenarios for n in names
+            if n in sc.cells and sc.cells[n].profile is not None]  # fmt: skip
+    if bars:
+        bottom = [0.0] * len(bars)
+        xs = list(range(len(bars)))
+        for c in CATEGORIES:
+            vals = [p.categories[c] for _, p in bars]
+            ax2.bar(xs, vals, bottom=bottom, color=COLORS[c], label=label(c, bars[0][1].mode))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax2.set_xticks(xs, [b for b, _ in bars], fontsize=6, rotation=90)
+        ax2.set_ylabel("ms per call (profiled)")
+        ax2.set_title("time by category")
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(res: Result, out_dir: str, command: str = "") -> list[str]:
+    """out_dir/report.md, report.json and report.png (with matplotlib); returns notes."""
+    os.makedirs(out_dir, exist_ok=True)
+    md = os.path.join(out_dir, "report.md")
+    with open(md, "w", encoding="utf-8") as fh:
+        fh.write(markdown(res, command))
+    js = os.path.join(out_dir, "report.json")
+    with open(js, "w", encoding="utf-8") as fh:
+        json.dump(to_dict(res), fh, indent=1)
+    notes = [f"wrote {md} and {js}"]
+    try:
+        plot(res, os.path.join(out_dir, "report.png"))
+        notes.append(f"wrote {os.path.join(out_dir, 'report.png')}")
+    except ImportError:
+        notes.append("matplotlib is not installed: no PNG (pip install matplotlib)")
+    return notes

@@ -1,0 +1,65 @@
+"""A Hugging Face causal LM with random weights from a preset or a config.json (nothing downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..tuner.shapes import ModelConfigError, load_model_config
+
+# config.json keys that describe a checkpoint or loading, not the architecture
+_DROP = ("torch_dtype", "dtype", "architectures", "auto_map", "quantization_config", "transformers_version",
+         "_name_or_path", "use_cache")  # fmt: skip
+
+
+def architecture(model: str | dict, layers: int | None = None) -> tuple[dict, str]:
+    """(config dict of the language model, source) for a preset name, config.json, folder or dict."""
+    config, source = (dict(model), "config dict") if isinstance(model, dict) else load_model_config(model)
+    inner = config.get("text_config")
+    if isinstance(inner, dict):  # multimodal wrappers keep the language model under text_config
+        config = {**{k: v for k, v in config.items() if k != "text_config"}, **inner}
+    cfg = {k: v for k, v in config.items() if k not in _DROP}
+    if "model_type" not in cfg:
+        raise ModelConfigError(f"{source}: the config has no model_type")
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        cfg["num_hidden_layers"] = layers
+        if isinstance(cfg.get("layer_types"), list):  # per-layer attention kinds (Gemma 2/3, Qwen 3 ...)
+            cfg["layer_types"] = cfg["layer_types"][:layers]
+    return cfg, source
+
+
+def build_model(
+    model: str | dict,
+    layers: int | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+):
+    """(model in eval mode with random weights, description) for a preset, config.json or config dict.
+
+    dtype defaults to bfloat16 on a GPU and float32 on the CPU.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg, source = architecture(model, layers)
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    mt = cfg.pop("model_type")
+    try:
+        config = AutoConfig.for_model(mt, **cfg)
+    except (ValueError, KeyError) as exc:
+        raise ModelConfigError(f"{source}: transformers cannot build model_type {mt!r}: {exc}") from None
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(seed)
+            net = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(prev)
+    net = net.to(dtype=dtype).eval()
+    n_params = sum(p.numel() for p in net.parameters())
+    desc = (f"{source}: {mt}, {config.num_hidden_layers} layers, {n_params / 1e9:.2f} B parameters, "
+            f"random weights, {str(dtype).replace('torch.', '')}")  # fmt: skip
+    return net, desc

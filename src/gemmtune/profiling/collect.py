@@ -1,0 +1,147 @@
+"""Run a callable or a Python script under torch.profiler and break its time down.
+
+`profile(fn)` calls fn `warmup` times, then `iters` profiled steps, each inside a `gemmtune.step`
+range that ends with a device synchronize. `profile_script(argv)` runs a script in this process (as
+`python script.py args` would, via runpy): its `with gemmtune.profiling.step():` blocks are the steps,
+else the whole run is one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from .breakdown import SCRIPT, STEP, analyze
+from .gemms import annotate_gemms
+from .report import Profile
+from .timeline import build
+
+
+def _cuda_in_use(device) -> bool:
+    if device is not None:
+        return torch.device(device).type == "cuda"
+    return torch.cuda.is_available()
+
+
+def _activities(cuda: bool):
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+
+
+def _sync(cuda: bool) -> None:
+    if cuda and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def step():
+    """Mark one step of a script for `gemmtune profile` (a no-op range when nothing profiles)."""
+    with torch.profiler.record_function(STEP):
+        yield
+        if torch.autograd._profiler_enabled() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+def profile(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 2,
+    iters: int = 5,
+    device: str | torch.device | None = None,
+    hints: dict[str, str] | None = None,
+    annotate: bool = True,
+    trace: str | None = None,
+) -> Profile:
+    """Profile `iters` calls of `fn` (after `warmup` unprofiled ones); GPU time by category per call.
+
+    device: "cuda" or "cpu" activity (default: CUDA when available). hints: kernel name -> category
+    for kernels without a launch site (see Breakdown.kernel_categories). annotate: name eager
+    gemmtune.gemm calls by their key (adds a profiler range, ~1-2 us host time, per call).
+    trace: write the chrome trace there.
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"profile: iters must be >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    cuda = _cuda_in_use(device)
+    for _ in range(warmup):
+        fn()
+    _sync(cuda)
+    from torch.profiler import profile as tprofile
+
+    hook = annotate_gemms() if annotate else contextlib.nullcontext(False)
+    with hook as annotated, tprofile(activities=_activities(cuda), record_shapes=True) as prof:
+        for _ in range(iters):
+            with torch.profiler.record_function(STEP):
+                fn()
+                _sync(cuda)
+    return _finish(prof, hints, trace, annotated)
+
+
+def _finish(prof, hints, trace, annotated) -> Profile:
+    if trace:
+        os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
+        prof.export_chrome_trace(trace)
+    bd = analyze(build(prof), hints)
+    if not annotated:
+        bd.notes.append("gemmtune.gemm calls were not annotated: Triton GEMM kernels show without shapes")
+    return Profile(bd, trace=trace)
+
+
+def _script_argv(command: list[str]) -> tuple[str, str, list[str]]:
+    """('path'|'module', target, argv) for `python script.py args`, `python -m mod args` or `script.py args`."""
+    if not command:
+        raise ValueError("profile: no command given (use: gemmtune profile -- python script.py ...)")
+    args = list(command)
+    exe = os.path.basename(args[0])
+    if exe.startswith("python") or os.path.abspath(args[0]) == os.path.abspath(sys.executable):
+        args = args[1:]
+    if args and args[0] == "-m":
+        if len(args) < 2:
+            raise ValueError("profile: -m needs a module name")
+        return "module", args[1], [args[1], *args[2:]]
+    if not args or not args[0].endswith(".py") or not os.path.isfile(args[0]):
+        raise ValueError(
+            f"profile runs a Python script in this process: expected `python script.py ...` or "
+            f"`python -m module ...`, got {' '.join(command)!r}"
+        )
+    return "path", args[0], args
+
+
+def profile_script(command: list[str], *, device=None, trace: str | None = None, annotate: bool = True):
+    """Run `python script.py args` (or `python -m module args`) in-process under the profiler.
+
+    Returns (Profile, exit code of the script: 1 if it raised, after printing the traceback).
+    """
+    kind, target, argv = _script_argv(command)
+    cuda = _cuda_in_use(device)
+    from torch.profiler import profile as tprofile
+
+    old_argv, old_path = sys.argv, list(sys.path)
+    sys.argv = argv
+    if kind == "path":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    code = 0
+    hook = annotate_gemms() if annotate else contextlib.nullcontext(False)
+    try:
+        with hook as annotated, tprofile(activities=_activities(cuda), record_shapes=True) as prof:
+            with torch.profiler.record_function(SCRIPT):
+                try:
+                    if kind == "path":
+                        runpy.run_path(target, run_name="__main__")
+                    else:
+                        runpy.run_module(target, run_name="__main__", alter_sys=True)
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                except Exception:  # noqa: BLE001 - the profile of what ran is still written
+                    traceback.print_exc()
+                    code = 1
+                _sync(cuda)
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+    return _finish(prof, None, trace, annotated), code

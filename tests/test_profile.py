@@ -1,0 +1,460 @@
+"""gemmtune.profile / `gemmtune profile` / `gemmtune bench-model`: categories that sum to the total,
+the GEMM table with its dispatch status, the outputs on disk; categorization rules; the fused ops as
+custom ops under torch.compile (CPU here, inductor on a GPU)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("transformers")
+
+import gemmtune  # noqa: E402
+from gemmtune.cli.main import cli  # noqa: E402
+from gemmtune.configs import TUNED_COLUMNS  # noqa: E402
+from gemmtune.device import identity  # noqa: E402
+from gemmtune.kernels import activations, norms, rope  # noqa: E402
+from gemmtune.kernels.compile_mode import compile_ops, parse  # noqa: E402
+from gemmtune.profiling import breakdown, gemms  # noqa: E402
+from gemmtune.profiling.build import build_model  # noqa: E402
+from gemmtune.profiling.categorize import Frame, chain_category, kernel_name_category  # noqa: E402
+
+SEQ = 8
+# tiny-llama: hidden 64, 4 heads x 16, 2 KV heads, intermediate 128, vocab 256
+STOCK_SHAPES = {(SEQ, 64, 64), (SEQ, 32, 64), (SEQ, 128, 64), (SEQ, 64, 128), (1, 256, 64)}
+FUSED_SHAPES = {(SEQ, 128, 64), (SEQ, 64, 64), (SEQ, 256, 64), (SEQ, 64, 128), (1, 256, 64)}
+
+
+@pytest.fixture(scope="module")
+def models():
+    stock, _ = build_model("tiny-llama", layers=2)
+    opt = copy.deepcopy(stock)
+    gemmtune.optimize(opt)
+    return stock, opt
+
+
+def prefill(model):
+    ids = torch.arange(SEQ).remainder(256)[None]
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    return run
+
+
+def shapes_of(prof):
+    """(M, N, K) of the linear layers' GEMMs (the rotary embedding's K=1 outer product left out)."""
+    return {(r.call.M, r.call.N, r.call.K) for r in prof.breakdown.gemms if r.call is not None and r.call.K > 1}
+
+
+def check_outputs(out_dir, data):
+    total = data["total_ms"]
+    assert total > 0
+    assert abs(sum(c["ms"] for c in data["categories"].values()) - total) <= 0.01 * total
+    assert (out_dir / "profile.png").stat().st_size > 0
+    assert (out_dir / "trace.json").stat().st_size > 0
+
+
+# ---- gemmtune.profile ---------------------------------------------------------------------------
+def test_profile_categories_sum_outputs_and_gemm_table(models, tmp_path):
+    stock, _ = models
+    prof = gemmtune.profile(prefill(stock), warmup=1, iters=2, device="cpu", trace=str(tmp_path / "trace.json"))
+    prof.save(str(tmp_path))
+    data = json.loads((tmp_path / "profile.json").read_text())
+    check_outputs(tmp_path, data)
+    assert data["mode"] == "cpu" and data["steps"] == 2
+    assert shapes_of(prof) == STOCK_SHAPES
+    assert all(r.status == "default" for r in prof.breakdown.gemms if r.call is not None and r.call.K > 1)
+    assert prof.categories["gemm"] > 0 and prof.categories["attention"] > 0
+    calls = {(r.call.M, r.call.N): r.calls for r in prof.breakdown.gemms if r.call is not None}
+    assert calls[(SEQ, 32)] == 4  # k and v of 2 layers
+    assert calls[(1, 256)] == 1  # lm_head on the last token
+    text = prof.table()
+    assert "GEMM" in text and "host (outside ops)" in text and "default" in text
+
+
+def _table(tmp_path, rows):
+    ident = identity(torch.device("cpu"))
+    lines = [",".join(TUNED_COLUMNS)]
+    for m, n, k in rows:
+        lines.append(f"{ident.gfx},{ident.cu_num},{m},{n},{k},False,torch.float32,torch.float32,False,False,"
+                     f"torch,0,0,1.0,native,0.0,1.0,1.0")  # fmt: skip
+    path = tmp_path / "tuned.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_gemm_status_tuned_untuned_m_and_default(models, tmp_path):
+    _, opt = models
+    gemmtune.set_config(_table(tmp_path, [(SEQ, 256, 64), (4 * SEQ, 128, 64)]))
+    prof = gemmtune.profile(prefill(opt), warmup=1, iters=1, device="cpu")
+    assert shapes_of(prof) == FUSED_SHAPES
+    status = {(r.call.M, r.call.N, r.call.K): r for r in prof.breakdown.gemms if r.call is not None}
+    assert status[(SEQ, 256, 64)].status == "tuned"
+    assert status[(SEQ, 128, 64)].status == "untuned-M" and f"M={4 * SEQ}" in status[(SEQ, 128, 64)].detail
+    assert status[(SEQ, 64, 128)].status == "default"
+    # eager gemmtune.gemm calls are annotated with their key, and the runner cache is put back after
+    assert {r.call.op for r in prof.breakdown.gemms if r.call is not None and r.call.K > 1} == {"gemmtune.gemm"}
+    assert "runner_for" not in gemmtune.get_dispatcher().__dict__
+
+
+def test_profile_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="iters"):
+        gemmtune.profile(lambda: None, iters=0)
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+SCRIPT = """
+    import sys
+    import torch
+    import gemmtune.profiling
+    from gemmtune.profiling.build import build_model
+
+    model, _ = build_model("tiny-llama", layers=1)
+    ids = torch.arange(8)[None]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)  # warm-up, outside the steps
+        for _ in range(2):
+            with {step}:
+                model(input_ids=ids, use_cache=False)
+    sys.exit({code})
+"""
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_cli_profile_runs_a_script(tmp_path, marked):
+    script = tmp_path / "tiny_script.py"
+    step = "gemmtune.profiling.step()" if marked else "torch.no_grad()"
+    script.write_text(textwrap.dedent(SCRIPT.format(step=step, code=3 if marked else 0)))
+    out = tmp_path / "prof"
+    res = CliRunner().invoke(cli, ["profile", "-o", str(out), "--device", "cpu", "--", sys.executable, str(script)])
+    assert res.exit_code == (3 if marked else 0), res.output
+    data = json.loads((out / "profile.json").read_text())
+    check_outputs(out, data)
+    assert data["steps"] == (2 if marked else 1)
+    assert "GEMMs" in res.output and data["gemms"]
+
+
+def test_cli_profile_writes_the_profile_of_a_failing_script(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import torch\ntorch.ones(4, 4) @ torch.ones(4, 4)\nraise RuntimeError('boom')\n")
+    out = tmp_path / "prof"
+    res = CliRunner().invoke(cli, ["profile", "-o", str(out), "--device", "cpu", "--", "python", str(script)])
+    assert res.exit_code == 1
+    data = json.loads((out / "profile.json").read_text())
+    assert [(g["M"], g["N"], g["K"]) for g in data["gemms"]] == [(4, 4, 4)]
+
+
+def test_cli_profile_needs_a_python_script(tmp_path):
+    res = CliRunner().invoke(cli, ["profile", "-o", str(tmp_path), "--", "ls", "-l"])
+    assert res.exit_code != 0 and "Python script" in res.output
+
+
+def test_cli_bench_model_cpu_end_to_end(tmp_path):
+    out = tmp_path / "bm"
+    args = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
+            "--ctx", "16", "--batches", "1", "--reps", "2", "-o", str(out)]  # fmt: skip
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "report.json").read_text())
+    assert not data["errors"], data["errors"]
+    assert [s["name"] for s in data["scenarios"]] == ["prefill 1x16", "decode b=1 ctx=16 (eager, CPU)"]
+    for sc in data["scenarios"]:
+        assert set(sc["contenders"]) == {"stock", "optimize", "compile", "compile+optimize"}
+        for name, cell in sc["contenders"].items():
+            assert cell["ms"] > 0, (sc["name"], name)
+            cats = cell["profile"]["categories"]
+            assert (
+                abs(sum(c["ms"] for c in cats.values()) - cell["profile"]["total_ms"])
+                <= 0.01 * cell["profile"]["total_ms"]
+            )
+    assert "argmax equal" in data["parity"]["optimize"]
+    md = (out / "report.md").read_text()
+    assert "| prefill 1x16 |" in md and "Time by category" in md
+    assert (out / "report.png").stat().st_size > 0
+
+
+def test_cli_bench_model_rejects_bad_input(tmp_path):
+    res = CliRunner().invoke(cli, ["bench-model", "--device", "cpu", "--model", "no-such-model", "-o", str(tmp_path)])
+    assert res.exit_code != 0 and "no-such-model" in res.output
+    res = CliRunner().invoke(cli, ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--contenders", "fast"])
+    assert res.exit_code != 0 and "fast" in res.output
+
+
+# ---- categorization -----------------------------------------------------------------------------
+def F(name, *shapes):
+    return Frame(name, tuple(shapes))
+
+
+@pytest.mark.parametrize(
+    "chain, want",
+    [
+        ([F("aten::mm"), F("aten::linear"), F("gemmtune.step")], "gemm"),
+        ([F("aten::bmm"), F("aten::_scaled_dot_product_attention_math"), F("aten::scaled_dot_product_attention")],
+         "attention"),
+        ([F("aten::bmm"), F("aten::matmul", (2, 4, 8, 16), (2, 4, 16, 8))], "attention"),  # eager q @ k^T
+        ([F("aten::bmm"), F("aten::matmul", (1, 8, 1), (1, 1, 16))], "gemm"),  # rotary inv_freq x positions
+        ([F("aten::copy_"), F("aten::_to_copy"), F("aten::to")], "elementwise"),  # a dtype cast
+        ([F("aten::copy_"), F("aten::contiguous")], "memory"),
+        ([F("aten::index_copy_")], "memory"),
+        ([F("aten::empty"), F("gemmtune::rmsnorm")], "elementwise"),
+        ([F("aten::view"), F("gemmtune.step")], None),
+        ([F("aten::mm"), F("gemmtune.gemm M=1 N=2 K=3 bias=0 torch.float32->torch.float32")], "gemm"),
+    ],
+)  # fmt: skip
+def test_chain_category(chain, want):
+    assert chain_category(chain) == want
+
+
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("triton_poi_fused_add_mul_silu_0", "elementwise"),
+        ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", "elementwise"),
+        ("triton_poi_fused_clone_2", "memory"),
+        ("triton_tem_fused_mm_3", "gemm"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("_rmsnorm_kernel", "elementwise"),
+        ("_skinny_kernel", "gemm"),
+        ("Memcpy DtoD (Device -> Device)", "memory"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "memory"),
+        ("some_custom_thing", None),
+    ],
+)
+def test_kernel_name_category(name, want):
+    assert kernel_name_category(name) == want
+
+
+@pytest.mark.parametrize(
+    "frame, want",
+    [
+        (Frame("aten::linear", ((2, 8, 64), (32, 64), (32,)), ("float", "float", "float")), (16, 32, 64, True, 1)),
+        (Frame("aten::linear", ((8, 64), (32, 64), ()), ("c10::BFloat16", "c10::BFloat16", "")), (8, 32, 64, False, 1)),
+        (Frame("aten::addmm", ((32,), (8, 64), (64, 32)), ("float",) * 3), (8, 32, 64, True, 1)),
+        (Frame("aten::mm", ((8, 64), (64, 32)), ("float",) * 2), (8, 32, 64, False, 1)),
+        (Frame("aten::matmul", ((2, 4, 8, 16), (2, 4, 16, 8)), ("float",) * 2), (8, 8, 16, False, 8)),
+        (Frame("aten::bmm", ((3, 8, 64), (3, 64, 32)), ("float",) * 2), (8, 32, 64, False, 3)),
+        (Frame("gemmtune::gemm", ((5, 64), (32, 64), (), ()), ("c10::Half",) * 2), (5, 32, 64, False, 1)),
+    ],
+)  # fmt: skip
+def test_gemm_call_from_recorded_shapes(frame, want):
+    c = gemms.call_of(frame)
+    assert (c.M, c.N, c.K, c.bias, c.batch) == want
+
+
+def test_gemm_label_round_trips():
+    key = gemmtune.GemmKey(7, 96, 64, True, torch.bfloat16, torch.float32)
+    c = gemms.call_of(Frame(gemms.label(key)))
+    assert (c.M, c.N, c.K, c.bias, c.dtype, c.outdtype) == (7, 96, 64, True, torch.bfloat16, torch.float32)
+    assert gemms.status(c, "cpu")[0] == "default"
+
+
+class _Ev:
+    """A Kineto event as torch.profiler hands them out (times in us here, ns there)."""
+
+    def __init__(self, name, start, end, *, cuda=False, corr=0, linked=0, thread=1, shapes=(), dtypes=(), ann=False):
+        times = dict(start=int(start * 1000), end=int(end * 1000))
+        self._v = dict(name=name, cuda=cuda, corr=corr, linked=linked, thread=thread, ann=ann, **times,
+                       shapes=[list(x) for x in shapes], dtypes=list(dtypes))  # fmt: skip
+
+    def name(self):
+        return self._v["name"]
+
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self._v["cuda"] else torch.autograd.DeviceType.CPU
+
+    def start_ns(self):
+        return self._v["start"]
+
+    def end_ns(self):
+        return self._v["end"]
+
+    def correlation_id(self):
+        return self._v["corr"]
+
+    def linked_correlation_id(self):
+        return self._v["linked"]
+
+    def start_thread_id(self):
+        return self._v["thread"]
+
+    def shapes(self):
+        return self._v["shapes"]
+
+    def dtypes(self):
+        return self._v["dtypes"]
+
+    def is_async(self):
+        return False
+
+    def is_user_annotation(self):
+        return self._v["ann"]
+
+
+class _Prof:
+    def __init__(self, events):
+        results = type("R", (), {"events": lambda self: events, "trace_start_ns": lambda self: 0})()
+        self.profiler = type("P", (), {"kineto_results": results})()
+
+
+def test_cuda_timeline_from_kineto_events():
+    """The CUDA path without a GPU: launch sites through runtime calls, graph kernels by hint and
+    name, overlapping streams counted once, GPU-side annotation copies ignored, idle = the rest."""
+    from gemmtune.profiling.timeline import build
+
+    bf = ("c10::BFloat16",) * 3
+    ev = [
+        _Ev("gemmtune.step", 0, 100, corr=1, ann=True),
+        _Ev("aten::linear", 5, 20, corr=2, shapes=((4, 64), (128, 64), (128,)), dtypes=bf),
+        _Ev("aten::addmm", 6, 19, corr=3, shapes=((128,), (4, 64), (64, 128)), dtypes=bf),
+        _Ev("cudaLaunchKernel", 10, 12, corr=900, linked=3, thread=77),  # the runtime call: another tid
+        _Ev("nvjet_tst_x", 30, 50, cuda=True, corr=900, linked=3),  # GEMM kernel, site aten::addmm
+        _Ev("aten::add", 21, 25, corr=4),
+        _Ev("cuLaunchKernel", 22, 23, corr=901, linked=4, thread=77),
+        _Ev("my_fused_kernel", 50, 60, cuda=True, corr=901, linked=4),  # unknown name, site aten::add
+        _Ev("my_fused_kernel", 55, 65, cuda=True, corr=902),  # overlaps; no site: hint from the one above
+        _Ev("cudaGraphLaunch", 26, 27, corr=903, linked=0, thread=77),
+        _Ev("_rmsnorm_kernel", 70, 80, cuda=True, corr=903),  # graph replay: by name
+        _Ev("mystery", 80, 85, cuda=True, corr=903),  # unknown: other, listed
+        _Ev("Memcpy DtoD (Device -> Device)", 85, 90, cuda=True, corr=904),
+        _Ev("gemmtune.step", 0, 100, cuda=True, ann=True),  # GPU-side copy of the range
+    ]
+    bd = breakdown.analyze(build(_Prof(ev)))
+    assert bd.mode == "cuda" and bd.total_ms == pytest.approx(0.1)
+    c = {k: v * 1e3 for k, v in bd.categories.items()}  # us
+    assert c["gemm"] == pytest.approx(20) and c["elementwise"] == pytest.approx(15 + 10)
+    assert c["other"] == pytest.approx(5) and c["memory"] == pytest.approx(5)
+    assert c["idle"] == pytest.approx(100 - 20 - 15 - 10 - 5 - 5)
+    how = {(i.name, i.category): i.how for i in bd.items}
+    assert how[("my_fused_kernel", "elementwise")] == "site"  # the site-less one joined it as "hint"
+    assert how[("_rmsnorm_kernel", "elementwise")] == "name" and how[("mystery", "other")] == "unknown"
+    (row,) = bd.gemms
+    assert (row.call.op, row.call.M, row.call.N, row.call.K, row.call.bias) == ("aten::linear", 4, 128, 64, True)
+    assert row.call.dtype == torch.bfloat16 and row.calls == 1 and row.ms == pytest.approx(0.02)
+
+
+def test_overlapping_kernels_split_their_time():
+    shares = breakdown._split_busy([(0.0, 10.0), (5.0, 15.0), (20.0, 21.0)])
+    assert shares == pytest.approx([7.5, 7.5, 1.0])
+
+
+# ---- custom ops under torch.compile --------------------------------------------------------------
+def test_compile_ops_spec():
+    assert parse("op") == dict.fromkeys(("rmsnorm", "add_rmsnorm", "act_mul", "rope"), "op")
+    assert parse("ref,rope=op")["rope"] == "op" and parse("ref,rope=op")["rmsnorm"] == "ref"
+    with pytest.raises(ValueError, match="fast"):
+        parse("fast")
+    with pytest.raises(ValueError, match="norm=op"):
+        parse("norm=op")
+
+
+def _inputs(device="cpu", dtype=torch.float32):
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+
+    qkv = r(2, 3, 8 * 16)
+    return dict(
+        x=r(2, 3, 64), res=r(2, 3, 64), w=r(64), gu=r(2, 3, 96),
+        q=qkv[..., :64].view(2, 3, 4, 16), k=qkv[..., 64:96].view(2, 3, 2, 16), cos=r(1, 3, 16), sin=r(1, 3, 16),
+    )  # fmt: skip
+
+
+def _fused(x, res, w, gu, q, k, cos, sin):
+    a = norms.rmsnorm(x, w, 1e-6)
+    b, s = norms.add_rmsnorm(x, res, w, 1e-6, offset=1.0, cast_before_weight=False)
+    c = activations.silu_mul(gu)
+    qo, ko = rope.rope(q, k, cos, sin)
+    return a, b, s, c, qo, ko
+
+
+def test_custom_ops_pass_opcheck():
+    t = _inputs()
+    torch.library.opcheck(torch.ops.gemmtune.rmsnorm.default, (t["x"], t["w"], 1e-6, 0.0, True))
+    torch.library.opcheck(torch.ops.gemmtune.add_rmsnorm.default, (t["x"], t["res"], t["w"], 1e-6, 1.0, False))
+    torch.library.opcheck(torch.ops.gemmtune.act_mul.default, (t["gu"], "gelu_tanh"))
+    torch.library.opcheck(torch.ops.gemmtune.rope.default, (t["q"], t["k"], t["cos"], t["sin"]))
+
+
+@pytest.mark.parametrize("mode", ["ref", "op"])
+def test_fused_ops_compile_fullgraph_in_both_modes(mode):
+    t = _inputs()
+    want = _fused(**t)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    with compile_ops(mode):
+        got = torch.compile(_fused, fullgraph=True, backend=backend)(**t)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert graphs[0].code.count("gemmtune.") == (4 if mode == "op" else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ref", "op"])
+def test_fused_ops_under_inductor_match_eager_gpu(gpu, mode):
+    t = _inputs("cuda", torch.bfloat16)
+    want = _fused(**t)
+    torch._dynamo.reset()
+    with compile_ops(mode):
+        got = torch.compile(_fused, fullgraph=True)(**t)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        if mode == "op":  # the same kernel runs inside the custom op
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ref", "op"])
+def test_optimized_model_compiles_fullgraph_gpu(gpu, mode):
+    stock, _ = build_model("tiny-llama", layers=2, device="cuda")
+    opt = copy.deepcopy(stock)
+    gemmtune.optimize(opt)
+    ids = torch.arange(16, device="cuda")[None]
+    with torch.no_grad():
+        want = stock(input_ids=ids, use_cache=False).logits.float()
+        torch._dynamo.reset()
+        with compile_ops(mode):
+            got = torch.compile(opt, fullgraph=True)(input_ids=ids, use_cache=False).logits.float()
+    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_profile_on_gpu_sites_and_graph_hints(gpu):
+    stock, _ = build_model("tiny-llama", layers=2, device="cuda")
+    opt = copy.deepcopy(stock)
+    gemmtune.optimize(opt)
+    ids = torch.arange(SEQ, device="cuda")[None]
+
+    def step():
+        with torch.no_grad():
+            opt(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    eager = gemmtune.profile(step, warmup=2, iters=3)
+    assert eager.mode == "cuda"
+    assert abs(sum(eager.categories.values()) - eager.total_ms) <= 0.01 * eager.total_ms
+    assert shapes_of(eager) == FUSED_SHAPES
+    assert any(i.name == "_rmsnorm_kernel" and i.category == "elementwise" for i in eager.breakdown.items)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        step()
+    replay = gemmtune.profile(g.replay, iters=3, hints=eager.kernel_categories(), annotate=False)
+    assert replay.categories["gemm"] > 0 and replay.categories["elementwise"] > 0
