@@ -4,8 +4,8 @@ SDPA tier under CUDA graphs. Everything else (model building, interleaved timing
 the profile breakdown) is gemmtune.profiling; for the four-contender comparison with torch.compile
 use `gemmtune bench-model --model llama-3-8b`.
 
-A Llama-3-8B-architecture model (../shared/models/llama-3-8b.json, inlined below because shared/
-does not travel) with random weights and a few layers, bf16:
+A Llama-3-8B-architecture model (tests/data/models/llama-3-8b.json, inlined below so the script
+needs no data files) with random weights and a few layers, bf16:
   prefill  batch 1 x 2048 tokens, logits of the last token only (as generate() asks);
   decode   batch 1 and 8, one token per step on a 1024-token KV cache: eager with a DynamicCache,
            eager with a StaticCache, and CUDA-graph replays of one step with a StaticCache.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import pathlib
 import statistics
@@ -58,7 +57,6 @@ TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_attention
 # the per-rank GEMM shapes of the decode suite, without the all-reduces a real tp run adds.
 LLAMA3_70B_TP8_RANK = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 3584, "num_attention_heads": 8,
                        "num_key_value_heads": 1, "vocab_size": 16032}  # fmt: skip
-CONFIG_FILE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "llama-3-8b.json"
 
 
 def log(*a):
@@ -70,10 +68,7 @@ def config_of(args) -> dict:
         return dict(TINY)
     if args.preset != "8b":
         return dict(LLAMA3_70B_TP8_RANK)
-    cfg = dict(LLAMA3_8B)
-    if CONFIG_FILE.exists():
-        cfg.update(json.loads(CONFIG_FILE.read_text()))
-    return cfg
+    return dict(LLAMA3_8B)
 
 
 class EagerDecode:

@@ -82,10 +82,10 @@ def test_profile_categories_sum_outputs_and_gemm_table(models, tmp_path):
 
 def _table(tmp_path, rows):
     ident = identity(torch.device("cpu"))
-    lines = [",".join(TUNED_COLUMNS)]
-    for m, n, k in rows:
+    lines = [",".join([*TUNED_COLUMNS, "M_lo", "M_hi"])]
+    for m, n, k in rows:  # each row verified on M 1..m: it answers the smaller Ms too
         lines.append(f"{ident.gfx},{ident.cu_num},{m},{n},{k},False,torch.float32,torch.float32,False,False,"
-                     f"torch,0,0,1.0,native,0.0,1.0,1.0")  # fmt: skip
+                     f"torch,0,0,1.0,native,0.0,1.0,1.0,1,{m}")  # fmt: skip
     path = tmp_path / "tuned.csv"
     path.write_text("\n".join(lines) + "\n")
     return str(path)

@@ -5,7 +5,7 @@ after gemmtune.optimize), "compile" (torch.compile of stock) and "compile+optimi
 the optimized copy; one contender per compile-ops mode asked for, see kernels/compile_mode.py).
 Scenarios: prefill (batch x seq, last-token logits as generate() asks) and decode (one token per
 step on a static cache primed with `ctx` tokens, captured once in a CUDA graph and replayed).
-Timing follows ../shared/BENCHMARKING.md: contenders interleaved round by round (order rotated, the
+Timing follows docs/benchmarking.md: contenders interleaved round by round (order rotated, the
 GPU kept busy while a round is queued), median ms per call over the rounds. On the CPU there are no
 graphs: eager steps, wall clock.
 """
