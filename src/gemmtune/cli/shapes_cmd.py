@@ -53,7 +53,7 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> No
     if family != "a16w16":
         _other_family(family, config, source, tp, ms, dt, output)
         return
-    others = [f.name for f in families.all_families() if f.name != "a16w16" and _keys(f, config, tp, ms[:1], dt)]
+    others = [f.name for f in families.all_families() if f.own_model_gemms and _keys(f, config, tp, ms[:1], dt)]
     if others and output:
         click.echo(f"gemmtune: {source} also runs {', '.join(others)} GEMMs: --family {others[0]} emits them",
                    err=True)  # fmt: skip

@@ -106,6 +106,9 @@ class Family:
     default_libtype: str = "torch"
     # Why the family's op cannot run in this build (None: it can); tables still load either way.
     unrunnable: str | None = None
+    # A model runs this family's GEMMs besides its linear layers (batched MLA, MoE experts), rather than
+    # the same linear layers run another way (quantized, fused epilogue, sparse).
+    own_model_gemms: bool = False
 
     # ---- keys ---------------------------------------------------------------------------------
     def parse_key(self, raw: dict[str, str], parse_column) -> tuple:

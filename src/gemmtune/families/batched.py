@@ -40,6 +40,7 @@ def stored(t: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 class Batched(Family):
+    own_model_gemms = True
     name = "batched"
     description = "batched 16-bit GEMM, (B, M, K) @ (B, K, N) (batched_gemm)"
     ops = ("batched_gemm",)

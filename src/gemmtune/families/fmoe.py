@@ -109,6 +109,7 @@ def _int01(v: bool) -> str:
 
 
 class FusedMoe(Family):
+    own_model_gemms = True
     name = "fmoe"
     description = "fused MoE: grouped gate+up, activation, down, weighted combine (fused_moe, grouped_gemm)"
     ops = ("fused_moe", "grouped_gemm")
