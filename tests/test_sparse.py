@@ -251,6 +251,8 @@ def test_gpu_graph_replay(gpu, pattern):
                 out = run(*inputs)
         except RuntimeError as exc:  # recorded, not hidden: torch's sparse kernel is not capturable
             pytest.xfail(f"{pattern} {sol.kernel_name}: not CUDA-graph capturable ({exc})")
+        out.fill_(float("nan"))  # the replay must write every element again
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager), sol.kernel_name
+        # cuSPARSE may sum in another order on each run: equal up to the dtype's rounding, not bitwise.
+        assert _rel_err(out, eager.double()) < 1e-2, sol.kernel_name

@@ -31,7 +31,8 @@ def _shape_text(r: ShapeResult) -> str:
     k = r.key
     if r.family == "a16w16":
         return f"{k.M}x{k.N}x{k.K}{'+b' if k.bias else ''} {str(k.dtype).replace('torch.', '')}"
-    return families.get(r.family).describe(k).split(" ", 1)[-1]
+    fam = families.get(r.family)
+    return fam.describe(k).removeprefix(fam.name + " ")
 
 
 def summary_lines(report, output: str) -> list[str]:
