@@ -76,8 +76,11 @@ class Backend(ABC):
 
     def runner_scope(self, solution: Solution, key) -> tuple:
         """What a runner made for `key` depends on besides the solution: keys with the same scope share
-        one runner. By default everything but M (runners size their launch from the call's tensors);
-        a backend whose runner bakes M in returns the whole key."""
+        one runner. By default the whole key (no sharing); a backend whose runners size every launch
+        from the call's tensors returns `m_agnostic_scope(key)` so all Ms of a shape share one."""
+        return tuple(key)
+
+    def m_agnostic_scope(self, key) -> tuple:
         from ..families import get
 
         return get(self.family).shape_family(key)

@@ -409,6 +409,9 @@ def wide_algos(prob: _Problem, clusters=(0, 2, 3, 5), limit: int = WIDE_LIMIT) -
 class BlasLtBackend(Backend):
     name = "blaslt"
 
+    def runner_scope(self, solution: Solution, key) -> tuple:
+        return self.m_agnostic_scope(key)  # descriptors are made per (M, ld, bias) inside the runner
+
     def is_available(self, device: torch.device) -> bool:
         return device.type == "cuda" and not _unavailable()
 

@@ -129,6 +129,9 @@ def _solution(cfg: SkinnyConfig) -> Solution:
 
 
 class SkinnyBackend(Backend):
+    def runner_scope(self, solution: Solution, key) -> tuple:
+        return self.m_agnostic_scope(key)  # launch plans are made per M inside the runner
+
     name = "skinny"
 
     def is_available(self, device: torch.device) -> bool:

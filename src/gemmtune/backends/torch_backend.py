@@ -38,6 +38,9 @@ def _mm_fp32_out(x, w, bias):
 class TorchBackend(Backend):
     name = "torch"
 
+    def runner_scope(self, solution: Solution, key) -> tuple:
+        return self.m_agnostic_scope(key)  # F.linear takes any M
+
     def is_available(self, device: torch.device) -> bool:
         return True
 
@@ -92,6 +95,9 @@ def _bmm_cast(out_dtype: torch.dtype) -> Runner:
 class TorchBatchedBackend(Backend):
     name = "torch"
     family = "batched"
+
+    def runner_scope(self, solution: Solution, key) -> tuple:
+        return self.m_agnostic_scope(key)  # torch.bmm takes any M
 
     def is_available(self, device: torch.device) -> bool:
         return True

@@ -207,9 +207,6 @@ class TritonGemmBackend(Backend):
             return False
         return not cfg.tma or (hw.tma and (key.K * key.dtype.itemsize) % 16 == 0)
 
-    def runner_scope(self, solution: Solution, key: GemmKey) -> tuple:
-        return tuple(key)  # the persistent grid's tile locks are sized for the key's M
-
     def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
         cfg = parse_config(solution.kernel_name)
         if cfg is None or not self.supports(solution, key, device):
