@@ -67,10 +67,10 @@ def test_range_shrinks_to_where_the_winner_is_not_slower(monkeypatch):
         key = GemmKey(16, 32, 32, False, torch.float32, torch.float32)
         res = tune_shape(key, CPU, TuneOptions(reps=7, min_gain=0.1), m_lo=5)
         assert res.winner.libtype == "fastabove"
-        # Checked at the middle (10: fast) and the lower edge (5: 30 ms): it serves 10..16 only.
-        assert (res.m_lo, res.m_hi) == (10, 16) and "verified on M 10..16" in res.note
-        whole = tune_shape(key, CPU, TuneOptions(reps=7, min_gain=0.1), m_lo=9)
-        assert (whole.m_lo, whole.m_hi) == (9, 16)  # fast at 12 and at 9: the whole range
+        # Checked at 11 and 8 (fast), then 5 (30 ms): it serves 8..16 only.
+        assert (res.m_lo, res.m_hi) == (8, 16) and "verified on M 8..16" in res.note
+        whole = tune_shape(key, CPU, TuneOptions(reps=7, min_gain=0.1), m_lo=9)  # checked at 14 and 9
+        assert (whole.m_lo, whole.m_hi) == (9, 16)
         off = tune_shape(key, CPU, TuneOptions(reps=7, min_gain=0.1, verify_range=False), m_lo=9)
         assert (off.m_lo, off.m_hi) == (16, 16)
     finally:
@@ -88,11 +88,11 @@ def test_tuned_table_serves_verified_ms_and_sends_the_rest_to_the_default(monkey
                   log=lambda m: None)  # fmt: skip
         rows = {r.key.M: r for r in read_table_file(str(out)).rows}
         assert rows[4].libtype == "torch" and (rows[4].m_lo, rows[4].m_hi) == (1, 4)
-        assert rows[16].libtype == "fastabove" and (rows[16].m_lo, rows[16].m_hi) == (10, 16)
+        assert rows[16].libtype == "fastabove" and (rows[16].m_lo, rows[16].m_hi) == (8, 16)
     finally:
         backends._registry.pop(("a16w16", "fastabove"), None)
     gemmtune.set_config(str(out))
-    for m, expect in ((3, 4), (4, 4), (5, None), (9, None), (10, 16), (16, 16), (17, None)):
+    for m, expect in ((3, 4), (4, 4), (5, None), (7, None), (8, 16), (16, 16), (17, None)):
         res = gemmtune.resolve(GemmKey(m, 32, 32, False, torch.float32, torch.float32), CPU)
         assert (res.row.key.M if res.row else None) == expect, m
 
@@ -104,3 +104,11 @@ def test_range_floors_come_from_the_list_and_the_rows_already_tuned():
     k = lambda m, n=8: GemmKey(m, n, 8)  # noqa: E731
     floors = range_floors(fam, [k(16), k(4), k(64), k(16, n=9)], tuned=[k(32)])
     assert floors == {k(16): 5, k(4): 1, k(64): 33, k(16, n=9): 1}
+
+
+def test_range_points_probe_every_half_of_m_nearest_first():
+    from gemmtune.tuner.search import range_points
+
+    assert range_points(1025, 4096) == [3461, 2307, 1538, 1025]
+    assert range_points(5, 16) == [12, 8, 5]
+    assert range_points(1, 4) == [3, 2, 1] and range_points(16, 16) == []

@@ -13,9 +13,9 @@ against the family's default.
 5. Decision: the fastest finalist replaces the default only if default_us / its_us - 1 exceeds both
    --min-gain and the noise; otherwise the default is kept, so a tuned row never makes a shape slower.
 6. Range: the row will answer the Ms between the previous tuned M of its shape (exclusive) and its own
-   (`m_lo`..M). The winner is checked and timed against the default at the middle of that range and at
-   its lower edge; the range shrinks to the part where it is not slower beyond the noise (down to M
-   alone), and the runtime sends the Ms outside every verified range to the default.
+   (`m_lo`..M). The winner is checked and timed against the default at points ~1.5x apart from M down
+   to m_lo (range_points); the range ends above the first point where it is slower beyond the noise
+   (down to M alone), and the runtime sends the Ms outside every verified range to the default.
 """
 
 from __future__ import annotations
@@ -338,17 +338,24 @@ def _not_slower_at(fam, key, m, device, opts, pool, winner, torch_backend, seed,
     return t["winner"] == t["winner"] and t["winner"] <= d * (1 + noise)
 
 
+def range_points(m_lo: int, m: int, step: float = 1.5) -> list[int]:
+    """The Ms a winner is checked at for the range m_lo..m, nearest to m first: m_lo and a geometric
+    ladder above it (x1.5 apart), so a range of any width is probed every ~50% of M."""
+    pts, p = [], m_lo
+    while p < m:
+        pts.append(p)
+        p = max(p + 1, math.ceil(p * step))
+    return sorted(set(pts), reverse=True)
+
+
 def _verified_range(fam, key, m_lo, device, opts, pool, winner, torch_backend, seed, heartbeat) -> int:
-    """The lowest M of [m_lo, M] the winner serves: M itself, the middle of the range, or m_lo."""
-    m = fam.m_of(key)
-    if m_lo >= m:
-        return m
-    mid = (m_lo + m) // 2
-    if mid > m_lo and not _not_slower_at(fam, key, mid, device, opts, pool, winner, torch_backend, seed, heartbeat):
-        return m
-    if not _not_slower_at(fam, key, m_lo, device, opts, pool, winner, torch_backend, seed, heartbeat):
-        return mid if mid > m_lo else m
-    return m_lo
+    """The lowest M of [m_lo, M] down to which the winner was not slower at every checked point."""
+    lo = fam.m_of(key)
+    for p in range_points(m_lo, lo):
+        if not _not_slower_at(fam, key, p, device, opts, pool, winner, torch_backend, seed, heartbeat):
+            break
+        lo = p
+    return lo
 
 
 def tune_shape(
