@@ -36,6 +36,45 @@ def is_rocm() -> bool:
     return torch.version.hip is not None
 
 
+class DeviceFacts(NamedTuple):
+    """What kernels and candidate lists are sized by. One place reads them, with one off-GPU answer."""
+
+    sms: int  # streaming multiprocessors (CUs on ROCm)
+    smem_per_block: int  # bytes one program may use (opt-in limit)
+    smem_per_sm: int
+    l2_bytes: int
+    capability: tuple[int, int]  # (0, 0) off a GPU
+    rocm: bool
+
+
+# Off a GPU (the CPU, Triton's interpreter, tests) candidate lists are built as for an H100, the GPU
+# the project measures on, so what CI enumerates is what a GPU run would.
+OFF_GPU = DeviceFacts(sms=132, smem_per_block=227 * 1024, smem_per_sm=228 * 1024, l2_bytes=50 * 2**20,
+                      capability=(0, 0), rocm=False)  # fmt: skip
+
+
+@functools.cache
+def _facts_of(device_type: str, index: int | None) -> DeviceFacts:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return OFF_GPU
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    block = int(getattr(props, "shared_memory_per_block_optin", 0) or (64 if is_rocm() else 99) * 1024)
+    return DeviceFacts(
+        sms=props.multi_processor_count,
+        smem_per_block=block,
+        smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 0) or block + 1024),
+        l2_bytes=int(getattr(props, "L2_cache_size", 0) or OFF_GPU.l2_bytes),
+        capability=(props.major, props.minor),
+        rocm=is_rocm(),
+    )
+
+
+def facts(device: torch.device | str | None = None) -> DeviceFacts:
+    """SM count, shared memory, L2 and capability of `device` (OFF_GPU's when it is not a GPU)."""
+    device = torch.device(device) if device is not None else default_device()
+    return _facts_of(device.type, device.index)
+
+
 @functools.cache
 def _identity_of(device_type: str, index: int | None) -> DeviceIdentity:
     if device_type == "cuda":

@@ -9,7 +9,7 @@ import platform
 import torch
 
 from . import backends
-from .device import default_device, identity, is_rocm
+from .device import default_device, facts, identity, is_rocm
 
 
 def _version(dist: str) -> str:
@@ -55,7 +55,7 @@ def environment_report() -> dict[str, object]:
         report["device name"] = props.name
         report["vendor"] = "AMD" if is_rocm() else "NVIDIA"
         report["memory GiB"] = round(props.total_memory / 2**30, 1)
-        report["L2 MiB"] = round(getattr(props, "L2_cache_size", 0) / 2**20, 1)
+        report["L2 MiB"] = round(facts(dev).l2_bytes / 2**20, 1)
         report["gpu count"] = torch.cuda.device_count()
     else:
         report["device name"] = platform.processor() or "cpu"

@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from ..device import facts
 from ..families.fmoe import MoeKey, act_name, join_name, split_name
 from ..kernels import fused_moe as kmoe
 from ..kernels.moe_align import moe_align
@@ -102,7 +103,7 @@ def grouped_mm_usable(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type == "cuda":
         if torch.version.hip or dtype != torch.bfloat16:
             return False
-        return torch.cuda.get_device_capability(device) >= (9, 0) or _torch_at_least(2, 9)
+        return facts(device).capability >= (9, 0) or _torch_at_least(2, 9)
     return device.type == "cpu" and _torch_at_least(2, 9)
 
 
@@ -184,9 +185,7 @@ class TorchMoeBackend(Backend):
 
 # ---- triton -------------------------------------------------------------------------------------
 def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
+    return facts(device).sms
 
 
 def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]:

@@ -9,11 +9,10 @@ one step never straddles a 128-wide scale group.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
+from ..device import facts
 from ..kernels.a8w8 import TileConfig
 
 _SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -27,13 +26,8 @@ _LARGE = ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (
 SMEM = 227 * 1024
 
 
-@functools.cache
 def _sms(device_type: str, index: int | None) -> int:
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return 132
-    return torch.cuda.get_device_properties(
-        index if index is not None else torch.cuda.current_device()
-    ).multi_processor_count
+    return facts(torch.device(device_type, index) if index is not None else torch.device(device_type)).sms
 
 
 def _pick_split(tiles: int, k_iters: int, slots: int) -> int:

@@ -20,6 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..device import facts
 from ..kernels._common import HAS_TRITON
 from ..quant import formats
 from ..quant.quantize import dequantize_1x128, dequantize_128x128
@@ -39,11 +40,8 @@ DEQUANT = _sol("dequant")
 SCALED_MM_BLOCK = _sol("scaled_mm_block")
 
 
-@functools.cache
 def _capability(device_type: str, index: int | None) -> tuple[int, int]:
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return (0, 0)
-    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
+    return facts(torch.device(device_type, index) if index is not None else torch.device(device_type)).capability
 
 
 def _cuda(device: torch.device) -> bool:

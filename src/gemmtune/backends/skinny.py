@@ -16,12 +16,12 @@ measured in benchmarks/results/skinny_h100.md. GEMMTUNE_PDL=0 runs every PDL row
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from ..device import facts
 from ..kernels import skinny as ks
 from ..kernels._common import pdl_enabled
 from ..kernels.skinny import REDUCE_FIXUP, REDUCE_NONE, SkinnyConfig
@@ -58,15 +58,10 @@ _GEMV_TILES = ((8, 512, 4), (8, 1024, 4), (16, 512, 8), (16, 256, 4))
 _PDL_VARIANTS = (2, 3)
 
 
-@functools.cache
 def _device_limits(device_type: str, index: int | None) -> tuple[int, int, int]:
-    """(SM count, shared memory per block, shared memory per SM) in bytes; H100 numbers off-GPU."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return 132, 227 * 1024, 228 * 1024
-    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
-    block = getattr(props, "shared_memory_per_block_optin", 0) or (64 * 1024 if torch.version.hip else 99 * 1024)
-    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or block + 1024
-    return props.multi_processor_count, int(block), int(per_sm)
+    """(SM count, shared memory per block, shared memory per SM) in bytes (device.facts)."""
+    f = facts(torch.device(device_type, index) if index is not None else torch.device(device_type))
+    return f.sms, f.smem_per_block, f.smem_per_sm
 
 
 def _smem_bytes(cfg: SkinnyConfig, elem: int) -> int:

@@ -10,13 +10,13 @@ captured in a CUDA graph at once; `precompile` does that for many configs in par
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import NamedTuple
 
 import torch
 
+from ..device import facts
 from ..kernels._common import pdl_enabled
 from ..kernels.triton_gemm import TensorDescriptor, TGConfig, TGKernel, check_operands, parse_config
 from ..keys import GemmKey
@@ -34,18 +34,10 @@ class Hardware(NamedTuple):
     pdl: bool = False  # programmatic dependent launch (sm90+ CUDA, GEMMTUNE_PDL not 0)
 
 
-@functools.cache
-def _hardware(device_type: str, index: int | None) -> Hardware:
-    if device_type != "cuda":
-        return Hardware(sms=4, smem=228 * 1024, tma=TensorDescriptor is not None)
-    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
-    smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
-    hopper = torch.version.hip is None and props.major >= 9
-    return Hardware(props.multi_processor_count, smem, hopper and TensorDescriptor is not None)
-
-
 def hardware(device: torch.device) -> Hardware:
-    return _hardware(device.type, device.index)._replace(pdl=pdl_enabled(device))
+    f = facts(device)
+    hopper = not f.rocm and (f.capability >= (9, 0) or device.type != "cuda")
+    return Hardware(f.sms, f.smem_per_block, hopper and TensorDescriptor is not None, pdl_enabled(device))
 
 
 def _next_pow2(v: int) -> int:

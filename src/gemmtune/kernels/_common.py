@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
+
+from ..device import facts
 
 try:
     import triton
@@ -44,7 +45,7 @@ def pdl_enabled(device: torch.device) -> bool:
             and device.type == "cuda"
             and os.environ.get("GEMMTUNE_PDL", "1") != "0"
             and torch.cuda.is_available()
-            and _capability(device.index) >= (9, 0)
+            and facts(device).capability >= (9, 0)
         )
     return on
 
@@ -55,11 +56,6 @@ _pdl_on: dict[tuple[str, int | None], bool] = {}
 def pdl_kwargs(device: torch.device) -> dict:
     """Launch arguments for a kernel with a `PDL` constexpr that waits on its producer (elementwise kernels)."""
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
 
 
 def empty_out(shape, like: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import facts
 from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in the kernel
 from .gemm_ref import gemm_ref
 
@@ -350,9 +351,9 @@ _TL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter: any small grid works
+    """Programs of a persistent grid: one per SM on a GPU; under the CPU interpreter a small grid (any
+    size is correct there, and every program runs serially)."""
+    return facts(device).sms if device.type == "cuda" else 4
 
 
 def tma_usable(x: torch.Tensor, w: torch.Tensor, cfg: TGConfig) -> bool:

@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from ..device import facts
 from ..dispatch import get_dispatcher
 from ..families.sparse import ALIASES, LAYOUTS, PATTERNS, SparseKey, density_bucket, prune_2_4_dense
 
@@ -43,11 +44,6 @@ def is_semi_structured(w) -> bool:
     return cls is not None and isinstance(w, cls)
 
 
-@functools.cache
-def _capability(index) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def semi_structured_reason(device: torch.device, dtype: torch.dtype, shape=None) -> str:
     """Why a 2:4 semi-structured weight cannot be made here ('' when it can)."""
     cls, make = _semi_cls()
@@ -55,7 +51,7 @@ def semi_structured_reason(device: torch.device, dtype: torch.dtype, shape=None)
         return "this torch has no torch.sparse.to_sparse_semi_structured"
     if device.type != "cuda" or torch.version.hip:
         return f"2:4 semi-structured sparsity runs on NVIDIA GPUs (sm80+), not on {device.type}"
-    if _capability(device.index if device.index is not None else torch.cuda.current_device()) < (8, 0):
+    if facts(device).capability < (8, 0):
         return "2:4 semi-structured sparsity needs an sm80+ GPU"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"2:4 semi-structured sparsity takes float16 / bfloat16, not {dtype}"

@@ -19,6 +19,7 @@ import torch
 
 from .. import families
 from ..backends.base import Runner
+from ..device import facts
 from ..families import Family
 
 MAX_SETS = 256  # small shapes would need thousands of sets to cover 2x L2; this keeps graphs small
@@ -35,8 +36,7 @@ class Ceilings:
 
 
 def l2_bytes(device: torch.device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+    return facts(device).l2_bytes
 
 
 def make_inputs(key, device: torch.device, sets: int | None = None, seed: int = 0, family: Family | None = None):
