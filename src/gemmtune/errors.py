@@ -19,3 +19,7 @@ class BackendUnavailableError(GemmtuneError, RuntimeError):
 
 class DeviceError(GemmtuneError, ValueError):
     """A device was named that does not exist here (no GPU, a CPU-only torch build, a bad name)."""
+
+
+class NotRunnableError(GemmtuneError, NotImplementedError):
+    """A GEMM family whose tables load but whose op this build cannot compute (a4w4 without fp4, ...)."""

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import NotRunnableError
 from ..keys import dtype_name, parse_bool, parse_dtype
 
 Inputs = tuple  # one input set of a family's runner: runner(*inputs) -> output
@@ -162,7 +163,7 @@ class Family:
     # ---- computing ------------------------------------------------------------------------------
     def make_inputs(self, key, device: torch.device, sets: int, seed: int) -> list[Inputs]:
         """`sets` random input sets (fresh tensors each: rotating them keeps the weights cold)."""
-        raise NotImplementedError(f"family {self.name} has no runnable op yet")
+        raise NotRunnableError(f"family {self.name} has no runnable op here ({self.unrunnable})")
 
     def set_bytes(self, key) -> int:
         """Bytes of one input set (to size the rotation past 2x L2)."""
@@ -170,10 +171,10 @@ class Family:
 
     def reference(self, key, inputs: Inputs) -> torch.Tensor:
         """The exact result in fp32 (TF32 off), from the same rounded inputs."""
-        raise NotImplementedError(f"family {self.name} has no reference yet")
+        raise NotRunnableError(f"family {self.name} has no reference here ({self.unrunnable})")
 
     def output_shape(self, key) -> tuple[int, ...]:
-        raise NotImplementedError
+        raise NotRunnableError(f"family {self.name} computes no output here ({self.unrunnable})")
 
     def out_dtype(self, key) -> torch.dtype:
         return getattr(key, "outdtype", torch.bfloat16)
@@ -188,10 +189,10 @@ class Family:
 
     def bytes(self, key) -> int:
         """Bytes the op must move at least (roofline)."""
-        raise NotImplementedError
+        raise NotRunnableError(f"family {self.name} has no roofline here ({self.unrunnable})")
 
     def flops(self, key) -> int:
-        raise NotImplementedError
+        raise NotRunnableError(f"family {self.name} has no roofline here ({self.unrunnable})")
 
     def roof_us(self, key, read_bw: float, matmul_flops: float) -> float:
         """max(compute at the ceiling, bytes at the read bandwidth), microseconds. Families on faster
