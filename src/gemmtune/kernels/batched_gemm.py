@@ -17,14 +17,15 @@ deterministically, in one of two ways:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
 import triton.language as tl
 
 from ._common import empty_out as _empty
+from .tile_config import GemmTileConfig
 from .triton_gemm import _epilogue, _mainloop, _tile_coords
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -37,53 +38,16 @@ def batched_gemm_ref(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | 
 
 
 @dataclass(frozen=True)
-class BmmConfig:
+class BmmConfig(GemmTileConfig):
     """One explicit kernel config; `name` is the stable id stored in tables."""
 
-    bm: int
-    bn: int
-    bk: int
-    group_m: int = 8
-    warps: int = 4
-    stages: int = 3
-    split_k: int = 1
-    sk_mode: str = ""  # '' when split_k == 1, else 'r' (reduce kernel) or 'f' (in-kernel fixup)
-
-    @property
-    def name(self) -> str:
-        sk = f"sk{self.split_k}{self.sk_mode}" if self.split_k > 1 else "sk1"
-        return f"bmm_bm{self.bm}_bn{self.bn}_bk{self.bk}_g{self.group_m}_w{self.warps}_s{self.stages}_{sk}"
-
-    def smem_bytes(self, elem_bytes: int) -> int:
-        """Shared memory of the pipelined operand buffers (the epilogue reuses them)."""
-        return self.stages * (self.bm + self.bn) * self.bk * elem_bytes
-
-    def validate(self) -> BmmConfig:
-        pow2 = lambda v: v > 0 and v & (v - 1) == 0
-        if not (pow2(self.bm) and pow2(self.bn) and pow2(self.bk)) or min(self.bm, self.bn, self.bk) < 16:
-            raise ValueError(f"{self.name}: block sizes must be powers of two >= 16")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.group_m < 1:
-            raise ValueError(f"{self.name}: bad warps/stages/group")
-        if not 1 <= self.split_k <= MAX_GRID_YZ:
-            raise ValueError(f"{self.name}: split-K must be in 1..{MAX_GRID_YZ}")
-        if (self.split_k > 1) != (self.sk_mode in ("r", "f")) or self.sk_mode not in ("", "r", "f"):
-            raise ValueError(f"{self.name}: split-K > 1 needs mode 'r' or 'f', split-K 1 none")
-        return self
-
-
-_NAME_RE = re.compile(r"^bmm_bm(\d+)_bn(\d+)_bk(\d+)_g(\d+)_w(\d+)_s(\d+)_sk(\d+)([rf]?)$")
+    PREFIX: ClassVar[str] = "bmm"
+    MAX_SPLIT_K: ClassVar[int | None] = MAX_GRID_YZ  # splits are grid dimension 2
 
 
 def parse_config(name: str) -> BmmConfig | None:
     """The config a kernel name spells, or None when it is not one of ours."""
-    m = _NAME_RE.match(name.strip())
-    if m is None:
-        return None
-    try:
-        cfg = BmmConfig(*(int(v) for v in m.groups()[:7]), m.group(8)).validate()
-    except ValueError:
-        return None
-    return cfg if cfg.name == name.strip() else None  # reject non-canonical spellings ("sk01", "sk1r")
+    return BmmConfig.parse(name)
 
 
 # M and the split-K factor are runtime values so one compiled kernel serves every M and split.

@@ -18,8 +18,8 @@ its constexprs default to off, so the plain GEMM compiles as before. `triton_gem
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in the kernel
 from .gemm_ref import gemm_ref
+from .tile_config import GemmTileConfig
 
 try:  # host-side TMA descriptors (Triton >= 3.4); absent on older releases
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -45,64 +46,35 @@ def triton_epilogue_ref(x, w, bias, c, alpha: float, beta: float, act: str, out_
 
 
 @dataclass(frozen=True)
-class TGConfig:
+class TGConfig(GemmTileConfig):
     """One explicit kernel config; `name` is the stable id stored in tables."""
 
-    bm: int
-    bn: int
-    bk: int
-    group_m: int = 8
-    warps: int = 4
-    stages: int = 3
-    split_k: int = 1
-    sk_mode: str = ""  # '' when split_k == 1, else 'r' (reduce kernel) or 'f' (in-kernel fixup)
+    PREFIX: ClassVar[str] = "tg"
+    TAIL_PATTERN: ClassVar[str] = r"(_p)?(_tma)?(?:_pdl(\d))?"
+
     persistent: bool = False
     tma: bool = False
     pdl: int = 0  # 0 plain launch, 1 programmatic dependent launch, 2 that plus a weight-tile prefetch
 
-    @property
-    def name(self) -> str:
-        sk = f"sk{self.split_k}{self.sk_mode}" if self.split_k > 1 else "sk1"
-        tail = (
-            ("_p" if self.persistent else "") + ("_tma" if self.tma else "") + (f"_pdl{self.pdl}" if self.pdl else "")
-        )
-        return f"tg_bm{self.bm}_bn{self.bn}_bk{self.bk}_g{self.group_m}_w{self.warps}_s{self.stages}_{sk}{tail}"
+    def name_tail(self) -> str:
+        pdl = f"_pdl{self.pdl}" if self.pdl else ""
+        return ("_p" if self.persistent else "") + ("_tma" if self.tma else "") + pdl
 
-    def smem_bytes(self, elem_bytes: int) -> int:
-        """Shared memory of the pipelined operand buffers (the epilogue reuses them)."""
-        return self.stages * (self.bm + self.bn) * self.bk * elem_bytes
+    @classmethod
+    def tail_fields(cls, groups: tuple) -> tuple:
+        persistent, tma, pdl = groups
+        return bool(persistent), bool(tma), int(pdl or 0)
 
-    def validate(self) -> TGConfig:
-        pow2 = lambda v: v > 0 and v & (v - 1) == 0
-        if not (pow2(self.bm) and pow2(self.bn) and pow2(self.bk)) or min(self.bm, self.bn, self.bk) < 16:
-            raise ValueError(f"{self.name}: block sizes must be powers of two >= 16")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.group_m < 1 or self.split_k < 1:
-            raise ValueError(f"{self.name}: bad warps/stages/group/split-K")
-        if (self.split_k > 1) != (self.sk_mode in ("r", "f")) or self.sk_mode not in ("", "r", "f"):
-            raise ValueError(f"{self.name}: split-K > 1 needs mode 'r' or 'f', split-K 1 none")
+    def validate_own(self) -> None:
         if self.persistent and self.split_k > 1:
             raise ValueError(f"{self.name}: the persistent variant does not split K")
         if self.pdl not in (0, 1, 2) or (self.pdl == 2 and self.tma):
             raise ValueError(f"{self.name}: pdl must be 0, 1 or 2 (2 only without TMA)")
-        return self
-
-
-_NAME_RE = re.compile(r"^tg_bm(\d+)_bn(\d+)_bk(\d+)_g(\d+)_w(\d+)_s(\d+)_sk(\d+)([rf]?)(_p)?(_tma)?(?:_pdl(\d))?$")
 
 
 def parse_config(name: str) -> TGConfig | None:
     """The config a kernel name spells, or None when it is not one of ours."""
-    m = _NAME_RE.match(name.strip())
-    if m is None:
-        return None
-    bm, bn, bk, g, w, s, sk = (int(v) for v in m.groups()[:7])
-    try:
-        pdl = int(m.group(11) or 0)
-        cfg = TGConfig(bm, bn, bk, g, w, s, sk, m.group(8) or "", bool(m.group(9)), bool(m.group(10)), pdl)
-        cfg = cfg.validate()
-    except ValueError:
-        return None
-    return cfg if cfg.name == name.strip() else None  # reject non-canonical spellings
+    return TGConfig.parse(name)
 
 
 @triton.jit
