@@ -26,7 +26,14 @@ import triton.language as tl
 
 from ._common import empty_out as _empty
 from .tile_config import GemmTileConfig
-from .triton_gemm import _epilogue, _mainloop, _tile_coords
+from .triton_gemm import (
+    _epilogue,
+    _mainloop,
+    _split_k_range,
+    _store_partial_arrive,
+    _sum_partials,
+    _tile_coords,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions 1 and 2 (batches, splits)
@@ -68,13 +75,7 @@ def _bmm_kernel(
     b += batch * sbb
     c += batch * scb
     k_tiles = tl.cdiv(K, BK)
-    # A split program covers K tiles [kt0, kt1) (possibly none: its partial is then zero).
-    kt0 = 0
-    kt1 = k_tiles
-    if IS_SPLIT:
-        per = tl.cdiv(k_tiles, split_k)
-        kt0 = tl.program_id(2) * per
-        kt1 = tl.minimum(kt0 + per, k_tiles)
+    kt0, kt1 = _split_k_range(k_tiles, split_k, 2, IS_SPLIT)
     # The a16w16 main loop computes x[M, K] @ w[N, K]^T from w's (N, K) strides: b's (K, N) swapped.
     acc = _mainloop(
         a, b, M, N, K, sam, sak, sbn, sbk, pid_m, pid_n, kt0, kt1,
@@ -89,16 +90,9 @@ def _bmm_kernel(
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         tile_part = part + slot * (split_k * BM * BN)
         if FIXUP:
-            tl.store(tile_part + pid_k * (BM * BN) + offs, acc, cache_modifier=".cg")
-            # Every thread's partial is stored before one thread publishes the arrival.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(lock + slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == split_k - 1:
-                # Sum in split order (own partial included), whichever split came last: replays
-                # are bit-identical.
-                acc = tl.load(tile_part + offs, cache_modifier=".cg")
-                for s in range(1, split_k):
-                    acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=".cg")
+            arrived = _store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM, BN)
+            if arrived == split_k - 1:  # the last split adds all partials (its own included)
+                acc = _sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
                 _epilogue(acc, c, c, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
                 tl.atomic_xchg(lock + slot, 0, sem="relaxed", scope="gpu")  # ready for the next call
         else:
@@ -118,9 +112,7 @@ def _bmm_reduce(
     pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_part = part + (batch * (num_pid_m * num_pid_n) + tile) * (split_k * BM * BN)
-    acc = tl.load(tile_part + offs)
-    for s in range(1, split_k):
-        acc += tl.load(tile_part + s * (BM * BN) + offs)
+    acc = _sum_partials(tile_part, offs, split_k, BM, BN)
     _epilogue(acc, c, c + batch * scb, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
 
 

@@ -90,6 +90,39 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _split_k_range(k_tiles, split_k, SPLIT_AXIS: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """The K tiles [kt0, kt1) this program's split (its grid index along SPLIT_AXIS) covers, possibly
+    none (its partial is then zero); all of them when K is not split."""
+    kt0 = 0
+    kt1 = k_tiles
+    if IS_SPLIT:
+        per = tl.cdiv(k_tiles, split_k)
+        kt0 = tl.program_id(SPLIT_AXIS) * per
+        kt1 = tl.minimum(kt0 + per, k_tiles)
+    return kt0, kt1
+
+
+@triton.jit
+def _sum_partials(tile_part, offs, split_k, BM: tl.constexpr, BN: tl.constexpr, CACHE: tl.constexpr = ""):
+    """The split_k fp32 partial blocks of one tile ([split_k, BM, BN], contiguous) added in split
+    order, so the sum does not depend on which split finished last: replays are bit-identical."""
+    acc = tl.load(tile_part + offs, cache_modifier=CACHE)
+    for s in range(1, split_k):
+        acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=CACHE)
+    return acc
+
+
+@triton.jit
+def _store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM: tl.constexpr, BN: tl.constexpr):
+    """In-kernel split-K fixup, first half: store this split's partial, then count its arrival at
+    lock[slot]; returns how many splits had arrived before (split_k - 1: this one is the last)."""
+    tl.store(tile_part + pid_k * (BM * BN) + offs, acc, cache_modifier=".cg")
+    # Every thread's partial is stored before one thread publishes the arrival.
+    tl.debug_barrier()
+    return tl.atomic_add(lock + slot, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
 def _pdl_prologue(w, pid_n, kt0, N, K, swn, swk, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
                   PDL: tl.constexpr):  # fmt: skip
     """Let the next kernel launch; with PDL == 2 pull this program's first weight tile into L2 (one
@@ -244,13 +277,7 @@ def _tg_kernel(
     else:
         tile = tl.program_id(0)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        # A split program covers K tiles [kt0, kt1); an unsplit one all of them.
-        kt0 = 0
-        kt1 = k_tiles
-        if IS_SPLIT:
-            per = tl.cdiv(k_tiles, split_k)
-            kt0 = tl.program_id(1) * per
-            kt1 = tl.minimum(kt0 + per, k_tiles)
+        kt0, kt1 = _split_k_range(k_tiles, split_k, 1, IS_SPLIT)
         acc = _mainloop(
             x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, kt0, kt1,
             BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES,
@@ -264,16 +291,9 @@ def _tg_kernel(
             offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
             tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
             if FIXUP:
-                tl.store(tile_part + pid_k * (BM * BN) + offs, acc, cache_modifier=".cg")
-                # Every thread's partial is stored before one thread publishes the arrival.
-                tl.debug_barrier()
-                arrived = tl.atomic_add(lock + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == split_k - 1:
-                    # Sum every partial in index order (own one included) so the result does not
-                    # depend on which split arrived last: replays are bit-identical.
-                    acc = tl.load(tile_part + offs, cache_modifier=".cg")
-                    for s in range(1, split_k):
-                        acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=".cg")
+                arrived = _store_partial_arrive(acc, tile_part, offs, pid_k, lock, tile, BM, BN)
+                if arrived == split_k - 1:  # the last split adds all partials (its own included)
+                    acc = _sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
                     _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
                     tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
@@ -311,9 +331,7 @@ def _tg_reduce(
     pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
-    acc = tl.load(tile_part + offs)
-    for s in range(1, split_k):
-        acc += tl.load(tile_part + s * (BM * BN) + offs)
+    acc = _sum_partials(tile_part, offs, split_k, BM, BN)
     _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
 
