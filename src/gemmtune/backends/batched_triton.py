@@ -13,13 +13,11 @@ real ones), so a runner can be captured in a CUDA graph at once; `precompile` do
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..families.batched import BatchedKey
 from ..kernels.batched_gemm import MAX_GRID_YZ, BmmConfig, BmmKernel, parse_config
-from .base import Backend, Runner, Solution, stable_solidx
+from .base import Backend, Runner, Solution
 from .triton_gemm import (
     _SPLITS,
     SMEM_MARGIN,
@@ -30,11 +28,12 @@ from .triton_gemm import (
     _next_pow2,
     _tiles_for,
     _twin,
+    compile_in_workers,
+    config_solution,
     hardware,
+    solution_from_name,
     split_factors,
 )
-
-log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLIT_MODES = ("f", "r")  # in-kernel fixup (one launch), partials + reduce kernel (two)
@@ -86,16 +85,10 @@ class TritonBatchedBackend(Backend):
     def candidates(self, key: BatchedKey, device: torch.device) -> list[Solution]:
         if not _key_ok(key):
             return []
-        return [_solution(cfg) for cfg in config_space(key, hardware(device))]
+        return [config_solution(cfg) for cfg in config_space(key, hardware(device))]
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        cfg = parse_config(kernel_name)
-        if cfg is None:
-            return None
-        if solidx != stable_solidx(cfg.name):
-            log.info("triton row %s has solidx %s, expected %s; the name decides", kernel_name, solidx,
-                     stable_solidx(cfg.name))  # fmt: skip
-        return _solution(cfg)
+        return solution_from_name(parse_config, kernel_name, solidx)
 
     def supports(self, solution: Solution, key: BatchedKey, device: torch.device) -> bool:
         cfg = parse_config(solution.kernel_name)
@@ -120,10 +113,6 @@ class TritonBatchedBackend(Backend):
 
         warmup(cfg, key, device)
         return run
-
-
-def _solution(cfg: BmmConfig) -> Solution:
-    return Solution("triton", cfg.name, stable_solidx(cfg.name), cfg.split_k)
 
 
 # ---- compiling ahead of the first call ----------------------------------------------------------
@@ -168,37 +157,12 @@ def warmup(cfg: BmmConfig, key: BatchedKey, device: torch.device) -> None:
     BmmKernel(cfg, 1, m, key.N, key.K, key.outdtype, device).launch(a, b, c)
 
 
-def _precompile_worker(args):
-    names, keys, device_str = args
-    backend = TritonBatchedBackend()
-    device = torch.device(device_str)
-    failed = []
-    for name, key in zip(names, keys, strict=True):
-        try:
-            backend.make_runner(backend.solution_from_row(0, name, 0), key, device)
-        except Exception as exc:  # noqa: BLE001 - reported back, the tuner drops the config
-            failed.append((name, key, f"{type(exc).__name__}: {exc}"))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return failed
-
-
 def precompile(jobs: list[tuple[Solution, BatchedKey]], device: torch.device, workers: int = 8) -> list:
     """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
     this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
-    import multiprocessing as mp
-
     uniq: dict[tuple, tuple[str, BatchedKey]] = {}
     for sol, key in jobs:
         cfg = parse_config(sol.kernel_name)
         if cfg is not None:
             uniq.setdefault(compile_signature(cfg, key), (cfg.name, key))
-    items = list(uniq.values())
-    if not items:
-        return []
-    workers = max(1, min(workers, len(items)))
-    chunks = [items[i::workers] for i in range(workers)]
-    args = [([n for n, _ in c], [k for _, k in c], str(device)) for c in chunks]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        results = pool.map(_precompile_worker, args)
-    return [f for r in results for f in r]
+    return compile_in_workers(TritonBatchedBackend, list(uniq.values()), device, workers)

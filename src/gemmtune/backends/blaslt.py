@@ -431,7 +431,10 @@ class BlasLtBackend(Backend):
         if not self.is_available(device) or not self._key_ok(key) or key.M < 1:
             return []
         algos = enumerate_algos(key, _index(device), wide=search_mode() == "wide")
-        return [Solution(self.name, spec.name, stable_solidx(spec.name), spec.split_k) for spec, _ in algos]
+        return [self._solution(spec) for spec, _ in algos]
+
+    def _solution(self, spec: AlgoSpec) -> Solution:
+        return Solution(self.name, spec.name, stable_solidx(spec.name), spec.split_k)
 
     def default_solution(self, key: GemmKey, device: torch.device) -> Solution | None:
         return None  # cuBLAS itself (the torch backend) is the default
@@ -454,15 +457,25 @@ class BlasLtBackend(Backend):
                 here,
             )
             return None
-        return Solution(self.name, spec.name, stable_solidx(spec.name), spec.split_k)
+        return self._solution(spec)
+
+    # The batched backend describes its problem and runner differently; the rest is shared.
+    def _sizes_ok(self, key: GemmKey) -> bool:
+        return True  # M == 0 is checked as M == 1
+
+    def _problem(self, key: GemmKey, device: torch.device) -> _Problem:
+        return _Problem(key, max(key.M, 1), key.K, key.bias, _index(device))
+
+    def _runner(self, spec: AlgoSpec, key: GemmKey, device: torch.device) -> Runner:
+        return _LtRunner(spec, key, _index(device))
 
     def supports(self, solution: Solution, key: GemmKey, device: torch.device) -> bool:
         spec = AlgoSpec.parse(solution.kernel_name)
         if spec is None or not self.is_available(device) or not self._key_ok(key):
             return False
-        if spec.version != lt_version():
+        if spec.version != lt_version() or not self._sizes_ok(key):
             return False
-        prob = _Problem(key, max(key.M, 1), key.K, key.bias, _index(device))
+        prob = self._problem(key, device)
         try:
             return prob.check(algo_from_spec(spec, prob)) is not None
         except Exception:  # noqa: BLE001 - an id unknown to this library
@@ -472,7 +485,7 @@ class BlasLtBackend(Backend):
         spec = AlgoSpec.parse(solution.kernel_name)
         if spec is None or not self.supports(solution, key, device):
             raise ValueError(f"blaslt cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
-        return _LtRunner(spec, key, _index(device))
+        return self._runner(spec, key, device)
 
 
 def _index(device: torch.device) -> int:

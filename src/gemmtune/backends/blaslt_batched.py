@@ -19,7 +19,7 @@ import torch
 
 from ..families.batched import BatchedKey, stored
 from ..kernels._common import empty_out as _empty
-from .base import Runner, Solution, stable_solidx
+from .base import Runner, Solution
 from .blaslt import (
     _CUDA_R_32F,
     _CUDA_TYPE,
@@ -40,7 +40,6 @@ from .blaslt import (
     _workspace,
     algo_from_spec,
     enumerate_algos,
-    lt_version,
     search_mode,
 )
 
@@ -124,30 +123,18 @@ class BlasLtBatchedBackend(BlasLtBackend):
         layout = blas_layout(key, *_key_strides(key), aligned=False)
         return _BatchedProblem(key, layout, _index(device))
 
+    def _sizes_ok(self, key: BatchedKey) -> bool:
+        return min(key.B, key.M, key.N, key.K) >= 1
+
+    def _runner(self, spec: AlgoSpec, key: BatchedKey, device: torch.device) -> Runner:
+        return _LtBatchedRunner(spec, key, device)
+
     def candidates(self, key: BatchedKey, device: torch.device) -> list[Solution]:
-        if not self.is_available(device) or not self._key_ok(key) or min(key.B, key.M, key.N, key.K) < 1:
+        if not self.is_available(device) or not self._key_ok(key) or not self._sizes_ok(key):
             return []
         prob = self._problem(key, device)
         algos = enumerate_algos(key, _index(device), wide=search_mode() == "wide", prob=prob)
-        return [Solution(self.name, spec.name, stable_solidx(spec.name), spec.split_k) for spec, _ in algos]
-
-    def supports(self, solution: Solution, key: BatchedKey, device: torch.device) -> bool:
-        spec = AlgoSpec.parse(solution.kernel_name)
-        if spec is None or not self.is_available(device) or not self._key_ok(key):
-            return False
-        if spec.version != lt_version() or min(key.B, key.M, key.N, key.K) < 1:
-            return False
-        prob = self._problem(key, device)
-        try:
-            return prob.check(algo_from_spec(spec, prob)) is not None
-        except Exception:  # noqa: BLE001 - an id unknown to this library
-            return False
-
-    def make_runner(self, solution: Solution, key: BatchedKey, device: torch.device) -> Runner:
-        spec = AlgoSpec.parse(solution.kernel_name)
-        if spec is None or not self.supports(solution, key, device):
-            raise ValueError(f"blaslt cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
-        return _LtBatchedRunner(spec, key, device)
+        return [self._solution(spec) for spec, _ in algos]
 
 
 _COPY = None  # a plan entry meaning: these strides are copied to contiguous operands first

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from ..device import facts
 from ..kernels._common import pdl_enabled
+from ..kernels.tile_config import GemmTileConfig
 from ..kernels.triton_gemm import TensorDescriptor, TGConfig, TGKernel, check_operands, parse_config
 from ..keys import GemmKey
 from .base import Backend, Runner, Solution, stable_solidx
@@ -167,24 +169,10 @@ class TritonGemmBackend(Backend):
     def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
         if not self._key_ok(key):
             return []
-        return [self._solution(cfg) for cfg in config_space(key, hardware(device))]
-
-    @staticmethod
-    def _solution(cfg: TGConfig) -> Solution:
-        return Solution("triton", cfg.name, stable_solidx(cfg.name), cfg.split_k)
+        return [config_solution(cfg) for cfg in config_space(key, hardware(device))]
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        cfg = parse_config(kernel_name)
-        if cfg is None:
-            return None
-        if solidx != stable_solidx(cfg.name):
-            log.info(
-                "triton row %s has solidx %s, expected %s; the name decides",
-                kernel_name,
-                solidx,
-                stable_solidx(cfg.name),
-            )
-        return self._solution(cfg)
+        return solution_from_name(parse_config, kernel_name, solidx)
 
     @staticmethod
     def _key_ok(key: GemmKey) -> bool:
@@ -234,9 +222,26 @@ class TritonGemmBackend(Backend):
         kern(x, w, b, torch.empty((M, N), dtype=key.outdtype, device=device))
 
 
+def config_solution(cfg: GemmTileConfig) -> Solution:
+    """A Triton tile config as a solution: the kernel name is the config's name, solidx its hash."""
+    return Solution("triton", cfg.name, stable_solidx(cfg.name), cfg.split_k)
+
+
+def solution_from_name(parse: Callable[[str], GemmTileConfig | None], kernel_name: str, solidx: int) -> Solution | None:
+    """The solution a table row's kernel name spells (None when `parse` does not know it); the name
+    decides, a stale solidx is only logged."""
+    cfg = parse(kernel_name)
+    if cfg is None:
+        return None
+    if solidx != stable_solidx(cfg.name):
+        log.info("triton row %s has solidx %s, expected %s; the name decides", kernel_name, solidx,
+                 stable_solidx(cfg.name))  # fmt: skip
+    return config_solution(cfg)
+
+
 def _precompile_worker(args):
-    names, keys, device_str = args
-    backend = TritonGemmBackend()
+    backend_cls, names, keys, device_str = args
+    backend = backend_cls()
     device = torch.device(device_str)
     failed = []
     for name, key in zip(names, keys, strict=True):
@@ -244,15 +249,30 @@ def _precompile_worker(args):
             backend.make_runner(backend.solution_from_row(0, name, 0), key, device)
         except Exception as exc:  # noqa: BLE001 - reported back, the tuner drops the config
             failed.append((name, key, f"{type(exc).__name__}: {exc}"))
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return failed
+
+
+def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]], device: torch.device,
+                       workers: int) -> list:  # fmt: skip
+    """Build `backend_cls`'s runner for each (kernel name, key) in `workers` spawned processes, which
+    fills Triton's on-disk cache. Returns [(name, key, error)] for those that failed."""
+    import multiprocessing as mp
+
+    if not items:
+        return []
+    workers = max(1, min(workers, len(items)))
+    chunks = [items[i::workers] for i in range(workers)]
+    args = [(backend_cls, [n for n, _ in c], [k for _, k in c], str(device)) for c in chunks]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        results = pool.map(_precompile_worker, args)
+    return [f for r in results for f in r]
 
 
 def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8) -> list:
     """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
     this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
-    import multiprocessing as mp
-
     # One job per distinct compiled kernel: M does not specialize, N and K only through these facts.
     uniq: dict[tuple, tuple[str, GemmKey]] = {}
     for sol, key in jobs:
@@ -262,12 +282,4 @@ def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, worke
         kernel = TGConfig(**{**cfg.__dict__, "split_k": min(cfg.split_k, 2)}).name  # split is runtime
         sig = (kernel, key.dtype, key.outdtype, key.bias, _twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
         uniq.setdefault(sig, (cfg.name, key._replace(M=16)))
-    items = list(uniq.values())
-    if not items:
-        return []
-    workers = max(1, min(workers, len(items)))
-    chunks = [items[i::workers] for i in range(workers)]
-    args = [([n for n, _ in c], [k for _, k in c], str(device)) for c in chunks]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        results = pool.map(_precompile_worker, args)
-    return [f for r in results for f in r]
+    return compile_in_workers(TritonGemmBackend, list(uniq.values()), device, workers)

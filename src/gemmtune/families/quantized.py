@@ -119,13 +119,40 @@ class _QuantFamily(Family):
         return x, w
 
 
+class _ScaledQuantFamily(_QuantFamily):
+    """A runnable family: 8-bit x [M, K] and w [N, K], their fp32 scales and an output [M, N]."""
+
+    def make_inputs(self, key, device, sets, seed):
+        gen = generator(device, seed)
+        return [self._quantized_set(key, device, gen, *self._operands(key, device, gen)) for _ in range(sets)]
+
+    def _quantized_set(self, key, device, gen, x, w) -> tuple:
+        """One input tuple from fp32 x and w (anything more it needs is drawn from `gen` after them)."""
+        raise NotImplementedError
+
+    def set_bytes(self, key) -> int:
+        return (key.M + key.N) * key.K * key.q_dtype_w.itemsize
+
+    def bytes(self, key) -> int:
+        return self.set_bytes(key) + key.M * key.N * key.outdtype.itemsize + self._side_bytes(key)
+
+    def _side_bytes(self, key) -> int:
+        """Bytes of the scales (and bias) read besides the operands."""
+        raise NotImplementedError
+
+
+def _model_quant_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The 8-bit type a model's GEMMs are tuned for: its own when quantized, else fp8."""
+    return dtype if formats.is_quant_dtype(dtype) else formats.FP8
+
+
 def _model_shapes(config, tp):
     from ..tuner.shapes import model_gemms
 
     return {(s.N, s.K): None for s in model_gemms(config, tp)}
 
 
-class A8W8(_QuantFamily):
+class A8W8(_ScaledQuantFamily):
     name = "a8w8"
     description = "int8/fp8 GEMM with per-tensor or per-token x per-channel scales (gemm_a8w8, int8_gemm)"
     ops = ("gemm_a8w8", "int8_gemm")
@@ -141,23 +168,14 @@ class A8W8(_QuantFamily):
     name_hints = ("a8w8_tuned", "a8w8_untuned", "a8w8", "int8")
     kernel_hints = ("a8w8_rowwise",)
 
-    def make_inputs(self, key: QuantKey, device, sets, seed):
-        gen = generator(device, seed)
-        per_tensor = key.scale == "per_tensor"
-        out = []
-        for _ in range(sets):
-            x, w = self._operands(key, device, gen)
-            if per_tensor:
-                (xq, xs), (wq, ws) = (quantize.quantize_per_tensor(t, key.q_dtype_w) for t in (x, w))
-            else:
-                xq, xs = quantize.quantize_per_token(x, key.q_dtype_w)
-                wq, ws = quantize.quantize_per_channel(w, key.q_dtype_w)
-            b = randn((key.N,), device, gen, key.outdtype) if key.bias else None
-            out.append((xq, wq, xs, ws, b))
-        return out
-
-    def set_bytes(self, key: QuantKey) -> int:
-        return (key.M + key.N) * key.K * key.q_dtype_w.itemsize
+    def _quantized_set(self, key: QuantKey, device, gen, x, w) -> tuple:
+        if key.scale == "per_tensor":
+            (xq, xs), (wq, ws) = (quantize.quantize_per_tensor(t, key.q_dtype_w) for t in (x, w))
+        else:
+            xq, xs = quantize.quantize_per_token(x, key.q_dtype_w)
+            wq, ws = quantize.quantize_per_channel(w, key.q_dtype_w)
+        b = randn((key.N,), device, gen, key.outdtype) if key.bias else None
+        return xq, wq, xs, ws, b
 
     def reference(self, key: QuantKey, inputs):
         xq, wq, xs, ws, b = inputs
@@ -172,14 +190,12 @@ class A8W8(_QuantFamily):
         wide[:, : key.K] = xq
         return [("xq rows strided", (wide[:, : key.K], wq, xs, ws, b), (key.M, key.N))]
 
-    def bytes(self, key: QuantKey) -> int:
-        e = key.q_dtype_w.itemsize
+    def _side_bytes(self, key: QuantKey) -> int:
         scales = 8 if key.scale == "per_tensor" else 4 * (key.M + key.N)
-        bias = key.N * key.outdtype.itemsize if key.bias else 0
-        return (key.M + key.N) * key.K * e + key.M * key.N * key.outdtype.itemsize + scales + bias
+        return scales + (key.N * key.outdtype.itemsize if key.bias else 0)
 
     def keys_for_model(self, config, tp, ms, dtype):
-        q = dtype if formats.is_quant_dtype(dtype) else formats.FP8
+        q = _model_quant_dtype(dtype)
         return [QuantKey(m, n, k, q, "per_token", False, torch.bfloat16) for n, k in _model_shapes(config, tp)
                 for m in ms]  # fmt: skip
 
@@ -195,7 +211,7 @@ class A8W8BPreshuffle(A8W8):
     kernel_hints = ("BpreShuffle",)
 
 
-class Blockscale(_QuantFamily):
+class Blockscale(_ScaledQuantFamily):
     name = "a8w8_blockscale"
     description = "fp8 GEMM with 1x128 activation and 128x128 weight block scales (gemm_a8w8_blockscale)"
     ops = ("gemm_a8w8_blockscale",)
@@ -213,17 +229,12 @@ class Blockscale(_QuantFamily):
     def make_inputs(self, key: BlockKey, device, sets, seed):
         if key.K % formats.BLOCK:
             raise ValueError(f"{self.name}: K={key.K} is not a multiple of {formats.BLOCK} (block scales)")
-        gen = generator(device, seed)
-        out = []
-        for _ in range(sets):
-            x, w = self._operands(key, device, gen)
-            xq, xs = quantize.quantize_1x128(x, key.q_dtype_w)
-            wq, ws = quantize.quantize_128x128(w, key.q_dtype_w)
-            out.append((xq, wq, xs, ws))
-        return out
+        return super().make_inputs(key, device, sets, seed)
 
-    def set_bytes(self, key: BlockKey) -> int:
-        return (key.M + key.N) * key.K * key.q_dtype_w.itemsize
+    def _quantized_set(self, key: BlockKey, device, gen, x, w) -> tuple:
+        xq, xs = quantize.quantize_1x128(x, key.q_dtype_w)
+        wq, ws = quantize.quantize_128x128(w, key.q_dtype_w)
+        return xq, wq, xs, ws
 
     def reference(self, key: BlockKey, inputs):
         xq, wq, xs, ws = inputs
@@ -235,14 +246,13 @@ class Blockscale(_QuantFamily):
         xq, wq, xs, ws = inputs
         return [("x_scale column-major", (xq, wq, xs.t().contiguous().t(), ws), (key.M, key.N))]
 
-    def bytes(self, key: BlockKey) -> int:
+    def _side_bytes(self, key: BlockKey) -> int:
         kb = -(-key.K // formats.BLOCK)
         nb = -(-key.N // formats.BLOCK)
-        scales = 4 * kb * (key.M + nb)
-        return (key.M + key.N) * key.K * key.q_dtype_w.itemsize + key.M * key.N * key.outdtype.itemsize + scales
+        return 4 * kb * (key.M + nb)
 
     def keys_for_model(self, config, tp, ms, dtype):
-        q = dtype if formats.is_quant_dtype(dtype) else formats.FP8
+        q = _model_quant_dtype(dtype)
         return [BlockKey(m, n, k, q, torch.bfloat16) for n, k in _model_shapes(config, tp) if k % formats.BLOCK == 0
                 for m in ms]  # fmt: skip
 

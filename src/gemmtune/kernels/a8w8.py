@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -194,20 +195,39 @@ def reduce_partials(p, xs, ws, bias, y, split, apply_scales: bool) -> None:
     )  # fmt: skip
 
 
+class LaunchPlan(NamedTuple):
+    m: int
+    n: int
+    k: int
+    split: int  # splits that get work
+    per: int  # BLOCK_K iterations per split
+    grid: tuple[int, int]  # (M tiles x N tiles, split)
+    partials: torch.Tensor  # [split, M, N] fp32 when K is split, else y (unused)
+
+
+def launch_plan(cfg: TileConfig, xq: torch.Tensor, wq: torch.Tensor, y: torch.Tensor) -> LaunchPlan | None:
+    """Grid, split and partials buffer of one launch of an 8-bit GEMM kernel; None when y is empty."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if m == 0 or n == 0:
+        return None
+    split, per = cfg.effective_split(k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    p = torch.empty((split, m, n), device=y.device, dtype=torch.float32) if split > 1 else y
+    return LaunchPlan(m, n, k, split, per, (tiles, split), p)
+
+
 def a8w8_launch(cfg: TileConfig, xq, wq, xs, ws, bias, y) -> torch.Tensor:
     """y[M, N] (preallocated, any float dtype) = (xq @ wq^T) * xs * ws (+ bias) with one config.
 
     xq [M, K] and wq [N, K] must have unit stride along K; xs is [M, 1] or 1 element, ws [1, N] or
     1 element, both fp32 and contiguous. No host sync, no data-dependent allocation: graph-safe.
     """
-    m, k = xq.shape
-    n = wq.shape[0]
-    if m == 0 or n == 0:
+    plan = launch_plan(cfg, xq, wq, y)
+    if plan is None:
         return y
-    split, per = cfg.effective_split(k)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    p = torch.empty((split, m, n), device=y.device, dtype=torch.float32) if split > 1 else y
-    _a8w8_kernel[(tiles, split)](
+    m, n, k, split, per, grid, p = plan
+    _a8w8_kernel[grid](
         xq, wq, xs, ws, bias if bias is not None else y, y, p, m, n, k, per,
         xq.stride(0), wq.stride(0), y.stride(0),
         XS_ROWS=xs.numel() > 1, WS_COLS=ws.numel() > 1, HAS_BIAS=bias is not None, SPLIT=split > 1,

@@ -17,15 +17,23 @@ deterministically, in one of two ways:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
 import triton.language as tl
 
 from ._common import empty_out as _empty
-from .triton_gemm import _epilogue, _mainloop, _tile_coords
+from .tile_config import GemmTileConfig
+from .triton_gemm import (
+    _epilogue,
+    _mainloop,
+    _split_k_range,
+    _store_partial_arrive,
+    _sum_partials,
+    _tile_coords,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions 1 and 2 (batches, splits)
@@ -37,53 +45,16 @@ def batched_gemm_ref(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | 
 
 
 @dataclass(frozen=True)
-class BmmConfig:
+class BmmConfig(GemmTileConfig):
     """One explicit kernel config; `name` is the stable id stored in tables."""
 
-    bm: int
-    bn: int
-    bk: int
-    group_m: int = 8
-    warps: int = 4
-    stages: int = 3
-    split_k: int = 1
-    sk_mode: str = ""  # '' when split_k == 1, else 'r' (reduce kernel) or 'f' (in-kernel fixup)
-
-    @property
-    def name(self) -> str:
-        sk = f"sk{self.split_k}{self.sk_mode}" if self.split_k > 1 else "sk1"
-        return f"bmm_bm{self.bm}_bn{self.bn}_bk{self.bk}_g{self.group_m}_w{self.warps}_s{self.stages}_{sk}"
-
-    def smem_bytes(self, elem_bytes: int) -> int:
-        """Shared memory of the pipelined operand buffers (the epilogue reuses them)."""
-        return self.stages * (self.bm + self.bn) * self.bk * elem_bytes
-
-    def validate(self) -> BmmConfig:
-        pow2 = lambda v: v > 0 and v & (v - 1) == 0
-        if not (pow2(self.bm) and pow2(self.bn) and pow2(self.bk)) or min(self.bm, self.bn, self.bk) < 16:
-            raise ValueError(f"{self.name}: block sizes must be powers of two >= 16")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.group_m < 1:
-            raise ValueError(f"{self.name}: bad warps/stages/group")
-        if not 1 <= self.split_k <= MAX_GRID_YZ:
-            raise ValueError(f"{self.name}: split-K must be in 1..{MAX_GRID_YZ}")
-        if (self.split_k > 1) != (self.sk_mode in ("r", "f")) or self.sk_mode not in ("", "r", "f"):
-            raise ValueError(f"{self.name}: split-K > 1 needs mode 'r' or 'f', split-K 1 none")
-        return self
-
-
-_NAME_RE = re.compile(r"^bmm_bm(\d+)_bn(\d+)_bk(\d+)_g(\d+)_w(\d+)_s(\d+)_sk(\d+)([rf]?)$")
+    PREFIX: ClassVar[str] = "bmm"
+    MAX_SPLIT_K: ClassVar[int | None] = MAX_GRID_YZ  # splits are grid dimension 2
 
 
 def parse_config(name: str) -> BmmConfig | None:
     """The config a kernel name spells, or None when it is not one of ours."""
-    m = _NAME_RE.match(name.strip())
-    if m is None:
-        return None
-    try:
-        cfg = BmmConfig(*(int(v) for v in m.groups()[:7]), m.group(8)).validate()
-    except ValueError:
-        return None
-    return cfg if cfg.name == name.strip() else None  # reject non-canonical spellings ("sk01", "sk1r")
+    return BmmConfig.parse(name)
 
 
 # M and the split-K factor are runtime values so one compiled kernel serves every M and split.
@@ -104,13 +75,7 @@ def _bmm_kernel(
     b += batch * sbb
     c += batch * scb
     k_tiles = tl.cdiv(K, BK)
-    # A split program covers K tiles [kt0, kt1) (possibly none: its partial is then zero).
-    kt0 = 0
-    kt1 = k_tiles
-    if IS_SPLIT:
-        per = tl.cdiv(k_tiles, split_k)
-        kt0 = tl.program_id(2) * per
-        kt1 = tl.minimum(kt0 + per, k_tiles)
+    kt0, kt1 = _split_k_range(k_tiles, split_k, 2, IS_SPLIT)
     # The a16w16 main loop computes x[M, K] @ w[N, K]^T from w's (N, K) strides: b's (K, N) swapped.
     acc = _mainloop(
         a, b, M, N, K, sam, sak, sbn, sbk, pid_m, pid_n, kt0, kt1,
@@ -125,16 +90,9 @@ def _bmm_kernel(
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         tile_part = part + slot * (split_k * BM * BN)
         if FIXUP:
-            tl.store(tile_part + pid_k * (BM * BN) + offs, acc, cache_modifier=".cg")
-            # Every thread's partial is stored before one thread publishes the arrival.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(lock + slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == split_k - 1:
-                # Sum in split order (own partial included), whichever split came last: replays
-                # are bit-identical.
-                acc = tl.load(tile_part + offs, cache_modifier=".cg")
-                for s in range(1, split_k):
-                    acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=".cg")
+            arrived = _store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM, BN)
+            if arrived == split_k - 1:  # the last split adds all partials (its own included)
+                acc = _sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
                 _epilogue(acc, c, c, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
                 tl.atomic_xchg(lock + slot, 0, sem="relaxed", scope="gpu")  # ready for the next call
         else:
@@ -154,9 +112,7 @@ def _bmm_reduce(
     pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_part = part + (batch * (num_pid_m * num_pid_n) + tile) * (split_k * BM * BN)
-    acc = tl.load(tile_part + offs)
-    for s in range(1, split_k):
-        acc += tl.load(tile_part + s * (BM * BN) + offs)
+    acc = _sum_partials(tile_part, offs, split_k, BM, BN)
     _epilogue(acc, c, c + batch * scb, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
 
 

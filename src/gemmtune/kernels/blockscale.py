@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .a8w8 import TileConfig, _empty, _out_like, _tile_ids, reduce_partials
+from .a8w8 import TileConfig, _empty, _out_like, _tile_ids, launch_plan, reduce_partials
 
 GROUP = 128
 
@@ -61,14 +61,11 @@ def blockscale_launch(cfg: TileConfig, xq, wq, xs, ws, y) -> torch.Tensor:
     xq [M, K], wq [N, K] with unit stride along K; xs [M, K/128] and ws [ceil(N/128), K/128] fp32,
     any strides. Graph-safe: no host sync, no data-dependent allocation.
     """
-    m, k = xq.shape
-    n = wq.shape[0]
-    if m == 0 or n == 0:
+    plan = launch_plan(cfg, xq, wq, y)
+    if plan is None:
         return y
-    split, per = cfg.effective_split(k)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    p = torch.empty((split, m, n), device=y.device, dtype=torch.float32) if split > 1 else y
-    _blockscale_kernel[(tiles, split)](
+    m, n, k, split, per, grid, p = plan
+    _blockscale_kernel[grid](
         xq, wq, xs, ws, y, p, m, n, k, per,
         xq.stride(0), wq.stride(0), y.stride(0), xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1),
         SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -18,8 +18,8 @@ its constexprs default to off, so the plain GEMM compiles as before. `triton_gem
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
@@ -28,6 +28,7 @@ import triton.language as tl
 from ..device import facts
 from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in the kernel
 from .gemm_ref import gemm_ref
+from .tile_config import GemmTileConfig
 
 try:  # host-side TMA descriptors (Triton >= 3.4); absent on older releases
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -46,64 +47,35 @@ def triton_epilogue_ref(x, w, bias, c, alpha: float, beta: float, act: str, out_
 
 
 @dataclass(frozen=True)
-class TGConfig:
+class TGConfig(GemmTileConfig):
     """One explicit kernel config; `name` is the stable id stored in tables."""
 
-    bm: int
-    bn: int
-    bk: int
-    group_m: int = 8
-    warps: int = 4
-    stages: int = 3
-    split_k: int = 1
-    sk_mode: str = ""  # '' when split_k == 1, else 'r' (reduce kernel) or 'f' (in-kernel fixup)
+    PREFIX: ClassVar[str] = "tg"
+    TAIL_PATTERN: ClassVar[str] = r"(_p)?(_tma)?(?:_pdl(\d))?"
+
     persistent: bool = False
     tma: bool = False
     pdl: int = 0  # 0 plain launch, 1 programmatic dependent launch, 2 that plus a weight-tile prefetch
 
-    @property
-    def name(self) -> str:
-        sk = f"sk{self.split_k}{self.sk_mode}" if self.split_k > 1 else "sk1"
-        tail = (
-            ("_p" if self.persistent else "") + ("_tma" if self.tma else "") + (f"_pdl{self.pdl}" if self.pdl else "")
-        )
-        return f"tg_bm{self.bm}_bn{self.bn}_bk{self.bk}_g{self.group_m}_w{self.warps}_s{self.stages}_{sk}{tail}"
+    def name_tail(self) -> str:
+        pdl = f"_pdl{self.pdl}" if self.pdl else ""
+        return ("_p" if self.persistent else "") + ("_tma" if self.tma else "") + pdl
 
-    def smem_bytes(self, elem_bytes: int) -> int:
-        """Shared memory of the pipelined operand buffers (the epilogue reuses them)."""
-        return self.stages * (self.bm + self.bn) * self.bk * elem_bytes
+    @classmethod
+    def tail_fields(cls, groups: tuple) -> tuple:
+        persistent, tma, pdl = groups
+        return bool(persistent), bool(tma), int(pdl or 0)
 
-    def validate(self) -> TGConfig:
-        pow2 = lambda v: v > 0 and v & (v - 1) == 0
-        if not (pow2(self.bm) and pow2(self.bn) and pow2(self.bk)) or min(self.bm, self.bn, self.bk) < 16:
-            raise ValueError(f"{self.name}: block sizes must be powers of two >= 16")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.group_m < 1 or self.split_k < 1:
-            raise ValueError(f"{self.name}: bad warps/stages/group/split-K")
-        if (self.split_k > 1) != (self.sk_mode in ("r", "f")) or self.sk_mode not in ("", "r", "f"):
-            raise ValueError(f"{self.name}: split-K > 1 needs mode 'r' or 'f', split-K 1 none")
+    def validate_own(self) -> None:
         if self.persistent and self.split_k > 1:
             raise ValueError(f"{self.name}: the persistent variant does not split K")
         if self.pdl not in (0, 1, 2) or (self.pdl == 2 and self.tma):
             raise ValueError(f"{self.name}: pdl must be 0, 1 or 2 (2 only without TMA)")
-        return self
-
-
-_NAME_RE = re.compile(r"^tg_bm(\d+)_bn(\d+)_bk(\d+)_g(\d+)_w(\d+)_s(\d+)_sk(\d+)([rf]?)(_p)?(_tma)?(?:_pdl(\d))?$")
 
 
 def parse_config(name: str) -> TGConfig | None:
     """The config a kernel name spells, or None when it is not one of ours."""
-    m = _NAME_RE.match(name.strip())
-    if m is None:
-        return None
-    bm, bn, bk, g, w, s, sk = (int(v) for v in m.groups()[:7])
-    try:
-        pdl = int(m.group(11) or 0)
-        cfg = TGConfig(bm, bn, bk, g, w, s, sk, m.group(8) or "", bool(m.group(9)), bool(m.group(10)), pdl)
-        cfg = cfg.validate()
-    except ValueError:
-        return None
-    return cfg if cfg.name == name.strip() else None  # reject non-canonical spellings
+    return TGConfig.parse(name)
 
 
 @triton.jit
@@ -116,6 +88,39 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (tile_id % in_group) % size_m
     pid_n = (tile_id % in_group) // size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _split_k_range(k_tiles, split_k, SPLIT_AXIS: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """The K tiles [kt0, kt1) this program's split (its grid index along SPLIT_AXIS) covers, possibly
+    none (its partial is then zero); all of them when K is not split."""
+    kt0 = 0
+    kt1 = k_tiles
+    if IS_SPLIT:
+        per = tl.cdiv(k_tiles, split_k)
+        kt0 = tl.program_id(SPLIT_AXIS) * per
+        kt1 = tl.minimum(kt0 + per, k_tiles)
+    return kt0, kt1
+
+
+@triton.jit
+def _sum_partials(tile_part, offs, split_k, BM: tl.constexpr, BN: tl.constexpr, CACHE: tl.constexpr = ""):
+    """The split_k fp32 partial blocks of one tile ([split_k, BM, BN], contiguous) added in split
+    order, so the sum does not depend on which split finished last: replays are bit-identical."""
+    acc = tl.load(tile_part + offs, cache_modifier=CACHE)
+    for s in range(1, split_k):
+        acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=CACHE)
+    return acc
+
+
+@triton.jit
+def _store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM: tl.constexpr, BN: tl.constexpr):
+    """In-kernel split-K fixup, first half: store this split's partial, then count its arrival at
+    lock[slot]; returns how many splits had arrived before (split_k - 1: this one is the last)."""
+    tl.store(tile_part + pid_k * (BM * BN) + offs, acc, cache_modifier=".cg")
+    # Every thread's partial is stored before one thread publishes the arrival.
+    tl.debug_barrier()
+    return tl.atomic_add(lock + slot, 1, sem="acq_rel", scope="gpu")
 
 
 @triton.jit
@@ -273,13 +278,7 @@ def _tg_kernel(
     else:
         tile = tl.program_id(0)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        # A split program covers K tiles [kt0, kt1); an unsplit one all of them.
-        kt0 = 0
-        kt1 = k_tiles
-        if IS_SPLIT:
-            per = tl.cdiv(k_tiles, split_k)
-            kt0 = tl.program_id(1) * per
-            kt1 = tl.minimum(kt0 + per, k_tiles)
+        kt0, kt1 = _split_k_range(k_tiles, split_k, 1, IS_SPLIT)
         acc = _mainloop(
             x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, kt0, kt1,
             BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES,
@@ -293,16 +292,9 @@ def _tg_kernel(
             offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
             tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
             if FIXUP:
-                tl.store(tile_part + pid_k * (BM * BN) + offs, acc, cache_modifier=".cg")
-                # Every thread's partial is stored before one thread publishes the arrival.
-                tl.debug_barrier()
-                arrived = tl.atomic_add(lock + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == split_k - 1:
-                    # Sum every partial in index order (own one included) so the result does not
-                    # depend on which split arrived last: replays are bit-identical.
-                    acc = tl.load(tile_part + offs, cache_modifier=".cg")
-                    for s in range(1, split_k):
-                        acc += tl.load(tile_part + s * (BM * BN) + offs, cache_modifier=".cg")
+                arrived = _store_partial_arrive(acc, tile_part, offs, pid_k, lock, tile, BM, BN)
+                if arrived == split_k - 1:  # the last split adds all partials (its own included)
+                    acc = _sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
                     _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
                     tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
@@ -340,9 +332,7 @@ def _tg_reduce(
     pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
-    acc = tl.load(tile_part + offs)
-    for s in range(1, split_k):
-        acc += tl.load(tile_part + s * (BM * BN) + offs)
+    acc = _sum_partials(tile_part, offs, split_k, BM, BN)
     _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
 
