@@ -112,7 +112,9 @@ def _bmm_reduce(
     pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_part = part + (batch * (num_pid_m * num_pid_n) + tile) * (split_k * BM * BN)
-    acc = _sum_partials(tile_part, offs, split_k, BM, BN)
+    acc = _sum_partials(
+        tile_part, offs, split_k, BM, BN, ""
+    )  # a default constexpr str reaches Triton 3.6 as a bare str
     _epilogue(acc, c, c + batch * scb, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
 
 

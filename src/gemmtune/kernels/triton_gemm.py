@@ -104,7 +104,7 @@ def _split_k_range(k_tiles, split_k, SPLIT_AXIS: tl.constexpr, IS_SPLIT: tl.cons
 
 
 @triton.jit
-def _sum_partials(tile_part, offs, split_k, BM: tl.constexpr, BN: tl.constexpr, CACHE: tl.constexpr = ""):
+def _sum_partials(tile_part, offs, split_k, BM: tl.constexpr, BN: tl.constexpr, CACHE: tl.constexpr):
     """The split_k fp32 partial blocks of one tile ([split_k, BM, BN], contiguous) added in split
     order, so the sum does not depend on which split finished last: replays are bit-identical."""
     acc = tl.load(tile_part + offs, cache_modifier=CACHE)
@@ -332,7 +332,9 @@ def _tg_reduce(
     pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
-    acc = _sum_partials(tile_part, offs, split_k, BM, BN)
+    acc = _sum_partials(
+        tile_part, offs, split_k, BM, BN, ""
+    )  # a default constexpr str reaches Triton 3.6 as a bare str
     _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
 
