@@ -18,6 +18,7 @@ bf16 matmul rate.
 
 from __future__ import annotations
 
+import abc
 from typing import NamedTuple
 
 import torch
@@ -119,16 +120,16 @@ class _QuantFamily(Family):
         return x, w
 
 
-class _ScaledQuantFamily(_QuantFamily):
+class _ScaledQuantFamily(_QuantFamily, abc.ABC):
     """A runnable family: 8-bit x [M, K] and w [N, K], their fp32 scales and an output [M, N]."""
 
     def make_inputs(self, key, device, sets, seed):
         gen = generator(device, seed)
         return [self._quantized_set(key, device, gen, *self._operands(key, device, gen)) for _ in range(sets)]
 
+    @abc.abstractmethod
     def _quantized_set(self, key, device, gen, x, w) -> tuple:
         """One input tuple from fp32 x and w (anything more it needs is drawn from `gen` after them)."""
-        raise NotImplementedError
 
     def set_bytes(self, key) -> int:
         return (key.M + key.N) * key.K * key.q_dtype_w.itemsize
@@ -136,9 +137,9 @@ class _ScaledQuantFamily(_QuantFamily):
     def bytes(self, key) -> int:
         return self.set_bytes(key) + key.M * key.N * key.outdtype.itemsize + self._side_bytes(key)
 
+    @abc.abstractmethod
     def _side_bytes(self, key) -> int:
         """Bytes of the scales (and bias) read besides the operands."""
-        raise NotImplementedError
 
 
 def _model_quant_dtype(dtype: torch.dtype) -> torch.dtype:
