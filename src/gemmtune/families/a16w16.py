@@ -31,15 +31,6 @@ class A16W16(Family):
     excludes = frozenset({"B", "q_dtype_w", "kernelId", "token", "act", "alpha", "beta", "pattern"})
     name_hints = ("bf16", "a16w16")
 
-    def parse_key(self, raw, parse_column):
-        dtype = parse_column("dtype", self.key_columns[4].parse, torch.bfloat16)
-        vals = {c.field: parse_column(c.name, c.parse, dtype if c.name == "outdtype" else c.default)
-                for c in self.key_columns}  # fmt: skip
-        return GemmKey(**vals)
-
-    def describe(self, key: GemmKey) -> str:
-        return key.describe()
-
     def make_inputs(self, key: GemmKey, device, sets, seed):
         gen = generator(device, seed)
         out = []

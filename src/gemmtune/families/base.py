@@ -114,8 +114,15 @@ class Family:
     # ---- keys ---------------------------------------------------------------------------------
     def parse_key(self, raw: dict[str, str], parse_column) -> tuple:
         """A key from a record; `parse_column(name, conv, default)` names file:line:column on errors."""
-        values = {c.field: parse_column(c.name, c.parse, c.default) for c in self.key_columns}
-        return self.key_type(**values)
+        return self.key_type(**self.parse_columns(parse_column))
+
+    def parse_columns(self, parse_column, skip: frozenset[str] = frozenset()) -> dict:
+        """{field: value} of the key columns but `skip`. An `outdtype` column left out or empty takes the
+        row's `dtype`, as in aiter's tables (its default only applies when there is no dtype column)."""
+        by_name = {c.name: c for c in self.key_columns}
+        dtype = parse_column("dtype", by_name["dtype"].parse, by_name["dtype"].default) if "dtype" in by_name else None
+        return {c.field: parse_column(c.name, c.parse, dtype if c.name == "outdtype" and dtype else c.default)
+                for c in self.key_columns if c.name not in skip}  # fmt: skip
 
     def key_record(self, key) -> dict[str, str]:
         """The key's columns as written in a CSV."""
@@ -141,6 +148,9 @@ class Family:
         return tuple(v for f, v in zip(key._fields, key) if f != self.m_field)
 
     def describe(self, key) -> str:
+        """The key as people read it: its own describe() where the key type has one, else its columns."""
+        if callable(getattr(key, "describe", None)):
+            return key.describe()
         return f"{self.name} " + " ".join(f"{c.name}={c.fmt(getattr(key, c.field))}" for c in self.key_columns)
 
     # ---- solution columns ---------------------------------------------------------------------

@@ -63,15 +63,6 @@ class Batched(Family):
     kernel_hints = ("bf16_batched",)
     implied_libtype = "ck"
 
-    def parse_key(self, raw, parse_column):
-        dtype = parse_column("dtype", self.key_columns[4].parse, torch.bfloat16)
-        vals = {c.field: parse_column(c.name, c.parse, dtype if c.name == "outdtype" else c.default)
-                for c in self.key_columns}  # fmt: skip
-        return BatchedKey(**vals)
-
-    def describe(self, key: BatchedKey) -> str:
-        return key.describe()
-
     def make_inputs(self, key: BatchedKey, device, sets, seed):
         gen = generator(device, seed)
         out = []

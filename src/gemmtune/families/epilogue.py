@@ -136,9 +136,7 @@ class Epilogue(Family):
     name_hints = ("epilogue",)
 
     def parse_key(self, raw, parse_column):
-        dtype = parse_column("dtype", self.key_columns[4].parse, torch.bfloat16)
-        vals = {c.field: parse_column(c.name, c.parse, dtype if c.name == "outdtype" else c.default)
-                for c in self.key_columns if c.name != "c"}  # fmt: skip
+        vals = self.parse_columns(parse_column, skip=frozenset({"c"}))
         beta = vals["beta"]
 
         def c_kind(text: str) -> str:
@@ -155,9 +153,6 @@ class Epilogue(Family):
 
     def key_record(self, key: EpilogueKey) -> dict[str, str]:
         return {**super().key_record(key), "scaleAB": "False", "bpreshuffle": "False"}
-
-    def describe(self, key: EpilogueKey) -> str:
-        return key.describe()
 
     def make_inputs(self, key: EpilogueKey, device, sets, seed):
         gen = generator(device, seed)
