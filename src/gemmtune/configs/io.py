@@ -64,12 +64,6 @@ def read_csv(path: str, error=ConfigError) -> CsvText:
     return out
 
 
-def read_records(path: str, error=ConfigError) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
-    """Header (stripped) and (line number, {column: text}) for each non-blank record."""
-    text = read_csv(path, error)
-    return text.header, text.records
-
-
 def write_atomic(path: str, header: list[str], rows: Iterable[Iterable[str]], final_newline: bool = True) -> None:
     """Write a CSV via a temp file in the same folder and a rename: readers see old or new, never half."""
     folder = os.path.dirname(os.path.abspath(path))

@@ -47,10 +47,6 @@ def all_families() -> list[Family]:
     return list(_REGISTRY.values())
 
 
-def by_env_var() -> dict[str, Family]:
-    return {f.env_var: f for f in all_families()}
-
-
 def normalize(family: Family, header: list[str]) -> list[str]:
     return [family.column_aliases.get(h, h) for h in header]
 
@@ -93,5 +89,5 @@ def detect(header: list[str], path: str = "", kernel_names: list[str] | None = N
     return matches[0]
 
 
-__all__ = ["Column", "Family", "Roles", "all_families", "by_env_var", "detect", "fits", "get", "normalize",
+__all__ = ["Column", "Family", "Roles", "all_families", "detect", "fits", "get", "normalize",
            "register"]  # fmt: skip

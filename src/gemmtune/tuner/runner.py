@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import families
 from ..capture import read_shape_list
 from ..device import identity
 from ..families import Family
@@ -203,7 +202,3 @@ def tune_file(
         if hasattr(gen, "close"):
             gen.close()
     return RunReport(results, failures, skipped, time.perf_counter() - t0, fam.name)
-
-
-def family_names() -> list[str]:
-    return [f.name for f in families.all_families()]
