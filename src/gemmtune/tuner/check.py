@@ -96,8 +96,11 @@ def check_runner(
     err_ratio: float | None = None,
     graph: bool = True,
     family: Family | None = None,
+    variants: bool = True,
 ) -> CheckResult:
-    """Run `runner` on `inputs` every way the family's op may call it; judge each output vs `ref`."""
+    """Run `runner` on `inputs` every way the family's op may call it; judge each output vs `ref`.
+    `variants=False, graph=False` is the quick check: the plain call only (the tuner's fast search
+    gives every candidate the quick check and the ones that can win the full one)."""
     fam = _fam(family)
     dev = next(t for t in inputs if isinstance(t, torch.Tensor)).device
     limit = threshold_for(key, err_ratio, fam)
@@ -105,7 +108,8 @@ def check_runner(
     numel = math.prod(out_shape)
     worst = 0.0
     eager = None
-    for what, args, shape in [("eager", inputs, out_shape), *fam.check_variants(key, inputs)]:
+    calls = [("eager", inputs, out_shape), *(fam.check_variants(key, inputs) if variants else [])]
+    for what, args, shape in calls:
         _poison_allocator(numel, fam.out_dtype(key), dev)
         y = runner(*args)
         err, why = _judge(y, fam, key, shape, ref, limit, what)

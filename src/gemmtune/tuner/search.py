@@ -36,6 +36,7 @@ from .check import check_runner, reference
 from .timing import bench_gemm, make_inputs, measure_ceilings, roof_us
 
 DEFAULT_LIBTYPE = "torch"
+SEARCHES = ("fast", "exhaustive")
 # Statuses a candidate can end in; only "ok" candidates were timed.
 OK, REJECTED, FAILED, CRASHED, TIMEOUT, SKIPPED = "ok", "rejected", "failed", "crashed", "timeout", "skipped"
 
@@ -57,6 +58,9 @@ class TuneOptions:
     seed: int = 0
     verify_range: bool = True  # step 6; off: a row answers only its own M
     budget_s: float | None = None  # online tuning: stop checking more candidates after this many seconds
+    # "fast": every candidate gets the quick check (its plain call), only the best-screened ones the
+    # full check; "exhaustive": every candidate gets the full check (measured: 85% of tuning time).
+    search: str = "fast"
 
 
 @dataclass
@@ -96,6 +100,7 @@ class ShapeResult:
     family: str = "a16w16"
     m_lo: int = 0  # the verified range the row answers (0: not verified)
     m_hi: int = 0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per tuning phase
 
     @property
     def speedup(self) -> float:
@@ -227,9 +232,12 @@ def _gather(fam: Family, key, device, opts: TuneOptions, exclude) -> _Pool:
     return pool
 
 
-def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, check_in, ref, heartbeat, say):
-    """Check every pending candidate against the reference; passing ones get a runner in the pool."""
+def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, check_in, ref, heartbeat, say,
+               phases: dict[str, float] | None = None, quick: bool = False):  # fmt: skip
+    """Check every pending candidate against the reference; passing ones get a runner in the pool.
+    `quick`: the plain call only (no other call forms, no graph replay); see _confirm."""
     deadline = time.perf_counter() + opts.budget_s if opts.budget_s else math.inf
+    phases = {} if phases is None else phases
     for name, cand in pool.results.items():
         if cand.status != "pending":
             continue
@@ -241,9 +249,11 @@ def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, ch
             continue  # the default itself: timed in the final run under its own name
         backend, sol = pool.solutions[name]
         heartbeat([name], "check")
+        t0 = time.perf_counter()
         try:
             run = backend.make_runner(sol, key, device)
-            verdict = check_runner(run, key, check_in, ref, opts.err_ratio, family=fam)
+            verdict = check_runner(run, key, check_in, ref, opts.err_ratio, family=fam, graph=not quick,
+                                   variants=not quick)  # fmt: skip
         except DeviceLostError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of a candidate rejects it alone
@@ -251,6 +261,9 @@ def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, ch
             _after_failure(device, name, exc)
             say(f"  {name}: failed ({cand.reason})")
             continue
+        finally:
+            what = f"check:{cand.libtype}"
+            phases[what] = phases.get(what, 0.0) + time.perf_counter() - t0
         cand.err = verdict.err
         if verdict.ok:
             cand.status = OK
@@ -261,9 +274,36 @@ def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, ch
         _sync(device)
 
 
-def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolate) -> list[str]:
-    """The `top` fastest passing candidates after a cheap interleaved timing in groups."""
-    if len(pool.runners) <= opts.top:
+def _confirm(fam, key, device, opts, pool: _Pool, ranked: list[str], check_in, ref, say) -> list[str]:
+    """The fast search's finalists: the `top` best-screened candidates that also pass the full check
+    (every call form, graph replay); one that fails it is rejected and the next in line moves up."""
+    out = []
+    for name in ranked:
+        if len(out) >= opts.top:
+            break
+        cand = pool.results[name]
+        try:
+            verdict = check_runner(pool.runners[name], key, check_in, ref, opts.err_ratio, family=fam)
+        except DeviceLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            verdict = None
+            cand.status, cand.reason = FAILED, _describe_exc(exc)
+            _after_failure(device, name, exc)
+        if verdict is not None and verdict.ok:
+            cand.err = max(cand.err, verdict.err)
+            out.append(name)
+            continue
+        if verdict is not None:
+            cand.status, cand.reason = REJECTED, verdict.reason
+        say(f"  {name}: rejected by the full check ({cand.reason})")
+        pool.runners.pop(name, None)
+    return out
+
+
+def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolate, keep: int) -> list[str]:
+    """The `keep` fastest passing candidates, fastest first, after a cheap interleaved timing in groups."""
+    if len(pool.runners) <= keep:
         return list(pool.runners)
     results = pool.results
     sets = len(inputs) if inputs else 1
@@ -278,7 +318,7 @@ def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolat
     for n in names:
         if n not in timed:
             results[n].status, results[n].reason = FAILED, "timing failed (graph capture or launch error)"
-    return sorted(timed, key=lambda n: results[n].screen_us)[: opts.top]
+    return sorted(timed, key=lambda n: results[n].screen_us)[:keep]
 
 
 def _final(fam, key, device, opts, pool: _Pool, finalists, default, default_runner, seed, inputs, heartbeat):
@@ -311,6 +351,18 @@ def _decide(pool: _Pool, finalists, default: CandidateResult, noise: float, opts
         return pool.results[best], pool.results[best].us, False, note
     note = f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
     return default, default.us, True, note
+
+
+class _Lap:
+    """Adds the seconds since the previous lap to `phases[name]` (where a key's tuning time goes)."""
+
+    def __init__(self, phases: dict[str, float]):
+        self.phases, self.t = phases, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 NOISE_FLOOR = 0.01  # below 1% two timings of the same kernel are no different (A/A rows of `bench`)
@@ -373,6 +425,8 @@ def tune_shape(
     elsewhere (a worker that crashed or hung on them); `isolate` screens one candidate at a time;
     `m_lo` is the lowest M the row should answer (default: its own M only)."""
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}
+    lap = _Lap(phases)
     fam = families.get(family) if isinstance(family, str) else family
     seed = shape_seed(key, opts.seed, fam)
     say = log or (lambda msg: None)
@@ -382,6 +436,7 @@ def tune_shape(
     default_sol = torch_backend.default_solution(key, device)
     default = CandidateResult.of(default_sol)
     pool = _gather(fam, key, device, opts, exclude or {})
+    lap("gather")
 
     inputs = make_inputs(key, device, seed=seed, family=fam) if device.type == "cuda" else None
     check_in = inputs[0] if inputs else make_inputs(key, device, sets=1, seed=seed, family=fam)[0]
@@ -389,11 +444,24 @@ def tune_shape(
     default_runner = torch_backend.make_runner(default_sol, key, device)
     verdict = check_runner(default_runner, key, check_in, ref, opts.err_ratio, family=fam)
     default.err, default.status, default.reason = verdict.err, OK if verdict.ok else REJECTED, verdict.reason
-    _check_all(fam, key, device, opts, pool, default, check_in, ref, heartbeat, say)
-    del ref
+    lap("inputs")
+    fast = opts.search == "fast"
+    if opts.search not in SEARCHES:
+        raise ValueError(f"unknown search {opts.search!r}; known: {', '.join(SEARCHES)}")
+    _check_all(fam, key, device, opts, pool, default, check_in, ref, heartbeat, say, phases, quick=fast)
+    lap("check")
 
-    finalists = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate)
+    if fast:
+        ranked = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate, keep=len(pool.runners))
+        lap("screen")
+        finalists = _confirm(fam, key, device, opts, pool, ranked, check_in, ref, say)
+        lap("confirm")
+    else:
+        finalists = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate, keep=opts.top)
+        lap("screen")
+    del ref
     _, noise = _final(fam, key, device, opts, pool, finalists, default, default_runner, seed, inputs, heartbeat)
+    lap("final")
     winner, us, kept, note = _decide(pool, finalists, default, noise, opts)
     m = fam.m_of(key)
     lo = m if m_lo is None or not opts.verify_range else min(m_lo, m)
@@ -402,12 +470,13 @@ def tune_shape(
         lo = _verified_range(fam, key, lo, device, opts, pool, name, torch_backend, seed, heartbeat)
         if lo > (m_lo or m):
             note = (note + "; " if note else "") + f"verified on M {lo}..{m} (slower below)"
+    lap("range")
     roof = roof_us(key, measure_ceilings(device), fam) if device.type == "cuda" else math.nan
     cands = list(pool.results.values())
     if not any(c.name == default.name for c in cands):
         cands.insert(0, default)
     return ShapeResult(key, winner, us, default, default.us, noise, roof, kept, cands,
-                       time.perf_counter() - t0, note, fam.name, lo, m)  # fmt: skip
+                       time.perf_counter() - t0, note, fam.name, lo, m, phases)  # fmt: skip
 
 
 def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
