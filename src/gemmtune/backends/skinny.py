@@ -181,6 +181,8 @@ class SkinnyBackend(Backend):
         _, smem, _ = _device_limits(device.type, device.index)
         return _smem_bytes(cfg, key.dtype.itemsize) <= smem
 
+    compiles_on_first_call = True  # launch plans (and so the kernels) are made on the first call
+
     def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
         cfg = SkinnyConfig.parse(solution.kernel_name)
         if cfg is None or not self.supports(solution, key, device):
@@ -218,3 +220,12 @@ def _make_runner(cfg: SkinnyConfig, key: GemmKey, device: torch.device) -> Runne
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
     return run
+
+
+def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8) -> list:
+    """Compile every (config, key) in `workers` processes by running each once (skinny kernels
+    compile on their first call); they fill Triton's on-disk cache, so the tuner then loads them."""
+    from .triton_gemm import compile_in_workers
+
+    uniq = {(sol.kernel_name, key): None for sol, key in jobs}
+    return compile_in_workers(SkinnyBackend, list(uniq), device, workers)

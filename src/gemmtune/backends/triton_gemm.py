@@ -246,7 +246,11 @@ def _precompile_worker(args):
     failed = []
     for name, key in zip(names, keys, strict=True):
         try:
-            backend.make_runner(backend.solution_from_row(0, name, 0), key, device)
+            run = backend.make_runner(backend.solution_from_row(0, name, 0), key, device)
+            if getattr(backend, "compiles_on_first_call", False):  # its kernels compile when first run
+                from ..families import get as family
+
+                run(*family(getattr(backend, "family", "a16w16")).make_inputs(key, device, 1, 0)[0])
         except Exception as exc:  # noqa: BLE001 - reported back, the tuner drops the config
             failed.append((name, key, f"{type(exc).__name__}: {exc}"))
     if device.type == "cuda":

@@ -274,36 +274,30 @@ def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, ch
         _sync(device)
 
 
-def _confirm(fam, key, device, opts, pool: _Pool, ranked: list[str], check_in, ref, say) -> list[str]:
-    """The fast search's finalists: the `top` best-screened candidates that also pass the full check
-    (every call form, graph replay); one that fails it is rejected and the next in line moves up."""
-    out = []
-    for name in ranked:
-        if len(out) >= opts.top:
-            break
-        cand = pool.results[name]
-        try:
-            verdict = check_runner(pool.runners[name], key, check_in, ref, opts.err_ratio, family=fam)
-        except DeviceLostError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            verdict = None
-            cand.status, cand.reason = FAILED, _describe_exc(exc)
-            _after_failure(device, name, exc)
-        if verdict is not None and verdict.ok:
-            cand.err = max(cand.err, verdict.err)
-            out.append(name)
-            continue
-        if verdict is not None:
-            cand.status, cand.reason = REJECTED, verdict.reason
-        say(f"  {name}: rejected by the full check ({cand.reason})")
-        pool.runners.pop(name, None)
-    return out
+def _full_check(fam, key, device, opts, pool: _Pool, name: str, check_in, ref, say) -> bool:
+    """The fast search's check of a would-be winner: every call form and a graph replay (the quick
+    check ran only the plain call). A candidate that fails it is rejected."""
+    cand = pool.results[name]
+    try:
+        verdict = check_runner(pool.runners[name], key, check_in, ref, opts.err_ratio, family=fam)
+    except DeviceLostError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failure rejects this candidate alone
+        cand.status, cand.reason = FAILED, _describe_exc(exc)
+        _after_failure(device, name, exc)
+        say(f"  {name}: failed the full check ({cand.reason})")
+        return False
+    if verdict.ok:
+        cand.err = max(cand.err, verdict.err)
+        return True
+    cand.status, cand.reason = REJECTED, verdict.reason
+    say(f"  {name}: rejected by the full check ({verdict.reason})")
+    return False
 
 
-def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolate, keep: int) -> list[str]:
-    """The `keep` fastest passing candidates, fastest first, after a cheap interleaved timing in groups."""
-    if len(pool.runners) <= keep:
+def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolate) -> list[str]:
+    """The `top` fastest passing candidates, fastest first, after a cheap interleaved timing in groups."""
+    if len(pool.runners) <= opts.top:
         return list(pool.runners)
     results = pool.results
     sets = len(inputs) if inputs else 1
@@ -318,7 +312,7 @@ def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolat
     for n in names:
         if n not in timed:
             results[n].status, results[n].reason = FAILED, "timing failed (graph capture or launch error)"
-    return sorted(timed, key=lambda n: results[n].screen_us)[:keep]
+    return sorted(timed, key=lambda n: results[n].screen_us)[: opts.top]
 
 
 def _final(fam, key, device, opts, pool: _Pool, finalists, default, default_runner, seed, inputs, heartbeat):
@@ -451,18 +445,19 @@ def tune_shape(
     _check_all(fam, key, device, opts, pool, default, check_in, ref, heartbeat, say, phases, quick=fast)
     lap("check")
 
-    if fast:
-        ranked = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate, keep=len(pool.runners))
-        lap("screen")
-        finalists = _confirm(fam, key, device, opts, pool, ranked, check_in, ref, say)
-        lap("confirm")
-    else:
-        finalists = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate, keep=opts.top)
-        lap("screen")
-    del ref
+    finalists = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate)
+    lap("screen")
     _, noise = _final(fam, key, device, opts, pool, finalists, default, default_runner, seed, inputs, heartbeat)
     lap("final")
     winner, us, kept, note = _decide(pool, finalists, default, noise, opts)
+    while fast and not kept:  # the would-be winner passed only the quick check so far
+        name = next(n for n, c in pool.results.items() if c is winner)
+        if _full_check(fam, key, device, opts, pool, name, check_in, ref, say):
+            break
+        finalists = [n for n in finalists if n != name]
+        winner, us, kept, note = _decide(pool, finalists, default, noise, opts)
+    del ref
+    lap("confirm")
     m = fam.m_of(key)
     lo = m if m_lo is None or not opts.verify_range else min(m_lo, m)
     if not kept and lo < m:
