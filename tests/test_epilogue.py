@@ -283,6 +283,28 @@ def test_family_inputs_reference_and_torch_candidates(c):
             assert fam.bytes(key) > fam.set_bytes(key) - 1 and fam.flops(key) == 2 * 37 * 45 * 70
 
 
+def test_tuner_check_judges_other_alpha_beta_values_against_their_own_reference():
+    """The family's check variant with other alpha / beta values computes another result: the tuner's
+    check compares it with that result's reference, so a correct runner passes (and a runner that
+    ignores the values fails)."""
+    from gemmtune.backends import get as get_backend
+    from gemmtune.families import get
+    from gemmtune.families.epilogue import EpilogueKey
+    from gemmtune.tuner.check import check_runner
+
+    fam, tb = get("epilogue"), get_backend("torch", "epilogue")
+    cpu = torch.device("cpu")
+    for c in ("none", "full", "row", "col", "scalar"):
+        key = EpilogueKey(37, 45, 70, True, torch.float32, torch.float32, "relu", True, c != "none", c)
+        inputs = fam.make_inputs(key, cpu, 1, 0)[0]
+        run = tb.make_runner(tb.default_solution(key, cpu), key, cpu)
+        verdict = check_runner(run, key, inputs, fam.reference(key, inputs), family=fam)
+        assert verdict.ok, (c, verdict.reason)
+        stuck = lambda x, w, b, cc, alpha, beta, r=run, inp=inputs: r(x, w, b, cc, inp[4], inp[5])  # noqa: E731
+        verdict = check_runner(stuck, key, inputs, fam.reference(key, inputs), family=fam)
+        assert not verdict.ok and "other alpha / beta values" in verdict.reason, c
+
+
 # ---- Triton under the interpreter ---------------------------------------------------------------
 INTERP_CONFIGS = [
     "tg_bm16_bn32_bk16_g8_w4_s2_sk1",
