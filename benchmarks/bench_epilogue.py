@@ -3,11 +3,19 @@
 Part 1, epilogue: the MLP GEMMs of Phi-2 (2560 -> 10240, gelu_new = GELU tanh, bias), Pythia-6.9B (4096 ->
 16384, GELU erf, bias) and StarCoder2-15B (6144 -> 24576, gelu_pytorch_tanh, bias), bf16, at M in 1, 4,
 16, 64, 256, 1024, 2048, 4096: the up projection as gemm_gelu (GEMM + bias + GELU) and the down
-projection as gemm_bias (GEMM + bias). Contenders: `unfused` (F.linear then F.gelu: what the model runs,
-the default), torch's `_addmm_activation` where it computes that GELU, and the Triton GEMM with the
-epilogue fused (a screen of its config space, then the fastest few confirmed). `dispatched` is what a
-tuned table would run: the fastest confirmed contender, unfused included, so its ratio to unfused is
->= 1 up to noise. Noise: unfused is timed twice in the confirm pass; the spread is printed.
+projection as gemm_bias (GEMM + bias). Two baselines per point:
+- `unfused` (F.linear then F.gelu: what the model runs, gemmtune's default; cuBLAS(Lt) already adds the
+  bias inside its GEMM, so a fused gemm_bias has nothing left to save against it);
+- `separate` (torch.mm, then + bias, then the activation, each its own kernel: the "unfused" that
+  aiter's "1.5-2x over unfused" compares against).
+Fused contenders (`--contenders`): torch's `_addmm_activation` (`addmm_activation`, or
+`addmm_activation_tanh` standing in for the erf GELU of Pythia: families/epilogue.py says why and when),
+the Triton GEMM with the epilogue fused, and cuBLASLt algorithms with the epilogue set (`blaslt`, needs
+nvmath-python); each screened over its candidates, then the fastest few (and the best of each contender)
+confirmed. `dispatched` is what a tuned table would run: the fastest confirmed contender, unfused
+included, so its ratio to unfused is >= 1 up to noise. Noise: unfused is timed twice in the confirm
+pass; the spread is printed. Candidates whose error vs the fp32 reference exceeds twice the unfused
+path's (+1e-3) are dropped and listed.
 
 Part 2, sparse: Llama-3-8B's linears (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336)
 at M in 512, 1024, 2048, 4096: the weight pruned to 2:4 as a SparseSemiStructuredTensor (cuSPARSELt,
@@ -19,6 +27,7 @@ interleaved in one process, median of repeats; ceilings (read bandwidth, bf16 ma
 same run and % of roof printed. Triton configs are compiled up front in parallel processes.
 
     PYTHONPATH=src python benchmarks/bench_epilogue.py --out OUT_DIR [--ms 1,64,4096] [--skip-sparse]
+        [--contenders torch,triton,blaslt]
 
 Writes epilogue.md / .csv / .json, tuned_epilogue.csv and tuned_sparse.csv (gemmtune tables of the
 winners, for GEMMTUNE_CONFIG_EPILOGUE / GEMMTUNE_CONFIG_SPARSE) into --out.
@@ -41,7 +50,7 @@ from gemmtune.configs.schema import TunedRow
 from gemmtune.configs.table import ConfigTable
 from gemmtune.device import identity
 from gemmtune.families import get as get_family
-from gemmtune.families.epilogue import EpilogueKey
+from gemmtune.families.epilogue import EpilogueKey, apply_act
 from gemmtune.families.sparse import SparseKey
 from gemmtune.tuner.timing import l2_bytes, measure_ceilings, time_graphs
 
@@ -54,6 +63,7 @@ MS = [1, 4, 16, 64, 256, 1024, 2048, 4096]
 SPARSE_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 SPARSE_MS = [512, 1024, 2048, 4096]
 GRAPH_BYTES = 8 * 2**30  # output memory the screen's simultaneously captured graphs may hold
+CONTENDERS = ("torch", "triton", "blaslt")
 
 
 def _geomean(xs):
@@ -122,16 +132,35 @@ def precompile(keys, dev, workers: int) -> list[str]:
     return [f for r in res for f in r]
 
 
+def separate(key):
+    """The GEMM, the bias and the activation as separate kernels (torch.mm, +, act)."""
+
+    def run(x, w, bias, c, alpha, beta):
+        y = torch.mm(x, w.t())
+        if bias is not None:
+            y = y + bias
+        return apply_act(y, key.act)
+
+    return run
+
+
 def bench_epilogue_key(key, dev, args, seed):
     fam = get_family("epilogue")
-    torch_be, tb = get_backend("torch", "epilogue"), get_backend("triton", "epilogue")
+    torch_be = get_backend("torch", "epilogue")
     sets = _sets(fam, key, dev, seed)
     ref = fam.reference(key, sets[0])
     unfused = torch_be.make_runner(torch_be.default_solution(key, dev), key, dev)
     floor = _rel_err(unfused(*sets[0]), ref)
     tol = 2 * floor + 1e-3
     cands, errors = {}, []
-    for lib, be in (("torch", torch_be), ("triton", tb)):
+    baselines = {"unfused": unfused, "unfused#2": unfused, "separate": separate(key)}
+    err = _rel_err(baselines["separate"](*sets[0]), ref)
+    if err > tol:
+        errors.append(f"separate {key.describe()}: rel err {err:.2e} > {tol:.2e}")
+    for lib in args.contenders:
+        be = get_backend(lib, "epilogue")
+        if not be.is_available(dev):
+            continue
         for sol in be.candidates(key, dev):
             if lib == "torch" and sol.kernel_name == "native":
                 continue
@@ -153,17 +182,24 @@ def bench_epilogue_key(key, dev, args, seed):
         screen.update(_time({n: cands[n] for n in names[i : i + chunk]}, sets, args.screen_reps))
         torch.cuda.empty_cache()
     ranked = [n for _, n in sorted((v, n) for n, v in screen.items() if math.isfinite(v))]
-    finalists = {"unfused": unfused, "unfused#2": unfused}
+    finalists = dict(baselines)
     finalists.update({n: cands[n] for n in ranked[: args.finalists]})
-    addmm = next((n for n in cands if n.startswith("torch:")), None)
-    if addmm:
-        finalists[addmm] = cands[addmm]
+    for lib in args.contenders:  # the best of each contender, so each has its confirmed time
+        best = next((n for n in ranked if n.startswith(f"{lib}:")), None)
+        if best:
+            finalists[best] = cands[best]
     del sets
     fresh = _sets(fam, key, dev, seed + 7919)
     final = _time(finalists, fresh, args.reps)
     del fresh
     torch.cuda.empty_cache()
     return final, errors, len(cands)
+
+
+def _best_of(final: dict, lib: str) -> tuple[float, str]:
+    """(us, name) of the contender's fastest confirmed candidate; (nan, "") when it has none."""
+    times = [(v, n) for n, v in final.items() if n.startswith(f"{lib}:") and math.isfinite(v)]
+    return min(times) if times else (float("nan"), "")
 
 
 def part_epilogue(args, dev, ceil, out_rows, table_rows, errors):
@@ -176,33 +212,41 @@ def part_epilogue(args, dev, ceil, out_rows, table_rows, errors):
             keys.append(
                 (model, "down (gemm_bias)", EpilogueKey(m, hidden, inter, True, torch.bfloat16, torch.bfloat16))
             )
-    t0 = time.time()
-    errors += precompile([k for _, _, k in keys], dev, args.workers)
-    print(f"compiled Triton epilogue kernels in {time.time() - t0:.0f} s", flush=True)
+    for lib in args.contenders:
+        be = get_backend(lib, "epilogue")
+        if not be.is_available(dev):
+            print(f"{lib} not timed: {be.unavailable_reason(dev)}", flush=True)
+            errors.append(f"{lib} not timed: {be.unavailable_reason(dev)}")
+    if "triton" in args.contenders and get_backend("triton", "epilogue").is_available(dev):
+        t0 = time.time()
+        errors += precompile([k for _, _, k in keys], dev, args.workers)
+        print(f"compiled Triton epilogue kernels in {time.time() - t0:.0f} s", flush=True)
     fam = get_family("epilogue")
-    hdr = (f"{'model':15} {'gemm':17} {'M':>5} {'unfused':>9} {'noise':>6} {'addmm_act':>9} {'triton':>9} "
-           f"{'disp':>9} {'x':>6} {'%roof':>6}  winner")  # fmt: skip
+    hdr = (f"{'model':15} {'gemm':17} {'M':>5} {'unfused':>9} {'noise':>6} {'separate':>9} {'addmm_act':>9} "
+           f"{'triton':>9} {'blaslt':>9} {'disp':>9} {'x':>6} {'x sep':>6} {'%roof':>6}  winner")  # fmt: skip
     print(hdr)
     for model, what, key in keys:
         final, errs, n_cand = bench_epilogue_key(key, dev, args, seed=key.M + key.N)
         errors += errs
-        u1, u2 = final["unfused"], final["unfused#2"]
+        u1, u2, sep = final["unfused"], final["unfused#2"], final["separate"]
         unf = min(u1, u2)
         noise = abs(u1 - u2) / unf
-        tri = min((v, n) for n, v in final.items() if n.startswith("triton:")) if any(
-            n.startswith("triton:") for n in final) else (float("nan"), "")  # fmt: skip
-        add = next((v for n, v in final.items() if n.startswith("torch:")), float("nan"))
-        best_v, best_n = min((v, n) for n, v in final.items() if math.isfinite(v))
+        add, tri, lt = _best_of(final, "torch"), _best_of(final, "triton"), _best_of(final, "blaslt")
+        best_v, best_n = min((v, n) for n, v in final.items() if math.isfinite(v) and n != "separate")
         best_n = "unfused" if best_n.startswith("unfused") else best_n
+        fused = min((v for v in (add[0], tri[0], lt[0]) if math.isfinite(v)), default=float("nan"))
         roof = _roof(fam, key, ceil)
         row = dict(model=model, gemm=what, M=key.M, N=key.N, K=key.K, act=key.act, unfused_us=round(unf, 2),
-                   noise=round(noise, 4), addmm_act_us=round(add, 2), triton_us=round(tri[0], 2), triton_cfg=tri[1],
-                   dispatched_us=round(best_v, 2), dispatched=best_n, speedup=round(unf / best_v, 4),
-                   fused_speedup=round(unf / min(tri[0], add if math.isfinite(add) else math.inf), 4),
+                   noise=round(noise, 4), separate_us=round(sep, 2), addmm_act_us=round(add[0], 2),
+                   addmm_act=add[1], triton_us=round(tri[0], 2), triton_cfg=tri[1], blaslt_us=round(lt[0], 2),
+                   blaslt_cfg=lt[1], dispatched_us=round(best_v, 2), dispatched=best_n,
+                   speedup=round(unf / best_v, 4), fused_speedup=round(unf / fused, 4),
+                   speedup_vs_separate=round(sep / best_v, 4), fused_speedup_vs_separate=round(sep / fused, 4),
                    roof_us=round(roof, 2), candidates=n_cand)  # fmt: skip
         out_rows.append(row)
-        print(f"{model:15} {what:17} {key.M:>5} {unf:9.1f} {noise:6.1%} {add:9.1f} {tri[0]:9.1f} {best_v:9.1f} "
-              f"{unf / best_v:6.3f} {roof / best_v:6.0%}  {best_n}", flush=True)  # fmt: skip
+        print(f"{model:15} {what:17} {key.M:>5} {unf:9.1f} {noise:6.1%} {sep:9.1f} {add[0]:9.1f} {tri[0]:9.1f} "
+              f"{lt[0]:9.1f} {best_v:9.1f} {unf / best_v:6.3f} {sep / best_v:6.3f} {roof / best_v:6.0%}  {best_n}",
+              flush=True)  # fmt: skip
         lib, _, kname = best_n.partition(":") if best_n != "unfused" else ("torch", "", "native")
         table_rows.append(("epilogue", key, lib, kname, best_v))
 
@@ -266,6 +310,9 @@ def write_tables(out: pathlib.Path, table_rows, dev) -> None:
 
 
 def summary(rows) -> list[str]:
+    """Geomean speedups per op and M range: of what a table dispatches and of the best fused contender,
+    against F.linear + act (`unfused`) and against mm, + bias, act as separate kernels (`separate`);
+    then, at M >= 1024, each fused contender alone against both."""
     lines = []
     epi = [r for r in rows if "unfused_us" in r]
     for what in ("up (gemm_gelu)", "down (gemm_bias)"):
@@ -277,9 +324,21 @@ def summary(rows) -> list[str]:
         ):
             sel = [r for r in epi if r["gemm"] == what and lo <= r["M"] <= hi]
             if sel:
-                lines.append(f"{what:17} {label:10} dispatched x{_geomean([r['speedup'] for r in sel]):.3f}  "
-                             f"best fused x{_geomean([r['fused_speedup'] for r in sel]):.3f}  "
-                             f"worst dispatched x{min(r['speedup'] for r in sel):.3f}  (n={len(sel)})")  # fmt: skip
+                g = {k: _geomean([r[k] for r in sel]) for k in ("speedup", "fused_speedup", "speedup_vs_separate",
+                                                               "fused_speedup_vs_separate")}  # fmt: skip
+                lines.append(f"{what:17} {label:10} vs F.linear+act: dispatched x{g['speedup']:.3f}  "
+                             f"best fused x{g['fused_speedup']:.3f}  worst dispatched "
+                             f"x{min(r['speedup'] for r in sel):.3f} | vs mm,+bias,act separate: dispatched "
+                             f"x{g['speedup_vs_separate']:.3f}  best fused x{g['fused_speedup_vs_separate']:.3f}  "
+                             f"(n={len(sel)})")  # fmt: skip
+        big = [r for r in epi if r["gemm"] == what and r["M"] >= 1024]
+        for lib, col in (("addmm_act", "addmm_act_us"), ("triton", "triton_us"), ("blaslt", "blaslt_us")):
+            have = [r for r in big if math.isfinite(r[col])]
+            if have:
+                vs_unf = _geomean([r["unfused_us"] / r[col] for r in have])
+                vs_sep = _geomean([r["separate_us"] / r[col] for r in have])
+                lines.append(f"{what:17} M>=1024    {lib:9} alone: x{vs_unf:.3f} vs F.linear+act, x{vs_sep:.3f} "
+                             f"vs separate (n={len(have)})")  # fmt: skip
     sp = [r for r in rows if "sparse_us" in r]
     if sp:
         wins = [r for r in sp if r["dispatched"] == "2:4"]
@@ -300,7 +359,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--skip-sparse", action="store_true")
     ap.add_argument("--skip-epilogue", action="store_true")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="fused backends to time (torch,triton,blaslt)")
     args = ap.parse_args()
+    args.contenders = [v.strip() for v in args.contenders.split(",") if v.strip()]
+    if bad := [v for v in args.contenders if v not in CONTENDERS]:
+        ap.error(f"--contenders: unknown {', '.join(bad)} (expected some of {', '.join(CONTENDERS)})")
     args.ms = [int(v) for v in args.ms.split(",") if v]
     args.sparse_ms = [int(v) for v in args.sparse_ms.split(",") if v]
     out = pathlib.Path(args.out)

@@ -45,6 +45,18 @@ def gpu() -> torch.device:
     return torch.device("cuda")
 
 
+@pytest.fixture
+def usable(gpu):
+    """usable(backend) -> the backend, or the test skipped with the reason it cannot run on the GPU."""
+
+    def check(backend):
+        if not backend.is_available(gpu):
+            pytest.skip(backend.unavailable_reason(gpu))
+        return backend
+
+    return check
+
+
 @pytest.fixture(autouse=True)
 def clean_dispatch(monkeypatch):
     """Each test starts with no table, no capture and an empty runner cache."""

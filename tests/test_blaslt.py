@@ -64,11 +64,8 @@ def test_unavailable_on_cpu_says_why():
 
 # ---- GPU ---------------------------------------------------------------------------------------
 @pytest.fixture
-def lt(gpu):
-    be = bl.BlasLtBackend()
-    if not be.is_available(gpu):
-        pytest.skip(be.unavailable_reason(gpu))
-    return be
+def lt(usable):
+    return usable(bl.BlasLtBackend())
 
 
 def _rel_err(y, ref):

@@ -283,6 +283,68 @@ def test_family_inputs_reference_and_torch_candidates(c):
             assert fam.bytes(key) > fam.set_bytes(key) - 1 and fam.flops(key) == 2 * 37 * 45 * 70
 
 
+def test_tuner_check_judges_other_alpha_beta_values_against_their_own_reference():
+    """The family's check variant with other alpha / beta values computes another result: the tuner's
+    check compares it with that result's reference, so a correct runner passes (and a runner that
+    ignores the values fails)."""
+    from gemmtune.backends import get as get_backend
+    from gemmtune.families import get
+    from gemmtune.families.epilogue import EpilogueKey
+    from gemmtune.tuner.check import check_runner
+
+    fam, tb = get("epilogue"), get_backend("torch", "epilogue")
+    cpu = torch.device("cpu")
+    for c in ("none", "full", "row", "col", "scalar"):
+        key = EpilogueKey(37, 45, 70, True, torch.float32, torch.float32, "relu", True, c != "none", c)
+        inputs = fam.make_inputs(key, cpu, 1, 0)[0]
+        run = tb.make_runner(tb.default_solution(key, cpu), key, cpu)
+        verdict = check_runner(run, key, inputs, fam.reference(key, inputs), family=fam)
+        assert verdict.ok, (c, verdict.reason)
+        stuck = lambda x, w, b, cc, alpha, beta, r=run, inp=inputs: r(x, w, b, cc, inp[4], inp[5])  # noqa: E731
+        verdict = check_runner(stuck, key, inputs, fam.reference(key, inputs), family=fam)
+        assert not verdict.ok and "other alpha / beta values" in verdict.reason, c
+
+
+# ---- a tanh GELU standing in for the erf one ------------------------------------------------------
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16, torch.float32])
+def test_tanh_gelu_for_erf_keys_only_where_the_check_passes_it(out):
+    """GPUs' fused GELUs (cuBLASLt, torch._addmm_activation) are the tanh approximation. For an erf-GELU
+    key they are offered only with a 16-bit output, where the tuner's check against the fp32 erf
+    reference passes a tanh result on random data (bias and pre-activation as a model's, std ~1.4);
+    with an fp32 output the same substitution fails that check, and no backend offers it."""
+    from gemmtune.backends import get as get_backend
+    from gemmtune.backends.blaslt_epilogue import BlasLtEpilogueBackend
+    from gemmtune.backends.epilogue import UNFUSED
+    from gemmtune.families import get
+    from gemmtune.families.epilogue import EpilogueKey, tanh_for_erf
+    from gemmtune.tuner.check import check_runner
+
+    fam, tb = get("epilogue"), get_backend("torch", "epilogue")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # supports() reads only the device's type
+    key = EpilogueKey(257, 384, 520, True, out, out, "gelu")
+    offered = out != torch.float32
+    assert tanh_for_erf(key) == offered
+    # A tanh-GELU result computed unfused (pre-activation rounded to the out dtype, then GELU: one
+    # rounding more than a fused kernel), judged as the tuner judges the erf key's candidates.
+    inputs = fam.make_inputs(key, cpu, 1, seed=5)[0]
+    tanh_run = tb.make_runner(UNFUSED, key._replace(act="gelu_tanh"), cpu)
+    verdict = check_runner(tanh_run, key, inputs, fam.reference(key, inputs), family=fam)
+    assert verdict.ok == offered, (verdict.err, verdict.reason)
+    if offered:
+        assert verdict.err < fam.error_threshold(key) / 4
+    on_gpu = [s.kernel_name for s in tb.candidates(key, cuda)]
+    assert on_gpu == (["native", "addmm_activation_tanh"] if offered else ["native"])
+    assert "addmm_activation_tanh" not in [s.kernel_name for s in tb.candidates(key, cpu)]  # the CPU's GELU is erf
+    assert BlasLtEpilogueBackend._key_ok(key) == offered
+    # The tanh name never answers a key whose GELU is tanh anyway, nor another act.
+    for act in ("gelu_tanh", "relu", "none"):
+        names = [s.kernel_name for s in tb.candidates(key._replace(act=act), cuda)]
+        assert "addmm_activation_tanh" not in names
+        assert ("addmm_activation" in names) == (act != "none")
+    sol = tb.solution_from_row(0, "addmm_activation_tanh", 0)
+    assert sol is not None and sol.kernel_name == "addmm_activation_tanh" and sol.solidx != 0
+
+
 # ---- Triton under the interpreter ---------------------------------------------------------------
 INTERP_CONFIGS = [
     "tg_bm16_bn32_bk16_g8_w4_s2_sk1",
@@ -410,11 +472,16 @@ def test_gpu_graph_replay_matches_eager(gpu):
 
     key = EpilogueKey(200, 1280, 2048, True, torch.bfloat16, torch.bfloat16, "gelu_tanh", True, True, "row")
     inputs = get("epilogue").make_inputs(key, gpu, 1, 0)[0]
-    for lib, name in [("torch", "native"), ("triton", "tg_bm64_bn64_bk128_g8_w4_s4_sk3f"),
-                      ("triton", "tg_bm64_bn128_bk64_g8_w4_s4_sk1")]:  # fmt: skip
-        be = get_backend(lib, "epilogue")
-        sol = be.solution_from_row(0, name, 0) if lib == "triton" else be.default_solution(key, gpu)
-        run = be.make_runner(sol, key, gpu)
+    tb, lt = get_backend("triton", "epilogue"), get_backend("blaslt", "epilogue")
+    sols = [get_backend("torch", "epilogue").default_solution(key, gpu)]
+    sols += [tb.solution_from_row(0, n, 0) for n in ("tg_bm64_bn64_bk128_g8_w4_s4_sk3f",
+                                                     "tg_bm64_bn128_bk64_g8_w4_s4_sk1")]  # fmt: skip
+    if lt.is_available(gpu):  # the heuristic's first picks and split-K ones (the row C: folded into the bias)
+        lt_sols = lt.candidates(key, gpu)
+        sols += lt_sols[:3] + [s for s in lt_sols if s.splitk > 1][:2]
+    for sol in sols:
+        name = sol.describe()
+        run = get_backend(sol.libtype, "epilogue").make_runner(sol, key, gpu)
         eager = run(*inputs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -35,6 +35,7 @@ _BUILTIN = {
     "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),
     "gemmtune.backends.blaslt_batched": ("BlasLtBatchedBackend",),
     "gemmtune.backends.epilogue": ("TorchEpilogueBackend", "TritonEpilogueBackend"),
+    "gemmtune.backends.blaslt_epilogue": ("BlasLtEpilogueBackend",),
     "gemmtune.backends.sparse": ("TorchSparseBackend",),
 }
 

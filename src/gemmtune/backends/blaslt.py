@@ -157,9 +157,19 @@ class _Problem:
     """cuBLASLt descriptors for one (key, M, ld of x, bias or not); owns and frees them."""
 
     def __init__(self, key: GemmKey, m: int, ldx: int, bias: bool, device_index: int):
+        self._describe(key, device_index, _OP_T, _OP_N, "BIAS" if bias else "DEFAULT")
+        lt, (a_t, _, _, d_t) = self.lt, self.types
+        self.a = lt.matrix_layout_create(a_t, key.K, key.N, key.K)  # w [N, K] row-major = [K, N] col-major
+        self.b = lt.matrix_layout_create(a_t, key.K, m, ldx)  # x [M, K] (row stride ldx)
+        self.d = lt.matrix_layout_create(d_t, key.N, m, key.N)  # y [M, N] = y^T [N, M] col-major
+        self.c = self.d
+
+    def _describe(self, key, device_index: int, op_a: int, op_b: int, epilogue: str) -> None:
+        """The matmul descriptor: A/B in the key's dtype, C/D in its out dtype, fp32 compute and scale,
+        the two ops and the epilogue (a cublasLtEpilogue_t name). A *BIAS epilogue reads its bias in the
+        out dtype, from the pointer set_bias() sets before each call. Subclasses add the layouts."""
         lt, cublas = _lib()
-        self.lt = lt
-        self.key = key
+        self.lt, self.key = lt, key
         self.handle = _handle(device_index)
         a_t, d_t = _CUDA_TYPE[key.dtype], _CUDA_TYPE[key.outdtype]
         self.types = (a_t, a_t, d_t, d_t)
@@ -167,15 +177,13 @@ class _Problem:
         self.desc = lt.matmul_desc_create(self.compute, _CUDA_R_32F)
         dset = functools.partial(_set, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
         A = lt.MatmulDescAttribute
-        dset(self.desc, A.TRANSA, _OP_T)
-        dset(self.desc, A.TRANSB, _OP_N)
-        self.bias = bias
-        if bias:
-            dset(self.desc, A.EPILOGUE, int(lt.Epilogue.BIAS))
+        dset(self.desc, A.TRANSA, op_a)
+        dset(self.desc, A.TRANSB, op_b)
+        self.bias = epilogue.endswith("BIAS")
+        if epilogue != "DEFAULT":
+            dset(self.desc, A.EPILOGUE, int(getattr(lt.Epilogue, epilogue)))
+        if self.bias:
             dset(self.desc, A.BIAS_DATA_TYPE, d_t)  # the runner hands a bias in the output dtype
-        self.a = lt.matrix_layout_create(a_t, key.K, key.N, key.K)  # w [N, K] row-major = [K, N] col-major
-        self.b = lt.matrix_layout_create(a_t, key.K, m, ldx)  # x [M, K] (row stride ldx)
-        self.d = lt.matrix_layout_create(d_t, key.N, m, key.N)  # y [M, N] = y^T [N, M] col-major
         np = _np()
         self._bias_ptr = np.zeros(1, dtype=np.int64)
         self._bias_addr = self._bias_ptr.ctypes.data  # ndarray.ctypes is slow: read the address once
@@ -203,7 +211,7 @@ class _Problem:
             res = np.zeros(limit, dtype=lt.matmul_heuristic_result_dtype)
             count = np.zeros(1, dtype=np.int32)
             lt.matmul_algo_get_heuristic(
-                self.handle, self.desc, self.a, self.b, self.d, self.d, pref, limit, res.ctypes.data, count.ctypes.data
+                self.handle, self.desc, self.a, self.b, self.c, self.d, pref, limit, res.ctypes.data, count.ctypes.data
             )
         finally:
             lt.matmul_preference_destroy(pref)
@@ -220,16 +228,23 @@ class _Problem:
         res = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
         try:
             lt.matmul_algo_check(
-                self.handle, self.desc, self.a, self.b, self.d, self.d, algo.ctypes.data, res.ctypes.data
+                self.handle, self.desc, self.a, self.b, self.c, self.d, algo.ctypes.data, res.ctypes.data
             )
         except Exception:  # noqa: BLE001 - cuBLASLtError: not supported for this problem
             return None
         ws = int(res[0]["workspace_size"])
         return ws if ws <= WORKSPACE_BYTES else None
 
+    def matmul(self, algo_addr: int, alpha_addr: int, beta_addr: int, a: int, b: int, c: int, d: int, ws: int) -> None:
+        """cublasLtMatmul of this problem on torch's current stream (device pointers a, b, c, d)."""
+        self.lt.matmul(
+            self.handle, self.desc, alpha_addr, a, self.a, b, self.b, beta_addr, c, self.c, d, self.d, algo_addr,
+            ws, WORKSPACE_BYTES, torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip
+
     def __del__(self) -> None:
         try:
-            for layout in (self.a, self.b, self.d):
+            for layout in {self.a, self.b, self.c, self.d}:  # C may be D's layout
                 self.lt.matrix_layout_destroy(layout)
             self.lt.matmul_desc_destroy(self.desc)
         except Exception:  # noqa: BLE001 - half-built, or the library is already gone at exit
@@ -282,6 +297,27 @@ def algo_from_spec(spec: AlgoSpec, prob: _Problem) -> bytes:
     for (attr, _), value in zip(_ATTRS[1:], spec.attrs[1:], strict=True):
         _config_set(algo, attr, value)
     return bytes(algo.tobytes())
+
+
+def fitted_algo(spec: AlgoSpec, prob: _Problem) -> bytes | None:
+    """The spec's algorithm where it runs `prob`, else cuBLASLt's own pick for it (another M or stride
+    than the one tuned); None when cuBLASLt has none."""
+    algo = algo_from_spec(spec, prob)
+    if prob.check(algo) is not None:
+        return algo
+    ranked = prob.heuristic(1, min_align=ALIGN)
+    return ranked[0][0] if ranked else None
+
+
+def operand_layout(rows: int, cols: int, s_row: int, s_col: int) -> tuple[int, int, int, int] | None:
+    """How cuBLASLt reads the transpose of a row-major view X[rows, cols] with strides (s_row, s_col):
+    (op, layout rows, layout cols, ld) of a column-major matrix whose op() is X^T; None when neither
+    stride is unit (or the other one overlaps rows)."""
+    if s_col == 1 and (rows == 1 or s_row >= cols):
+        return _OP_N, cols, rows, s_row if rows > 1 else cols
+    if s_row == 1 and (cols == 1 or s_col >= rows):
+        return _OP_T, rows, cols, s_col if cols > 1 else rows
+    return None
 
 
 def _cap(algo_bytes: bytes, attr: str) -> int:
@@ -428,19 +464,29 @@ class BlasLtBackend(Backend):
         return key.dtype == key.outdtype or key.outdtype == torch.float32
 
     def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
-        if not self.is_available(device) or not self._key_ok(key) or key.M < 1:
+        if not self.is_available(device) or not self._key_ok(key) or key.M < 1 or not self._sizes_ok(key):
             return []
-        algos = enumerate_algos(key, _index(device), wide=search_mode() == "wide")
-        return [self._solution(spec) for spec, _ in algos]
+        prob = self._problem(key, device)
+        algos = enumerate_algos(key, _index(device), wide=search_mode() == "wide", prob=prob)
+        return [self._solution(spec, self._tag(key)) for spec, _ in algos]
 
-    def _solution(self, spec: AlgoSpec) -> Solution:
-        return Solution(self.name, spec.name, stable_solidx(spec.name), spec.split_k)
+    # A kernel name is the algorithm's name (AlgoSpec) plus a tag some subclasses add for what the key
+    # alone does not say (the epilogue backend's `_tanh`: a tanh GELU standing in for the erf one).
+    def _split(self, name: str) -> tuple[AlgoSpec | None, str]:
+        return AlgoSpec.parse(name), ""
+
+    def _tag(self, key) -> str:
+        return ""
+
+    def _solution(self, spec: AlgoSpec, tag: str = "") -> Solution:
+        name = spec.name + tag
+        return Solution(self.name, name, stable_solidx(name), spec.split_k)
 
     def default_solution(self, key: GemmKey, device: torch.device) -> Solution | None:
         return None  # cuBLAS itself (the torch backend) is the default
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        spec = AlgoSpec.parse(kernel_name)
+        spec, tag = self._split(kernel_name)
         if spec is None:
             return None
         try:
@@ -457,9 +503,9 @@ class BlasLtBackend(Backend):
                 here,
             )
             return None
-        return self._solution(spec)
+        return self._solution(spec, tag)
 
-    # The batched backend describes its problem and runner differently; the rest is shared.
+    # The batched and epilogue backends describe their problem and runner differently; the rest is shared.
     def _sizes_ok(self, key: GemmKey) -> bool:
         return True  # M == 0 is checked as M == 1
 
@@ -470,8 +516,8 @@ class BlasLtBackend(Backend):
         return _LtRunner(spec, key, _index(device))
 
     def supports(self, solution: Solution, key: GemmKey, device: torch.device) -> bool:
-        spec = AlgoSpec.parse(solution.kernel_name)
-        if spec is None or not self.is_available(device) or not self._key_ok(key):
+        spec, tag = self._split(solution.kernel_name)
+        if spec is None or tag != self._tag(key) or not self.is_available(device) or not self._key_ok(key):
             return False
         if spec.version != lt_version() or not self._sizes_ok(key):
             return False
@@ -482,7 +528,7 @@ class BlasLtBackend(Backend):
             return False
 
     def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
-        spec = AlgoSpec.parse(solution.kernel_name)
+        spec, _ = self._split(solution.kernel_name)
         if spec is None or not self.supports(solution, key, device):
             raise ValueError(f"blaslt cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
         return self._runner(spec, key, device)

@@ -19,12 +19,9 @@ import torch
 
 from ..families.batched import BatchedKey, stored
 from ..kernels._common import empty_out as _empty
-from .base import Runner, Solution
+from .base import Runner
 from .blaslt import (
-    _CUDA_R_32F,
     _CUDA_TYPE,
-    _OP_N,
-    _OP_T,
     ALIGN,
     WORKSPACE_BYTES,
     AlgoSpec,
@@ -39,20 +36,8 @@ from .blaslt import (
     _set,
     _workspace,
     algo_from_spec,
-    enumerate_algos,
-    search_mode,
+    operand_layout,
 )
-
-
-def operand_layout(rows: int, cols: int, s_row: int, s_col: int) -> tuple[int, int, int, int] | None:
-    """How cuBLASLt reads the transpose of a row-major view X[rows, cols] with strides (s_row, s_col):
-    (op, layout rows, layout cols, ld) of a column-major matrix whose op() is X^T; None when neither
-    stride is unit (or the other one overlaps rows)."""
-    if s_col == 1 and (rows == 1 or s_row >= cols):
-        return _OP_N, cols, rows, s_row if rows > 1 else cols
-    if s_row == 1 and (cols == 1 or s_col >= rows):
-        return _OP_T, rows, cols, s_col if cols > 1 else rows
-    return None
 
 
 def blas_layout(key: BatchedKey, sa: tuple[int, ...], sb: tuple[int, ...], aligned: bool = True):
@@ -81,20 +66,13 @@ class _BatchedProblem(_Problem):
     the a16w16 problem's)."""
 
     def __init__(self, key: BatchedKey, layout, device_index: int):
-        lt, cublas = _lib()
-        self.lt, self.key, self.bias = lt, key, False
-        self.handle = _handle(device_index)
-        a_t, d_t = _CUDA_TYPE[key.dtype], _CUDA_TYPE[key.outdtype]
-        self.types = (a_t, a_t, d_t, d_t)
-        self.compute = int(cublas.ComputeType.COMPUTE_32F)
-        self.desc = lt.matmul_desc_create(self.compute, _CUDA_R_32F)
-        dset = functools.partial(_set, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
         (op_a, ra, ca, lda, sa), (op_b, rb, cb, ldb, sb) = layout
-        dset(self.desc, lt.MatmulDescAttribute.TRANSA, op_a)
-        dset(self.desc, lt.MatmulDescAttribute.TRANSB, op_b)
+        self._describe(key, device_index, op_a, op_b, "DEFAULT")
+        a_t, d_t = self.types[0], self.types[3]
         self.a = self._layout(a_t, ra, ca, lda, key.B, sa)
         self.b = self._layout(a_t, rb, cb, ldb, key.B, sb)
         self.d = self._layout(d_t, key.N, key.M, key.N, key.B, key.M * key.N)
+        self.c = self.d
 
     def _layout(self, dtype: int, rows: int, cols: int, ld: int, batch: int, stride: int) -> int:
         lt = self.lt
@@ -128,13 +106,6 @@ class BlasLtBatchedBackend(BlasLtBackend):
 
     def _runner(self, spec: AlgoSpec, key: BatchedKey, device: torch.device) -> Runner:
         return _LtBatchedRunner(spec, key, device)
-
-    def candidates(self, key: BatchedKey, device: torch.device) -> list[Solution]:
-        if not self.is_available(device) or not self._key_ok(key) or not self._sizes_ok(key):
-            return []
-        prob = self._problem(key, device)
-        algos = enumerate_algos(key, _index(device), wide=search_mode() == "wide", prob=prob)
-        return [self._solution(spec) for spec, _ in algos]
 
 
 _COPY = None  # a plan entry meaning: these strides are copied to contiguous operands first

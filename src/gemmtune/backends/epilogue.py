@@ -3,7 +3,9 @@
 - `torch` (the default): the unfused path a model runs, F.linear / addmm then the activation; and
   `addmm_activation`, torch's own fused call (cuBLASLt's RELU_BIAS / GELU_BIAS epilogues on CUDA where
   its conditions hold, addmm + activation otherwise), for relu and for the GELU it computes: the tanh
-  approximation on GPUs (cuBLASLt's), the erf one on the CPU.
+  approximation on GPUs (cuBLASLt's), the erf one on the CPU. On GPUs the same call is also offered for
+  erf-GELU keys with a 16-bit output as `addmm_activation_tanh` (families/epilogue.py: tanh_for_erf).
+- `blaslt` (backends/blaslt_epilogue.py): explicit cuBLASLt algorithms with the epilogue set.
 - `triton`: the Triton GEMM (kernels/triton_gemm.py) with the epilogue applied in registers before the
   one store; the same config space and names as the a16w16 `triton` backend.
 """
@@ -13,13 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..families.epilogue import EpilogueKey, apply_act
+from ..families.epilogue import EpilogueKey, apply_act, tanh_for_erf
 from ..kernels._common import HAS_TRITON, pdl_enabled
 from ..keys import GemmKey
 from .base import Backend, Runner, Solution, stable_solidx
 
 UNFUSED = Solution("torch", "native", 0, 0)
 ADDMM_ACT = Solution("torch", "addmm_activation", stable_solidx("addmm_activation"), 0)
+ADDMM_ACT_TANH = Solution("torch", "addmm_activation_tanh", stable_solidx("addmm_activation_tanh"), 0)
+_SOLUTIONS = (UNFUSED, ADDMM_ACT, ADDMM_ACT_TANH)
 
 
 def _unfused(key: EpilogueKey) -> Runner:
@@ -67,13 +71,13 @@ class TorchEpilogueBackend(Backend):
         return True
 
     def candidates(self, key: EpilogueKey, device: torch.device) -> list[Solution]:
-        return [s for s in (UNFUSED, ADDMM_ACT) if self.supports(s, key, device)]
+        return [s for s in _SOLUTIONS if self.supports(s, key, device)]
 
     def default_solution(self, key: EpilogueKey, device: torch.device) -> Solution:
         return UNFUSED
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        for sol in (UNFUSED, ADDMM_ACT):
+        for sol in _SOLUTIONS:
             if kernel_name == sol.kernel_name:
                 return sol
         return UNFUSED if solidx == 0 and not kernel_name else None
@@ -81,20 +85,19 @@ class TorchEpilogueBackend(Backend):
     def supports(self, solution: Solution, key: EpilogueKey, device: torch.device) -> bool:
         if solution == UNFUSED:
             return True
-        if solution == ADDMM_ACT:
-            # One addend only (bias or beta * C), the activation torch fuses, no widening.
-            return (
-                hasattr(torch, "_addmm_activation")
-                and key.act in ("relu", "gelu" if device.type == "cpu" else "gelu_tanh")
-                and key.bias != key.beta
-                and key.outdtype == key.dtype
-            )
-        return False
+        if solution not in (ADDMM_ACT, ADDMM_ACT_TANH):
+            return False
+        # One addend only (bias or beta * C), no widening, and the GELU torch fuses on this device.
+        if not hasattr(torch, "_addmm_activation") or key.bias == key.beta or key.outdtype != key.dtype:
+            return False
+        if solution == ADDMM_ACT_TANH:
+            return device.type != "cpu" and tanh_for_erf(key)
+        return key.act in ("relu", "gelu" if device.type == "cpu" else "gelu_tanh")
 
     def make_runner(self, solution: Solution, key: EpilogueKey, device: torch.device) -> Runner:
         if not self.supports(solution, key, device):
             raise ValueError(f"torch cannot run {solution.kernel_name!r} for {key.describe()}")
-        return _addmm_activation(key) if solution == ADDMM_ACT else _unfused(key)
+        return _unfused(key) if solution == UNFUSED else _addmm_activation(key)
 
 
 def gemm_key(key: EpilogueKey) -> GemmKey:

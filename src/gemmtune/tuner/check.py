@@ -16,8 +16,9 @@ caching allocator (and usually malloc) hands back as the output. A kernel that s
 output then leaves NaN behind. The graph check replays into a captured output filled with NaN.
 
 Checked calls: the input set as made; the family's other call forms (`check_variants`: for a16w16,
-x with a leading batch dim and padded, non-contiguous rows, as the dispatcher can pass); on CUDA, a
-CUDA-graph replay, which must reproduce the eager result.
+x with a leading batch dim and padded, non-contiguous rows, as the dispatcher can pass; a variant with
+other scalar arguments, as the epilogue family's other alpha / beta values, is judged against its own
+reference); on CUDA, a CUDA-graph replay, which must reproduce the eager result.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def _scalars(args: tuple) -> list:
+    return [a for a in args if not isinstance(a, torch.Tensor)]
+
+
 def _poison_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> None:
     # Allocate-and-free a NaN block of exactly the output's size so the next allocation reuses it.
     torch.full((numel,), float("nan"), dtype=dtype, device=device)
@@ -110,9 +115,10 @@ def check_runner(
     eager = None
     calls = [("eager", inputs, out_shape), *(fam.check_variants(key, inputs) if variants else [])]
     for what, args, shape in calls:
+        want = ref if _scalars(args) == _scalars(inputs) else reference(key, *args, family=fam)
         _poison_allocator(numel, fam.out_dtype(key), dev)
         y = runner(*args)
-        err, why = _judge(y, fam, key, shape, ref, limit, what)
+        err, why = _judge(y, fam, key, shape, want, limit, what)
         if why:
             return CheckResult(False, err, why)
         worst = max(worst, err)
