@@ -2,7 +2,8 @@
 
 Routes nn.Linear through gemmtune.gemm, fuses q/k/v and gate/up into single GEMMs, swaps RMSNorm,
 residual-add + RMSNorm and act*mul for fused Triton kernels, and routes attention through
-transformers' AttentionInterface (flash -> SDPA -> eager). Instances are patched, not classes.
+transformers' AttentionInterface (flash -> flex for softcap -> SDPA -> eager). Instances are patched,
+not classes.
 """
 
 from .api import optimize, report_of, restore

@@ -297,6 +297,17 @@ def _undo(model: nn.Module, a: Action) -> None:
             mod.__dict__.pop(attr, None)
 
 
+def _softcap(model) -> float | None:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(cfg, "attn_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def _device(model):
+    p = next(model.parameters(), None)
+    return None if p is None else p.device
+
+
 # ---- public -------------------------------------------------------------------------------------
 def optimize(
     model,
@@ -351,7 +362,7 @@ def optimize(
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
         raise ValueError(f"gemmtune.optimize: parameters are not materialized (meta device), e.g. {meta[0]}")
-    tier, note = attn_mod.resolve_tier(attention)
+    tier, note = attn_mod.resolve_tier(attention, _softcap(model), _device(model))
     fam = families.family_of(model)
     report = OptimizeReport(
         family=fam.name if fam else "unknown",

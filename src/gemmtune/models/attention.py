@@ -1,18 +1,22 @@
 """Attention routing through transformers' AttentionInterface and AttentionMaskInterface.
 
-Three tiers, each registered under its own name (neutral names: transformers treats names containing
+Four tiers, each registered under its own name (neutral names: transformers treats names containing
 "flash"/"sdpa" specially in places):
   tier 1 "flash": flash-attn's flash_attn_func (aiter's on ROCm) when installed, for fp16/bf16 CUDA
                   tensors with no materialized mask; anything else drops to tier 2 for that call.
+  "flex":         torch's flex_attention (models/flex.py) for prefill-sized calls (>= flex.FLEX_MIN_Q
+                  query tokens) on CUDA: softcap, causal / sliding-window / padding masks, GQA in one
+                  compiled kernel; shorter calls run as tier 2 does. auto picks it for softcapped models
+                  (Gemma-2) when flash-attn cannot take them.
   tier 2 "sdpa":  torch's scaled_dot_product_attention. GQA without repeat_kv: `enable_gqa` where
                   torch picks a fused kernel with it (no mask); decode against a materialized mask
                   (static cache, padding) uses the measured-fastest strategy (MASKED_DECODE).
-                  softcap / output_attentions drop to tier 3.
+                  softcap goes to flex for prefill-sized CUDA calls, else (and output_attentions) to tier 3.
   tier 3 "eager": matmul-softmax-matmul in the model's dtype with fp32 softmax, grouped by KV head
                   (no repeat_kv), with softcap and attention weights.
-All three use transformers' `sdpa_mask` (a boolean 4-D mask, or None for a plain causal / full
-pattern), so a call can drop to a lower tier with the mask it was given.
-GEMMTUNE_ATTENTION=flash|sdpa|eager forces a tier (it wins over optimize(attention=...)).
+All use transformers' `sdpa_mask` (a boolean 4-D mask, or None for a plain causal / full pattern), so a
+call can drop to a lower tier with the mask it was given.
+GEMMTUNE_ATTENTION=flash|flex|sdpa|eager forces a tier (it wins over optimize(attention=...)).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-TIERS = ("flash", "sdpa", "eager")
+from . import flex
+
+TIERS = ("flash", "flex", "sdpa", "eager")
 ENV = "GEMMTUNE_ATTENTION"
-NAMES = {"flash": "gemmtune_tier1", "sdpa": "gemmtune_tier2", "eager": "gemmtune_tier3"}
+NAMES = {"flash": "gemmtune_tier1", "flex": "gemmtune_tier_flex", "sdpa": "gemmtune_tier2", "eager": "gemmtune_tier3"}
 PACK_MAX_Q = 16  # fold query heads into rows up to this many query tokens (decode, speculation)
 # GQA decode against a materialized mask (static cache, padding), L <= PACK_MAX_Q query tokens:
 #   "gqa": enable_gqa with the mask (no copy; torch picks the backend);
@@ -72,8 +78,9 @@ def flash_backend():
     return _flash_cache[0]
 
 
-def resolve_tier(requested: str | None) -> tuple[str | None, str]:
-    """(tier or None to leave attention alone, note for the report)."""
+def resolve_tier(requested: str | None, softcap: float | None = None, device=None) -> tuple[str | None, str]:
+    """(tier or None to leave attention alone, note for the report) for a model whose attention has
+    logit softcapping `softcap` (None: none) and whose weights are on `device`."""
     env = os.environ.get(ENV, "").strip().lower()
     if env:
         if env not in TIERS:
@@ -83,14 +90,42 @@ def resolve_tier(requested: str | None) -> tuple[str | None, str]:
         note = ""
     if requested is None or requested == "off":
         return None, "attention left as is (attention=None)"
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.device(device).type == "cuda"
+    fb = flash_backend()
+    no_flex = flex.unavailable_reason(device)
     if requested == "auto":
-        tier = "flash" if flash_backend() is not None and torch.cuda.is_available() else "sdpa"
-        return tier, note or "auto"
-    if requested not in TIERS:
-        raise ValueError(f"attention={requested!r}: expected 'auto', None or one of {', '.join(TIERS)}")
-    if requested == "flash" and flash_backend() is None:
-        raise ValueError("attention tier 'flash' needs flash-attn (CUDA) or aiter (ROCm); neither is installed")
-    return requested, note or "requested"
+        if fb is not None and cuda and (softcap is None or fb[0] == "flash_attn"):
+            tier, note = "flash", note or "auto"
+        elif softcap is None:
+            return "sdpa", note or "auto"
+        else:
+            why = "flash-attn not installed" if fb is None else "model not on CUDA"
+            why = f"{fb[0]} has no softcap" if fb is not None and cuda else why
+            if no_flex is not None:
+                return "eager", f"auto: softcap {softcap}, {why}; no flex tier: {no_flex}"
+            tier, note = "flex", f"auto: softcap {softcap}, {why}"
+    else:
+        if requested not in TIERS:
+            raise ValueError(f"attention={requested!r}: expected 'auto', None or one of {', '.join(TIERS)}")
+        if requested == "flash" and fb is None:
+            raise ValueError("attention tier 'flash' needs flash-attn (CUDA) or aiter (ROCm); neither is installed")
+        if requested == "flex" and no_flex is not None:
+            raise ValueError(f"attention tier 'flex' is not available: {no_flex}")
+        tier, note = requested, note or "requested"
+    if softcap is not None and tier in ("flash", "sdpa"):
+        # flash falls to sdpa for masks (and aiter has no softcap); sdpa hands softcap calls on
+        route = "flex_attention for prefill, the eager tier otherwise" if no_flex is None else "the eager tier"
+        note += f"; softcap {softcap}: calls SDPA cannot run go to {route}"
+    elif tier == "flex":
+        note += _short_calls(softcap)
+    return tier, note
+
+
+def _short_calls(softcap: float | None) -> str:
+    rest = "eager" if softcap is not None else "sdpa"
+    return f"; calls of < {flex.FLEX_MIN_Q} query tokens (decode) run the {rest} tier"
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -166,9 +201,38 @@ def eager_attention(
     return out.transpose(1, 2).contiguous(), w.view(B, Hq, L, S)
 
 
+# ---- flex ---------------------------------------------------------------------------------------
+def _try_flex(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    """(out, None) from flex_attention where it takes this call, else None. Training keeps the eager
+    tier: flex's backward kernels are not checked here."""
+    if kwargs.get("output_attentions") or getattr(module, "training", False):
+        return None
+    if not flex.takes(query, key, value, attention_mask, dropout):
+        return None
+    causal = attention_mask is None and _causal(module, is_causal)
+    if causal:
+        key, value = _crop(key, value, query.shape[2])
+    out = flex.attention(
+        query, key, value, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"),
+        window=kwargs.get("sliding_window"), causal=causal,
+    )  # fmt: skip
+    return None if out is None else (out.contiguous(), None)
+
+
+def flex_tier(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    done = _try_flex(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    if done is not None:
+        return done
+    return sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
 # ---- tier 2 -------------------------------------------------------------------------------------
 def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     if kwargs.get("softcap") is not None or kwargs.get("output_attentions"):
+        # what SDPA cannot compute: softcapped prefill through flex where it runs, the rest eager
+        done = _try_flex(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+        if done is not None:
+            return done
         return eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     B, Hq, L, D = query.shape
     Hkv = key.shape[1]
@@ -243,12 +307,12 @@ def flash_attention(
     return out, None
 
 
-TIER_FUNCTIONS = {"flash": flash_attention, "sdpa": sdpa_attention, "eager": eager_attention}
+TIER_FUNCTIONS = {"flash": flash_attention, "flex": flex_tier, "sdpa": sdpa_attention, "eager": eager_attention}
 _registered: list[bool] = []
 
 
 def register() -> None:
-    """Add the three tiers (and their mask function) to transformers' global interfaces, once."""
+    """Add the tiers (and their mask function) to transformers' global interfaces, once."""
     if _registered:
         return
     from transformers import AttentionInterface

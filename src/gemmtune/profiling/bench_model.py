@@ -25,6 +25,7 @@ import torch
 from ..kernels.compile_mode import compile_ops
 from .collect import profile
 from .report import Profile
+from .stock_attention import ignored_features
 
 CONTENDERS = ("stock", "optimize", "compile", "compile+optimize")
 _SPACER_CYCLES = 2_000_000  # ~1 ms of GPU sleep: longer than queueing a round's first launches
@@ -95,6 +96,7 @@ class Result:
     scenarios: list[Scenario]
     errors: list[str]
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what the reader must know to compare (stock_attention)
 
 
 def log(*a) -> None:
@@ -281,6 +283,9 @@ def run(s: Settings) -> Result:
     raise_recompile_limits()
     stock, desc = build_model(s.model, s.layers, device, s.dtype, s.seed)
     log(f"model: {desc}")
+    notes = ignored_features(stock)
+    for n in notes:
+        log(f"note: {n}")
     opt = copy.deepcopy(stock) if any(c in s.contenders for c in ("optimize", "compile+optimize")) else None
     summary = str(gemmtune.optimize(opt, config=s.table)) if opt is not None else "optimize() not run"
     log(summary)
@@ -318,7 +323,7 @@ def run(s: Settings) -> Result:
         del decs
         if cuda:
             torch.cuda.empty_cache()
-    res = Result(s, meta, summary, parity, scenarios, errors)
+    res = Result(s, meta, summary, parity, scenarios, errors, notes=notes)
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -38,6 +38,7 @@ def markdown(res: Result, command: str = "") -> str:
     lines += ["## optimize()", "", "```", res.optimize_summary, "```", ""]
     lines += ["Parity (prefill, last-token logits vs the first contender):", ""]
     lines += [f"- {k}: {v}" for k, v in res.parity.items()] + [""]
+    lines += [f"Note: {n}" for n in res.notes] + ([""] if res.notes else [])
     lines += ["## Speed: median ms per call (speedup vs stock)", ""]
     lines += ["| scenario | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for sc in res.scenarios:
@@ -131,6 +132,7 @@ def to_dict(res: Result) -> dict:
         },  # fmt: skip
         "optimize": res.optimize_summary,
         "parity": res.parity,
+        "notes": res.notes,
         "scenarios": scen,
         "errors": res.errors,
         "seconds": res.seconds,

@@ -1,0 +1,439 @@
+"""The flex attention tier: which tier a model gets and why (the report line), flex_attention's score and
+mask functions against an fp64 reference of the eager softcap formula (odd shapes, GQA, sliding window,
+padding), Gemma-2 through optimize() against stock eager attention (CPU with flex allowed there; GPU
+bf16 eager, torch.compile and CUDA-graph decode), and bench-model's note on stock ignoring softcap."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_models_parity import build, tiny_config  # noqa: E402
+from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function  # noqa: E402
+
+import gemmtune  # noqa: E402
+from gemmtune.models import attention as attn_mod  # noqa: E402
+from gemmtune.models import flex  # noqa: E402
+from gemmtune.profiling.stock_attention import ignored_features  # noqa: E402
+
+SOFTCAP = 2.0  # small enough to matter for the scaled-up q/k below (scores of O(10))
+
+
+def reference(q, k, v, mask, softcap, scale):
+    """transformers' eager formula in fp64: repeat_kv, scale, softcap, mask, softmax, @ v -> [B, L, H, D]."""
+    q, k, v = q.double(), k.double(), v.double()
+    n = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
+    w = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if mask is not None:
+        w = w.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(w, -1) @ v).transpose(1, 2)
+
+
+def qkv(b, hq, hkv, q_len, kv_len, d, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, q_len, d, generator=g) * 2
+    k = torch.randn(b, hkv, kv_len, d, generator=g) * 2
+    v = torch.randn(b, hkv, kv_len, d, generator=g)
+    return (t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
+def hf_mask(b, q_len, kv_len, window=None, pad=(), device="cpu"):
+    """transformers' own boolean mask: queries at the last q_len of kv_len positions, left padding."""
+    attn = torch.ones(b, kv_len, dtype=torch.bool, device=device)
+    for row, n in enumerate(pad):
+        attn[row, :n] = False
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    return sdpa_mask(batch_size=b, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len, mask_function=fn,
+                     attention_mask=attn, allow_is_causal_skip=False, device=device)  # fmt: skip
+
+
+@pytest.fixture
+def flex_on_cpu(monkeypatch):
+    """Let flex run on the CPU: unfused (flex_attention uncompiled) unless a test compiles it."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(flex, "FUSED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(flex, "_compiled_cache", [flex_attention])
+    monkeypatch.setattr(flex, "_warm", set())
+    monkeypatch.setattr(flex, "_failed", {})
+    monkeypatch.setattr(flex, "_CAUSAL_BLOCKS", {})
+    monkeypatch.setattr(flex, "_TENSOR_BLOCKS", {})
+    return flex
+
+
+# ---- routing -------------------------------------------------------------------------------------
+@pytest.fixture
+def no_flash(monkeypatch):
+    monkeypatch.delenv(attn_mod.ENV, raising=False)
+    monkeypatch.setattr(attn_mod, "_flash_cache", [None])
+
+
+def test_auto_tier_per_model_and_device(no_flash, monkeypatch):
+    assert attn_mod.resolve_tier("auto", None, "cpu") == ("sdpa", "auto")
+    assert attn_mod.resolve_tier("auto", None, "cuda")[0] == "sdpa"
+    tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
+    assert tier == "flex" and "softcap 50.0, flash-attn not installed" in note
+    assert f"< {flex.FLEX_MIN_Q} query tokens (decode) run the eager tier" in note
+    tier, note = attn_mod.resolve_tier("auto", 50.0, "cpu")
+    assert tier == "eager" and "no flex tier: flex_attention is fused only on CUDA here (model on cpu)" in note
+    monkeypatch.setattr(flex, "_HAS_TRITON", False)
+    tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
+    assert tier == "eager" and "triton is not installed" in note
+    monkeypatch.setattr(flex, "_MISSING", "torch 2.4 has no torch.nn.attention.flex_attention (needs >= 2.5)")
+    assert "needs >= 2.5" in attn_mod.resolve_tier("auto", 50.0, "cuda")[1]
+
+
+def test_auto_tier_with_a_flash_backend(monkeypatch):
+    monkeypatch.delenv(attn_mod.ENV, raising=False)
+    monkeypatch.setattr(attn_mod, "_flash_cache", [("flash_attn", None)])
+    tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
+    assert tier == "flash" and "calls SDPA cannot run go to flex_attention for prefill" in note  # masked calls
+    assert attn_mod.resolve_tier("auto", 50.0, "cpu")[0] == "eager"
+    monkeypatch.setattr(attn_mod, "_flash_cache", [("aiter", None)])
+    tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
+    assert tier == "flex" and "aiter has no softcap" in note
+    assert attn_mod.resolve_tier("auto", None, "cuda")[0] == "flash"
+
+
+def test_forced_tiers_say_where_softcap_goes(no_flash, monkeypatch):
+    with pytest.raises(ValueError, match="tier 'flex' is not available: flex_attention is fused only on CUDA"):
+        attn_mod.resolve_tier("flex", 50.0, "cpu")
+    note = attn_mod.resolve_tier("sdpa", 50.0, "cuda")[1]
+    assert "softcap 50.0: calls SDPA cannot run go to flex_attention for prefill, the eager tier otherwise" in note
+    assert "go to the eager tier" in attn_mod.resolve_tier("sdpa", 50.0, "cpu")[1]
+    monkeypatch.setenv(attn_mod.ENV, "flex")
+    tier, note = attn_mod.resolve_tier("auto", None, "cuda")
+    assert tier == "flex" and "forced by GEMMTUNE_ATTENTION=flex" in note and "run the sdpa tier" in note
+
+
+def test_optimize_report_line_names_tier_and_reason(no_flash):
+    report = gemmtune.optimize(build("gemma2"))  # CPU model: flex is not fused here
+    line = next(x for x in report.summary().splitlines() if x.strip().startswith("attention:"))
+    assert line.strip().startswith("attention: eager tier")
+    assert "softcap 50.0, flash-attn not installed; no flex tier" in line
+    assert gemmtune.optimize(build("llama")).attention_tier == "sdpa"
+
+
+def test_optimize_picks_flex_for_softcap_where_it_runs(no_flash, flex_on_cpu):
+    model = build("gemma2")
+    report = gemmtune.optimize(model)
+    assert report.attention_tier == "flex"
+    assert model.config._attn_implementation == attn_mod.NAMES["flex"]
+    assert "flex tier via transformers' AttentionInterface (auto: softcap 50.0" in report.summary()
+
+
+def test_takes_prefill_sized_calls_only(flex_on_cpu):
+    q, k, v = qkv(2, 4, 2, flex.FLEX_MIN_Q, 20, 16)
+    assert flex.takes(q, k, v, None, 0.0)
+    assert not flex.takes(q[:, :, : flex.FLEX_MIN_Q - 1], k, v, None, 0.0)  # decode-sized
+    assert not flex.takes(q[:, :, :1], k, v, None, 0.0)
+    assert not flex.takes(q, k, v, None, 0.1)  # dropout
+    q80, k80, v80 = qkv(2, 4, 2, flex.FLEX_MIN_Q, 20, 80)
+    assert not flex.takes(q80, k80, v80, None, 0.0)  # head dim not a power of two
+    mask = hf_mask(2, flex.FLEX_MIN_Q, 20)
+    assert flex.takes(q, k, v, mask, 0.0)
+    assert not flex.takes(q, k, v, mask.float(), 0.0)  # additive masks stay with the other tiers
+    assert not flex.takes(q, k, v, mask.expand(2, 4, -1, -1), 0.0)  # per-head masks too
+    assert not flex.takes(q, k, v, mask[..., :19], 0.0)  # fewer mask columns than keys
+    assert not flex.takes(q.to("meta"), k.to("meta"), v.to("meta"), None, 0.0)  # not a fused device
+
+
+# ---- the score and mask functions vs the eager formula -------------------------------------------
+CASES = [  # b, hq, hkv, q_len, kv_len, window, left padding per row, softcap
+    (3, 4, 2, 7, 13, None, (0, 3, 5), SOFTCAP),
+    (3, 4, 2, 7, 13, 4, (0, 3, 5), SOFTCAP),
+    (2, 6, 2, 13, 13, 5, (0, 4), None),
+    (1, 4, 4, 9, 9, None, (), SOFTCAP),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flex_matches_eager_formula_with_hf_masks(case, flex_on_cpu):
+    b, hq, hkv, q_len, kv_len, window, pad, cap = case
+    q, k, v = qkv(b, hq, hkv, q_len, kv_len, 16, dtype=torch.float64)
+    mask = hf_mask(b, q_len, kv_len, window, pad)
+    out = flex.attention(q, k, v, mask, scaling=0.3, softcap=cap, window=window, causal=False)
+    want = reference(q, k, v, mask, cap, 0.3)
+    rows = mask[:, 0].any(-1)  # fully masked (padding) query rows carry no value
+    torch.testing.assert_close(out[rows], want[rows], rtol=1e-9, atol=1e-9)
+    capped_away = reference(q, k, v, mask, None if cap else SOFTCAP, 0.3)
+    assert (capped_away[rows] - want[rows]).abs().max() > 1e-2  # the softcap changes these outputs
+
+
+@pytest.mark.parametrize("window", [None, 4, 10])  # 10: only the last query loses its first key
+def test_flex_without_a_mask_is_causal_with_the_window(window, flex_on_cpu):
+    q, k, v = qkv(2, 4, 2, 11, 11, 16, dtype=torch.float64)
+    out = flex.attention(q, k, v, None, scaling=0.25, softcap=SOFTCAP, window=window, causal=True)
+    torch.testing.assert_close(out, reference(q, k, v, hf_mask(2, 11, 11, window), SOFTCAP, 0.25))
+    full = flex.attention(q, k, v, None, scaling=0.25, softcap=SOFTCAP, window=None, causal=False)
+    torch.testing.assert_close(full, reference(q, k, v, None, SOFTCAP, 0.25))
+
+
+def test_flex_tier_crops_an_empty_static_cache(flex_on_cpu, monkeypatch):
+    """No mask with keys past the queries (prefill into an empty static cache): causal over the first L."""
+    monkeypatch.setattr(flex, "FLEX_MIN_Q", 2)
+    q, k, v = qkv(2, 4, 2, 7, 19, 16)
+    k[:, :, 7:], v[:, :, 7:] = float("nan"), float("nan")  # the unwritten tail must not be read
+    module = type("Attn", (), {"is_causal": True, "training": False})()
+    out, weights = attn_mod.flex_tier(module, q, k, v, None, scaling=0.3, softcap=SOFTCAP, sliding_window=4)
+    assert weights is None and len(flex._warm) == 1
+    want = reference(q, k[:, :, :7], v[:, :, :7], hf_mask(2, 7, 7, 4), SOFTCAP, 0.3).float()
+    torch.testing.assert_close(out, want)
+    out, _ = attn_mod.sdpa_attention(module, q, k, v, None, scaling=0.3, softcap=SOFTCAP, sliding_window=4)
+    torch.testing.assert_close(out, want)  # the sdpa tier hands softcapped prefill to flex too
+    module.training = True  # training: the eager tier (flex's backward is not checked here)
+    out, weights = attn_mod.flex_tier(module, q, k, v, None, scaling=0.3, softcap=SOFTCAP)
+    torch.testing.assert_close(out, reference(q, k[:, :, :7], v[:, :, :7], hf_mask(2, 7, 7), SOFTCAP, 0.3).float())
+    assert weights is not None and len(flex._warm) == 1
+
+
+def test_causal_block_masks_are_cached_per_shape_and_window(flex_on_cpu):
+    a = flex.causal_block_mask(300, 300, None, "cpu")
+    assert flex.causal_block_mask(300, 300, None, "cpu") is a
+    assert flex.causal_block_mask(300, 300, 4096, "cpu") is a  # a window beyond every key is plain causal
+    assert flex.causal_block_mask(300, 300, 300, "cpu") is a
+    assert flex.causal_block_mask(300, 300, 299, "cpu") is not a
+    w = flex.causal_block_mask(300, 300, 100, "cpu")
+    assert w is not a and w.seq_lengths == (300, 300)
+    assert flex.causal_block_mask(301, 301, 100, "cpu") is not w
+
+
+def test_tensor_block_mask_reused_for_the_same_mask_only(flex_on_cpu):
+    mask = hf_mask(2, 20, 20, 6, (0, 3))
+    bm = flex.tensor_block_mask(mask, 2, 20)
+    assert flex.tensor_block_mask(mask, 2, 20) is bm  # the next layer of the same forward
+    mask[1, 0, 5, 5] = False  # changed in place: rebuilt
+    assert flex.tensor_block_mask(mask, 2, 20) is not bm
+    assert flex.tensor_block_mask(mask.clone(), 2, 20) is not flex.tensor_block_mask(mask, 2, 20)
+
+
+def test_compiled_flex_block_sparsity_on_cpu(flex_on_cpu, monkeypatch):
+    """The compiled kernel skips masked blocks and trusts full ones: the BlockMasks must be exact."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(flex, "_compiled_cache", [torch.compile(flex_attention, dynamic=False, fullgraph=True)])
+    q, k, v = qkv(1, 4, 2, 300, 300, 16)
+    out = flex.attention(q, k, v, None, scaling=0.25, softcap=SOFTCAP, window=100, causal=True)
+    assert not flex._failed, flex._failed
+    torch.testing.assert_close(out.double(), reference(q, k, v, hf_mask(1, 300, 300, 100), SOFTCAP, 0.25),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    q, k, v = qkv(2, 4, 2, 263, 263, 16, seed=1)
+    mask = hf_mask(2, 263, 263, 70, (0, 130))
+    out = flex.attention(q, k, v, mask, scaling=0.25, softcap=SOFTCAP, window=70, causal=False)
+    assert not flex._failed, flex._failed
+    rows = mask[:, 0].any(-1)
+    want = reference(q, k, v, mask, SOFTCAP, 0.25)
+    torch.testing.assert_close(out.double()[rows], want[rows], rtol=1e-4, atol=1e-5)
+
+
+# ---- Gemma-2 through optimize() ------------------------------------------------------------------
+def gemma2_pair(device="cpu", dtype=torch.float32, softcap=SOFTCAP):
+    """Stock Gemma-2 on the eager attention implementation (the reference) and an optimized twin.
+    q/k projections scaled up so that scores are O(10) and the softcap changes the logits."""
+    cfg = tiny_config("gemma2")
+    cfg.attn_logit_softcapping = softcap
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    stock = stock.to(device=device, dtype=dtype).eval()
+    with torch.no_grad():
+        for layer in stock.model.layers:
+            layer.self_attn.q_proj.weight.mul_(16)
+            layer.self_attn.k_proj.weight.mul_(16)
+    opt = copy.deepcopy(stock)
+    report = gemmtune.optimize(opt)
+    return stock, opt, report
+
+
+def long_batch(device, b=2, s=29, pad=9, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (b, s), generator=g).to(device)
+    mask = torch.ones(b, s, dtype=torch.long, device=device)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+def softcap_matters(stock, ids, mask, logits, atol):
+    """The reference with the softcap switched off differs from `logits` by far more than atol."""
+    plain = copy.deepcopy(stock)
+    for layer in plain.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    with torch.no_grad():
+        other = plain(ids, attention_mask=mask, use_cache=False).logits.float()
+    valid = mask.bool()
+    assert (other[valid] - logits[valid]).abs().max() > 5 * atol
+
+
+def check_gemma2(stock, opt, device, rtol, atol, compiled=None):
+    ids, mask = long_batch(device)
+    valid = mask.bool()
+    run = compiled if compiled is not None else opt
+    with torch.no_grad():
+        for m in (None, mask):  # unpadded (no mask on full layers) and padded (materialized masks)
+            want = stock(ids, attention_mask=m, use_cache=False).logits.float()
+            got = run(ids, attention_mask=m, use_cache=False).logits.float()
+            rows = valid if m is not None else torch.ones_like(valid)
+            torch.testing.assert_close(got[rows], want[rows], rtol=rtol, atol=atol)
+        softcap_matters(stock, ids, mask, want, atol)  # want: the padded batch's
+        if compiled is None:  # cached prefill, then decode steps (the eager tier)
+            n = ids.shape[1] - 2
+            oa = stock(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
+            ob = opt(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
+            torch.testing.assert_close(ob.logits.float()[valid[:, :n]], oa.logits.float()[valid[:, :n]],
+                                       rtol=rtol, atol=atol)  # fmt: skip
+            sa = stock(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], past_key_values=oa.past_key_values)
+            sb = opt(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], past_key_values=ob.past_key_values)
+            torch.testing.assert_close(sb.logits.float(), sa.logits.float(), rtol=rtol, atol=atol)
+
+
+def test_gemma2_flex_tier_matches_stock_eager_cpu(no_flash, flex_on_cpu):
+    stock, opt, report = gemma2_pair()
+    assert report.attention_tier == "flex"
+    check_gemma2(stock, opt, "cpu", rtol=1e-4, atol=1e-4)
+    assert flex._warm and not flex._failed  # prefill went through flex
+
+
+def test_gemma2_flex_tier_under_compile_cpu(no_flash, flex_on_cpu, monkeypatch):
+    calls = []
+    real = flex.flex_attention
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(flex, "flex_attention", counting)
+    stock, opt, _ = gemma2_pair()
+    torch._dynamo.reset()
+    compiled = torch.compile(opt, fullgraph=True, backend="aot_eager")
+    check_gemma2(stock, opt, "cpu", rtol=1e-4, atol=1e-4, compiled=compiled)
+    assert calls  # traced into flex_attention, no graph break (fullgraph)
+
+
+# ---- bench-model's note on stock attention -------------------------------------------------------
+def _sdpa_without_softcap(module, query, key, value, attention_mask, softcap=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_bench_note_when_stock_attention_ignores_softcap():
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("test_drops_softcap", _sdpa_without_softcap)
+    model = build("gemma2")
+    model.config._attn_implementation = "eager"
+    assert ignored_features(model) == []
+    model.config._attn_implementation = "test_drops_softcap"
+    notes = ignored_features(model)
+    assert len(notes) == 1 and "'test_drops_softcap' ignores attn_logit_softcapping=50.0" in notes[0]
+    model.config._attn_implementation = attn_mod.NAMES["sdpa"]  # gemmtune's sdpa tier hands softcap on
+    attn_mod.register()
+    assert ignored_features(model) == []
+    assert ignored_features(build("llama")) == []  # no softcap asked for
+
+
+def test_bench_report_prints_the_notes():
+    from gemmtune.profiling import bench_report
+    from gemmtune.profiling.bench_model import Result, Settings
+
+    res = Result(Settings("tiny-llama", device="cpu"), {"model": "m"}, "summary", {"stock": "reference"}, [], [],
+                 notes=["stock attention implementation 'sdpa' ignores attn_logit_softcapping=50.0"])  # fmt: skip
+    md = bench_report.markdown(res)
+    assert "Note: stock attention implementation 'sdpa' ignores attn_logit_softcapping=50.0" in md
+    assert bench_report.to_dict(res)["notes"] == res.notes
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+@pytest.fixture
+def flex_gpu(gpu, monkeypatch):
+    if flex.unavailable_reason(gpu) is not None:
+        pytest.skip(flex.unavailable_reason(gpu))
+    monkeypatch.setattr(attn_mod, "_flash_cache", [None])
+    monkeypatch.setenv(attn_mod.ENV, "flex")
+    monkeypatch.setattr(flex, "_failed", {})
+    return gpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flex_head_dim_256_gpu(flex_gpu, dtype):
+    """Gemma-2-9B's attention shape (16 q heads, 8 kv heads, head dim 256) compiles and is right."""
+    q, k, v = qkv(1, 16, 8, 1000, 1000, 256, flex_gpu, dtype)
+    out = flex.attention(q, k, v, None, scaling=256**-0.5, softcap=50.0, window=512, causal=True)
+    assert not flex._failed, flex._failed
+    want = reference(q, k, v, hf_mask(1, 1000, 1000, 512, device=flex_gpu), 50.0, 256**-0.5)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    q, k, v = qkv(2, 16, 8, 333, 333, 256, flex_gpu, dtype, seed=1)
+    mask = hf_mask(2, 333, 333, None, (0, 100), device=flex_gpu)
+    out = flex.attention(q, k, v, mask, scaling=256**-0.5, softcap=50.0, window=None, causal=False)
+    assert not flex._failed, flex._failed
+    rows = mask[:, 0].any(-1)
+    want = reference(q, k, v, mask, 50.0, 256**-0.5)
+    torch.testing.assert_close(out.double()[rows], want[rows], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gemma2_flex_tier_bf16_gpu(flex_gpu):
+    stock, opt, report = gemma2_pair(flex_gpu, torch.bfloat16)
+    assert report.attention_tier == "flex"
+    flex._warm.clear()
+    check_gemma2(stock, opt, flex_gpu, rtol=3e-2, atol=3e-2)
+    assert flex._warm and not flex._failed, flex._failed
+
+
+@pytest.mark.gpu
+def test_gemma2_flex_tier_inductor_gpu(flex_gpu):
+    stock, opt, _ = gemma2_pair(flex_gpu, torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(opt)
+    check_gemma2(stock, opt, flex_gpu, rtol=3e-2, atol=3e-2, compiled=compiled)
+
+
+@pytest.mark.gpu
+def test_gemma2_flex_prefill_then_graph_decode_gpu(flex_gpu):
+    """Prefill through flex, decode captured in a CUDA graph: replays give the eager steps' logits."""
+    from transformers import StaticCache
+
+    _, opt, _ = gemma2_pair(flex_gpu, torch.bfloat16)
+    ids, _ = long_batch(flex_gpu, b=2, pad=0)
+    caches = [StaticCache(config=opt.config, max_cache_len=64) for _ in range(2)]
+    tok = ids[:, :1].clone()
+    flex._warm.clear()
+    with torch.no_grad():
+        for c in caches:
+            opt(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=1)
+        assert flex._warm, "prefill did not run through flex"
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up steps, the same on both caches
+            for c in caches:
+                for _ in range(2):
+                    opt(input_ids=tok, past_key_values=c, use_cache=True, logits_to_keep=1)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = opt(input_ids=tok, past_key_values=caches[1], use_cache=True, logits_to_keep=1).logits
+        for t in range(3):
+            tok.copy_(ids[:, t + 1 : t + 2])
+            want = opt(input_ids=tok, past_key_values=caches[0], use_cache=True, logits_to_keep=1).logits
+            graph.replay()
+            torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_flex_new_prefill_lengths_keep_flex_gpu(flex_gpu):
+    """A second and third prefill length recompile flex (dynamic shapes) instead of falling back."""
+    _, opt, _ = gemma2_pair(flex_gpu, torch.bfloat16)
+    flex._warm.clear()
+    with torch.no_grad():
+        for s in (40, 57, 200):
+            ids = torch.randint(3, 256, (1, s), device=flex_gpu)
+            opt(ids, use_cache=False)
+    assert not flex._failed, flex._failed
+    assert len({sig[0] for sig in flex._warm}) == 3
