@@ -38,7 +38,7 @@ def test_op_and_e2e_parts_run_on_the_cpu(bench, tmp_path):
     assert [r["what"].split(" ctx")[0] for r in e2e["rows"]] == ["decode b=1", "decode b=8", "prefill 48 tokens"]
     for r in e2e["rows"]:
         assert {f"{n}_ms" for n in ("hf_eager", "hf_grouped_mm", "hf_batched_mm", "gemmtune")} <= set(r)
-        assert r["x_hf_best"] > 0 and r["hf_best"].startswith("hf_")
+        assert r["x_hf_best"] > 0 and r["x_hf_default"] > 0 and r["hf_best"].startswith("hf_")
     diff = float(e2e["meta"]["parity"].split("max |diff| ")[1].split()[0])
     assert diff < 1e-4  # fp32 on the CPU: optimize() computes the same logits as the HF eager loop
     md = (tmp_path / "moe.md").read_text()
