@@ -308,13 +308,13 @@ GPU_CASES = [("bf16", T, H, inter, E, k, routing, 0, 0, 0, extra) for T, H, inte
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("triton_combine", [False, True], ids=["torch-combine", "triton-combine"])
+@pytest.mark.parametrize("triton_glue", [False, True], ids=["torch-glue", "triton-glue"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_id)
-def test_gpu_grouped_mm_pair_matches_fp32_loop(case, triton_combine, gpu):
+def test_gpu_grouped_mm_pair_matches_fp32_loop(case, triton_glue, gpu):
     _need_grouped_mm(gpu)
     key, inputs = make_case(case, "cuda")
     with nan_buffers():
-        y = bmoe.pair_runner(key, GM, GM, triton_combine)(*inputs)
+        y = bmoe.pair_runner(key, GM, GM, triton_glue)(*inputs)
     err, nan_y, nan_ref = _rel_rows(y, _ref(key, inputs))
     assert nan_y == nan_ref and err < 1.5e-2
 

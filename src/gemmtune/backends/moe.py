@@ -111,10 +111,11 @@ class _Call:
     call's two stages."""
 
     def __init__(self, key: MoeKey, hidden, w1, w2, topk_weights, topk_ids, expert_map=None,
-                 triton_combine: bool | None = None):  # fmt: skip
+                 triton_glue: bool | None = None):  # fmt: skip
         self.key, self.hidden, self.w1, self.w2, self.topk_weights = key, hidden, w1, w2, topk_weights
         self.r = _routing(key, topk_ids, expert_map)
-        self.triton_combine = _triton_runs_on(hidden) if triton_combine is None else triton_combine
+        # Triton kernels for what runs around torch._grouped_mm (gated activation, combine)
+        self.triton_glue = _triton_runs_on(hidden) if triton_glue is None else triton_glue
         self._ids = self._weights = self._sorted = None
         self._blocks: dict[int, tuple] = {}
 
@@ -147,13 +148,13 @@ class _Call:
         return self._blocks[block_m]
 
 
-def _gate(key: MoeKey, gu: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up of gate+up rows (one Triton pass where it runs), or act(x) ungated."""
+def _gate(key: MoeKey, gu: torch.Tensor, triton: bool) -> torch.Tensor:
+    """act(gate) * up of gate+up rows (one Triton pass with `triton`), or act(x) ungated."""
     act = act_name(key.act_type)
     if not _gated(key):
         return kmoe.act_ref(gu, act)
-    if act in ACT_MUL_ACTS:
-        return act_mul(gu, act)
+    if triton and act in ACT_MUL_ACTS:
+        return act_mul(gu, act, impl="triton")
     return kmoe.act_ref(gu[:, : key.inter_dim], act) * gu[:, key.inter_dim :]
 
 
@@ -161,7 +162,7 @@ def _stage1(key: MoeKey, s1: Stage, call: _Call) -> StageOut:
     if s1 == GM:
         srt = call.sorted
         gu = torch._grouped_mm(call.hidden[srt.perm // call.r.tk], call.w1.transpose(1, 2), offs=srt.offs)
-        h = _gate(key, gu)
+        h = _gate(key, gu, call.triton_glue)
         if key.doweight_stage1:
             h = h * call.weights.reshape(-1)[srt.perm].unsqueeze(-1).to(h.dtype)
         return StageOut(h, srt.inv)
@@ -182,7 +183,7 @@ def _stage2(key: MoeKey, s2: Stage, call: _Call, inter: StageOut) -> torch.Tenso
         # rows given: stage 1 was grouped_mm too, its rows are already in this call's sorted order
         x = inter.h if inter.rows is not None else inter.h[srt.perm]
         y = torch._grouped_mm(x, call.w2.transpose(1, 2), offs=srt.offs)
-        if call.triton_combine:
+        if call.triton_glue:
             out = kmoe._empty(out_shape, hidden)
             kmoe.combine(y, r, weights, out, rows=srt.inv)
             return out
@@ -196,12 +197,12 @@ def _stage2(key: MoeKey, s2: Stage, call: _Call, inter: StageOut) -> torch.Tenso
     return out
 
 
-def pair_runner(key: MoeKey, s1: Stage, s2: Stage, triton_combine: bool | None = None) -> Runner:
-    """The whole call: stage s1, then stage s2 (Triton configs or GM). triton_combine False keeps a
-    grouped_mm stage 2 in plain torch ops (default: the Triton combine where Triton runs)."""
+def pair_runner(key: MoeKey, s1: Stage, s2: Stage, triton_glue: bool | None = None) -> Runner:
+    """The whole call: stage s1, then stage s2 (Triton configs or GM). triton_glue False keeps the
+    grouped_mm stages in plain torch ops (default: Triton's activation and combine where Triton runs)."""
 
     def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
-        call = _Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map, triton_combine)
+        call = _Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map, triton_glue)
         return _stage2(key, s2, call, _stage1(key, s1, call))
 
     return run
@@ -274,7 +275,7 @@ def _dense_runner(key: MoeKey) -> Runner:
 def grouped_mm_torch_runner(key: MoeKey) -> Runner:
     """grouped_mm for both stages in plain torch ops (the combine too): a torch._grouped_mm
     implementation of the whole MoE, the baseline benchmarks compare against."""
-    return pair_runner(key, GM, GM, triton_combine=False)
+    return pair_runner(key, GM, GM, triton_glue=False)
 
 
 LOOP = Solution("torch", join_name("loop", "loop"), 0, 0)

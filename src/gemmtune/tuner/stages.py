@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from .search import (
     FAILED,
     OK,
     REJECTED,
+    SKIPPED,
     CandidateResult,
     DeviceLostError,
     TuneOptions,
@@ -93,7 +95,8 @@ def _as_result(fam: Family, key, stage: int, run: Runner) -> Runner:
     return lambda *args: fam.stage_result(key, stage, run(*args), args)
 
 
-def _check_stage(fam, key, device, stage, chosen, sets, opts, exclude, heartbeat, say, out: StagedSearch):
+def _check_stage(fam, key, device, stage, chosen, sets, opts, exclude, heartbeat, say, out: StagedSearch,
+                 deadline: float):  # fmt: skip
     view = StageView(fam, stage)
     ref = fam.stage_reference(key, stage, sets[0])
     for bname, backend in chosen.items():
@@ -111,6 +114,9 @@ def _check_stage(fam, key, device, stage, chosen, sets, opts, exclude, heartbeat
             out.candidates.append(cand)
             if cand.name in exclude:
                 cand.status, cand.reason = exclude[cand.name]
+                continue
+            if time.perf_counter() > deadline:
+                cand.status, cand.reason = SKIPPED, f"over the {opts.budget_s:g} s budget"
                 continue
             heartbeat([cand.name], "check")
             try:
@@ -156,9 +162,13 @@ def search_stages(fam: Family, key, device: torch.device, chosen: dict[str, Back
     """Steps 1-4 of the module doc for `key` on the family's input `sets` (one or more)."""
     out = StagedSearch()
     fastest: dict[int, list[str]] = {}
+    # online tuning: the stages' checks share half its budget (search.py gives the pairs' checks theirs)
+    deadline = time.perf_counter() + opts.budget_s / 2 / len(fam.stages) if opts.budget_s else math.inf
     for stage in fam.stages:
         out.sets[stage] = fam.stage_inputs(key, stage, sets)
-        _check_stage(fam, key, device, stage, chosen, out.sets[stage], opts, exclude or {}, heartbeat, say, out)
+        _check_stage(fam, key, device, stage, chosen, out.sets[stage], opts, exclude or {}, heartbeat, say, out,
+                     deadline)  # fmt: skip
+        deadline += opts.budget_s / 2 / len(fam.stages) if opts.budget_s else 0.0
         runners = {n: r for (s, n), r in out.runners.items() if s == stage}
         times = _time_stage(fam, key, device, stage, out.sets[stage], max(5, opts.screen_reps), seed, opts.batch,
                             heartbeat, runners, isolate)  # fmt: skip
