@@ -129,7 +129,8 @@ def causal_block_mask(q_len: int, kv_len: int, window: int | None, device):
 def tensor_block_mask(mask: torch.Tensor, batch: int, kv_len: int):
     """BlockMask of transformers' boolean mask (cropped to kv_len keys, broadcast to the batch); in eager
     code reused by the layers that get the same mask object in one forward."""
-    m = mask[..., :kv_len].expand(batch, 1, mask.shape[2], kv_len)
+    # A dense copy: flex's compiled kernels read the captured mask with plain strides.
+    m = mask[..., :kv_len].expand(batch, 1, mask.shape[2], kv_len).contiguous()
     if torch.compiler.is_compiling():
         return create_block_mask(tensor_mask_mod(m), batch, None, m.shape[2], kv_len, device=m.device)
     entry = _TENSOR_BLOCKS.get(id(mask))
@@ -187,12 +188,16 @@ def attention(query, key, value, mask, *, scaling, softcap, window, causal) -> t
     layer's sliding window, applied when no mask is given. Check `takes()` first.
     """
     B, L, S = query.shape[0], query.shape[2], key.shape[2]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     kwargs = {"score_mod": score_mod(softcap), "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
     if KERNEL_OPTIONS:
         kwargs["kernel_options"] = KERNEL_OPTIONS
-    if torch.compiler.is_compiling():  # inside the user's torch.compile: inductor fuses it
-        bm = _block_mask(mask, causal, B, L, S, window, query.device)
-        return flex_attention(query, key, value, block_mask=bm, **kwargs).transpose(1, 2)
+    if torch.compiler.is_compiling():
+        # Inside the user's torch.compile: a graph break that runs the eager path below. Inlined,
+        # inductor 2.11 failed to lower flex with transformers' mask, a graph intermediate
+        # ("convert FlexibleLayout to FixedLayout first", H100).
+        return attention_outside_graph(query, key, value, mask, scaling=scaling, softcap=softcap, window=window,
+                                       causal=causal)  # fmt: skip
     sig = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, softcap, window, causal, mask is None)
     if sig in _failed:
         return None
@@ -211,3 +216,34 @@ def attention(query, key, value, mask, *, scaling, softcap, window, causal) -> t
         return None
     _warm.add(sig)
     return out.transpose(1, 2)
+
+
+def math_attention(query, key, value, mask, *, scaling, softcap, window, causal) -> torch.Tensor:
+    """The same function in plain PyTorch ([B, L, Hq, D]): the op's fallback where flex does not build."""
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    rep = Hq // key.shape[1]
+    k, v = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    ct = torch.promote_types(query.dtype, torch.float32)
+    w = torch.matmul(query.to(ct), k.to(ct).transpose(-1, -2)) * scaling
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if mask is not None:
+        keep = mask[..., :S]
+    else:
+        q_idx = torch.arange(L, device=query.device)[:, None]
+        kv_idx = torch.arange(S, device=query.device)[None, :]
+        keep = (q_idx >= kv_idx) if causal else torch.ones(L, S, dtype=torch.bool, device=query.device)
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+    w = w.masked_fill(~keep, float("-inf")).softmax(-1)
+    return torch.matmul(w, v.to(ct)).to(query.dtype).transpose(1, 2).contiguous()
+
+
+@torch.compiler.disable
+def attention_outside_graph(query, key, value, mask, *, scaling, softcap, window, causal) -> torch.Tensor:
+    """attention() for compiled graphs, run eagerly at a graph break: flex compiled apart on real
+    tensors, or the plain-PyTorch fallback where it does not build."""
+    args = dict(scaling=scaling, softcap=softcap, window=window, causal=causal)
+    out = attention(query, key, value, mask, **args)
+    return out if out is not None else math_attention(query, key, value, mask, **args)
