@@ -150,6 +150,29 @@ def _block_mask(mask, causal: bool, batch: int, q_len: int, kv_len: int, window,
     return causal_block_mask(q_len, kv_len, window, device) if causal else None
 
 
+_PLAIN: dict = {}  # id(mask) -> (the mask, its version, L, S, window, verdict)
+
+
+def is_plain_causal(mask: torch.Tensor, q_len: int, kv_len: int, window: int | None) -> bool:
+    """Is transformers' boolean mask just causal (and windowed) for queries at positions 0..L-1, every
+    batch row alike (no padding)? One device sync per mask object, shared by the layers of a forward."""
+    if q_len > kv_len:
+        return False
+    entry = _PLAIN.get(id(mask))
+    sig = (q_len, kv_len, window)
+    if entry is not None and entry[0] is mask and entry[1] == mask._version and entry[2] == sig:
+        return entry[3]
+    q_idx = torch.arange(q_len, device=mask.device)[:, None]
+    kv_idx = torch.arange(kv_len, device=mask.device)[None, :]
+    want = q_idx >= kv_idx
+    if window is not None:
+        want = want & (q_idx - kv_idx < window)
+    verdict = bool((mask[:, 0, :, :kv_len] == want).all())
+    _PLAIN.clear()  # one forward's masks at a time; the entry keeps its mask (and id) alive
+    _PLAIN[id(mask)] = (mask, mask._version, sig, verdict)
+    return verdict
+
+
 # ---- the call -----------------------------------------------------------------------------------
 _compiled_cache: list = []
 _warm: set = set()  # call signatures that ran (compiled) outside a capture
@@ -198,10 +221,14 @@ def attention(query, key, value, mask, *, scaling, softcap, window, causal) -> t
         # ("convert FlexibleLayout to FixedLayout first", H100).
         return attention_outside_graph(query, key, value, mask, scaling=scaling, softcap=softcap, window=window,
                                        causal=causal)  # fmt: skip
+    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+    if mask is not None and not capturing and is_plain_causal(mask, L, S, window):
+        # No padding, queries from position 0: the causal block mask over the first L keys, which
+        # compiles where a captured mask tensor did not (torch 2.11 inductor, H100).
+        key, value, mask, causal, S = key[:, :, :L], value[:, :, :L], None, True, L
     sig = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, softcap, window, causal, mask is None)
     if sig in _failed:
         return None
-    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing and (sig not in _warm or mask is not None):
         return None  # nothing is compiled or built inside a capture
     bm = _block_mask(mask, causal, B, L, S, window, query.device)
@@ -224,8 +251,7 @@ def math_attention(query, key, value, mask, *, scaling, softcap, window, causal)
     S = key.shape[2]
     rep = Hq // key.shape[1]
     k, v = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    ct = torch.promote_types(query.dtype, torch.float32)
-    w = torch.matmul(query.to(ct), k.to(ct).transpose(-1, -2)) * scaling
+    w = torch.matmul(query, k.transpose(-1, -2)) * scaling  # transformers' eager order and dtypes
     if softcap is not None:
         w = torch.tanh(w / softcap) * softcap
     if mask is not None:
@@ -236,8 +262,8 @@ def math_attention(query, key, value, mask, *, scaling, softcap, window, causal)
         keep = (q_idx >= kv_idx) if causal else torch.ones(L, S, dtype=torch.bool, device=query.device)
         if window is not None:
             keep = keep & (q_idx - kv_idx < window)
-    w = w.masked_fill(~keep, float("-inf")).softmax(-1)
-    return torch.matmul(w, v.to(ct)).to(query.dtype).transpose(1, 2).contiguous()
+    w = w.masked_fill(~keep, float("-inf")).softmax(-1, dtype=torch.promote_types(w.dtype, torch.float32))
+    return torch.matmul(w.to(v.dtype), v).transpose(1, 2).contiguous()
 
 
 @torch.compiler.disable
