@@ -198,6 +198,8 @@ class _Planner:
         for path, mod in self.model.named_modules():
             if not isinstance(mod, nn.Linear) or path in self.no_route:
                 continue
+            if hasattr(mod, "weight_scale_inv"):  # an fp8 checkpoint Linear: route_fp8_linears reports it
+                continue
             if any(path.startswith(p) for p in self.no_route_prefixes):
                 continue
             why = linear_skip_reason(mod)

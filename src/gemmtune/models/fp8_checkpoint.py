@@ -185,9 +185,9 @@ def load_fp8_checkpoint(model: nn.Module, checkpoint, *, device=None, strict: bo
     float8_e4m3fn with a `<path>.weight_scale_inv` replaces the Linear at <path> by an Fp8BlockLinear
     holding those tensors (bias from the checkpoint, else the module's); a Linear whose K is not a
     multiple of 128 is dequantized to the model's dtype instead (listed in the result). Every other
-    tensor loads as load_state_dict would (assigned where the model's parameter is on the meta
-    device). strict: checkpoint keys the model does not have, or model parameters left on the meta
-    device, raise a ValueError naming them.
+    tensor loads as load_state_dict would (assigned where the model's parameters are on the meta
+    device). strict: checkpoint keys the model does not have, or model parameters / buffers left on
+    the meta device, raise a ValueError naming them.
     """
     check_quantization_config(getattr(model, "config", None))
     dev = torch.device(device) if device is not None else _default_device(model)
@@ -228,13 +228,16 @@ def load_fp8_checkpoint(model: nn.Module, checkpoint, *, device=None, strict: bo
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     res.other = len(sd) - len(result.unexpected_keys)
-    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    left = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.device.type == "meta"]
     if strict and (result.unexpected_keys or left):
         parts = []
         if result.unexpected_keys:
             parts.append(f"checkpoint keys the model lacks: {', '.join(result.unexpected_keys[:5])}")
         if left:
-            parts.append(f"model parameters the checkpoint left on the meta device: {', '.join(left[:5])}")
+            parts.append(
+                f"model tensors the checkpoint left on the meta device: {', '.join(left[:5])} (build "
+                "non-persistent buffers such as rotary inv_freq on a real device)"
+            )
         raise ValueError("load_fp8_checkpoint: " + "; ".join(parts))
     return res
 
