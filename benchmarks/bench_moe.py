@@ -2,46 +2,59 @@
 
 Part `op` (the acceptance's speed matrix): Mixtral-8x7B experts (tp 1 and 2: I = 14336, 7168) and
 Qwen3-30B-A3B experts, tokens 1 .. 4096, real top-k routing (softmax of random router logits, top-k,
-renormalized). Contenders, all on the same inputs, CUDA-graph replay over rotating routing sets,
-interleaved, median of reps (gemmtune.tuner.timing.time_graphs):
-  gemmtune    fused_moe's untuned default (the Triton heuristic config)
-  tuned       the best of a small sweep of Triton config pairs (what a tuned row would pick)
-  grouped_mm  the same MoE on torch._grouped_mm (sorted on the device, backends/moe.py)
-  hf_grouped_mm / hf_batched_mm   transformers' own experts implementations (config._experts_implementation;
-              the default eager loop cannot be captured). batched_mm is skipped where its per-slot
-              weight gather would not fit in memory.
-  roof        max(FLOPs / bf16 matmul ceiling, bytes of the experts actually hit + activations / read BW),
-              ceilings measured in this run.
-Part `e2e`: a 4-layer Qwen3-30B-A3B-architecture model (random weights, router re-initialized so
-routing is spread), stock HF (best of its experts implementations) vs gemmtune.optimize():
-CUDA-graph decode b=1 and b=8 on a StaticCache, and prefill of 2048 tokens.
+renormalized). Contenders run on the same inputs (rotating routing sets), interleaved, median of reps
+(gemmtune.tuner.timing.time_graphs):
+  gemmtune     fused_moe's untuned default (the Triton heuristic pair)
+  tuned        with --table: the solution the table's row gives fused_moe (what `gemmtune tune` chose);
+               otherwise the best of a quick stage search (tuner/stages.py: --sweep kernels per backend
+               and stage timed apart, the fastest pairs timed whole; mixed Triton / grouped_mm pairs too)
+  grouped_mm   the whole MoE on torch._grouped_mm in plain torch ops (sorted on the device)
+  hf_grouped_mm / hf_batched_mm   transformers' experts implementations (experts_implementation;
+               grouped_mm is transformers 5.x's default for a whole model). batched_mm is skipped
+               where its per-slot weight gather would not fit in memory.
+  hf_eager     transformers' eager loop over the experts hit (experts_implementation="eager", the
+               stock path of transformers 4.x). It syncs with the host, so it cannot be captured: it is
+               timed EAGERLY (CUDA events around one call, launch cost and syncs included); every
+               other contender is a CUDA-graph replay. Ratios against it are marked "(eager)".
+  roof         max(FLOPs / bf16 matmul ceiling, bytes of the experts actually hit + activations / read BW),
+               ceilings measured in this run.
+"x grouped_mm" compares with the faster of grouped_mm and hf_grouped_mm (the torch._grouped_mm baseline).
 
-    python benchmarks/bench_moe.py --out benchmarks/results/h100/moe        # both parts, ~6-7 min on an H100
-    python benchmarks/bench_moe.py --part op --out ...                       # only the speed matrix
-    python benchmarks/bench_moe.py --device cpu --smoke --out /tmp/moe      # script smoke test (CPU)
+Part `e2e`: a 4-layer Qwen3-30B-A3B-architecture model (random weights, router re-initialized so
+routing is spread), gemmtune.optimize() vs stock HF with each experts implementation (eager loop,
+grouped_mm = the default of transformers 5.x, batched_mm): decode b=1 and b=8 on a StaticCache (CUDA
+graphs; the eager loop eagerly), and prefill of 2048 tokens (eager, last-token logits). x_hf_best is
+the speedup over the fastest of them, x_hf_default over the model's default. --table applies here too.
+
+    python benchmarks/bench_moe.py --part op --out benchmarks/results/h100/moe              # ~5-8 min on an H100
+    python benchmarks/bench_moe.py --part op --table tuned_fmoe.csv --out ...                # tuned = the table's rows
+    python benchmarks/bench_moe.py --part e2e --out benchmarks/results/h100/moe             # ~2-3 min
+    python benchmarks/bench_moe.py --device cpu --tiny --out /tmp/moe                        # smoke test (CPU, tiny)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import math
 import pathlib
+import statistics
 import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
 MODELS = {  # name: (hidden, inter per rank, experts, topk)
     "mixtral-8x7b-tp1": (4096, 14336, 8, 2),
     "mixtral-8x7b-tp2": (4096, 7168, 8, 2),
     "qwen3-30b-a3b": (2048, 768, 128, 8),
 }
+TINY_MODELS = {"tiny-mixtral": (64, 96, 6, 2), "tiny-qwen3": (32, 16, 12, 8)}
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
+HF_GRAPH = ("hf_grouped_mm", "hf_batched_mm")
 
 
 def log(*a):
@@ -49,7 +62,7 @@ def log(*a):
 
 
 def geomean(xs):
-    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
@@ -75,113 +88,168 @@ def hf_experts(kind: str, hidden: int, inter: int, experts: int, topk: int, w1, 
     return mod
 
 
-def op_point(name, T, sets, ceilings, device, sweep: int, reps: int) -> dict:
+def time_all(graphs: dict, eager: dict, reps: int, per_call: int, cuda: bool) -> dict[str, float]:
+    """us per call: graph contenders as CUDA-graph replays, `eager` ones eagerly (time_graphs); on the
+    CPU everything eagerly, wall clock, interleaved (a smoke test, not a speed claim)."""
+    if cuda:
+        from gemmtune.tuner.timing import time_graphs
+
+        ms = time_graphs(graphs, reps=reps, calls_per_graph=per_call, eager=eager)
+        return {n: v * 1e3 for n, v in ms.items()}
+    fns = {**graphs, **eager}
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(reps):
+        for n, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[n].append((time.perf_counter() - t0) * 1e6 / per_call)
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def quick_pairs(key, sets, device, sweep: int):
+    """(backend, solution) pairs of a quick stage search: --sweep kernels per backend and stage."""
     from gemmtune.backends import moe as bmoe
     from gemmtune.families import fmoe
-    from gemmtune.tuner.timing import time_graphs
+    from gemmtune.tuner.search import TuneOptions
+    from gemmtune.tuner.stages import search_stages
 
-    H, inter, E, topk = MODELS[name]
-    key = fmoe.MoeKey(T, H, inter, E, topk)
+    chosen = {b.name: b for b in (bmoe.TorchMoeBackend(), bmoe.TritonMoeBackend()) if b.is_available(device)}
+    found = search_stages(fmoe.FAMILY, key, device, chosen, sets, TuneOptions(stage_limit=sweep, screen_reps=5), 0)
+    bad = [f"{c.name}: {c.reason}" for c in found.candidates if c.status not in ("ok", "pending")]
+    if bad:
+        log("  stage kernels not kept: " + "; ".join(bad[:4]))
+    return found.pairs
+
+
+def op_point(name, T, sets, ceilings, device, args) -> dict:
+    from gemmtune.backends import moe as bmoe
+    from gemmtune.families import fmoe
+
+    H, inter, E, topk = (TINY_MODELS if args.tiny else MODELS)[name]
+    cuda = device.type == "cuda"
+    dt = torch.bfloat16 if cuda else torch.float32
+    key = fmoe.MoeKey(T, H, inter, E, topk, dtype=dt, q_dtype_a=dt, q_dtype_w=dt)
     g = torch.Generator(device=device).manual_seed(hash((name, T)) & 0xFFFF)
-    w1 = (torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(torch.bfloat16)
+    w1 = (torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dt)
+    w2 = (torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dt)
     ins = []
     for _ in range(sets):
-        x = torch.randn(T, H, device=device, generator=g).to(torch.bfloat16)
+        x = torch.randn(T, H, device=device, generator=g).to(dt)
         w, ids = fmoe.route(torch.randn(T, E, device=device, generator=g), topk)
-        ins.append((x, w, ids))
-    ref = fmoe.FAMILY.reference(key, (ins[0][0], w1, w2, ins[0][1], ins[0][2], None))
+        ins.append((x, w1, w2, w, ids, None))
+    ref = fmoe.FAMILY.reference(key, ins[0])
 
     def all_sets(run):
-        return lambda: [run(x, w1, w2, w, ids, None) for x, w, ids in ins]
+        return lambda: [run(*inp) for inp in ins]
 
     def err(run):
-        y = run(ins[0][0], w1, w2, ins[0][1], ins[0][2], None).float()
+        y = run(*ins[0]).float()
         return ((y - ref).norm() / ref.norm()).item()
 
-    calls, errs = {}, {}
-    tri, tor = bmoe.TritonMoeBackend(), bmoe.TorchMoeBackend()
-    dev = torch.device(device)
-    default = tor.default_solution(key, dev)
-    contenders = {"gemmtune": tor.make_runner(default, key, dev)}
-    if bmoe.grouped_mm_usable(torch.bfloat16, dev):
-        contenders["grouped_mm"] = tor.make_runner(bmoe.GROUPED_MM, key, dev)
-    sweep_sols = tri.candidates(key, dev)[1 : 1 + sweep] if tri.is_available(dev) else []
-    for i, sol in enumerate(sweep_sols):
-        contenders[f"cand{i}"] = tri.make_runner(sol, key, dev)
-    kind = "mixtral" if name.startswith("mixtral") else "qwen3"
-    for impl in ("grouped_mm", "batched_mm"):
+    tor = bmoe.TorchMoeBackend()
+    default = tor.default_solution(key, device)
+    contenders = {"gemmtune": tor.make_runner(default, key, device)}
+    names = {"gemmtune": default.describe()}
+    if args.table:
+        from gemmtune.dispatch import resolve
+
+        res = resolve(key, device, family="fmoe")
+        contenders["tuned"] = res.runner
+        names["tuned"] = res.solution.describe() if res.row is not None else f"no row: {default.describe()}"
+    else:
+        for i, (backend, sol) in enumerate(quick_pairs(key, ins, device, args.sweep)):
+            contenders[f"cand{i}"] = backend.make_runner(sol, key, device)
+            names[f"cand{i}"] = sol.describe()
+    if bmoe.grouped_mm_fits(key, device):
+        contenders["grouped_mm"] = bmoe.grouped_mm_torch_runner(key)
+    kind = "mixtral" if "mixtral" in name else "qwen3"
+    eager = {}
+    for impl in ("grouped_mm", "batched_mm", "eager"):
         if impl == "batched_mm" and T * topk * fmoe.expert_bytes(key) > 6e9:
             continue  # batched_mm gathers every slot's expert weights: would not fit
         mod = hf_experts(kind, H, inter, E, topk, w1, w2, impl)
-        contenders[f"hf_{impl}"] = lambda x, a, b, w, ids, m, mod=mod: mod(x, ids, w)
-    for n, run in contenders.items():
+        run = lambda x, a, b, w, ids, m, mod=mod: mod(x, ids, w)  # noqa: E731
+        (eager if impl == "eager" else contenders)[f"hf_{impl}"] = run
+    errs, graph_calls, eager_calls = {}, {}, {}
+    for n, run in {**contenders, **eager}.items():
         try:
             with torch.no_grad():
                 errs[n] = err(run)
             if not errs[n] < 2e-2:
                 log(f"  {name} T={T} {n}: rel err {errs[n]:.2e}: dropped")
                 continue
-            calls[n] = all_sets(run)
+            (eager_calls if n in eager else graph_calls)[n] = all_sets(run)
         except Exception as exc:  # noqa: BLE001 - report, keep going
             log(f"  {name} T={T} {n}: {type(exc).__name__}: {str(exc)[:200]}")
     with torch.no_grad():
-        ms = time_graphs(calls, reps=reps, calls_per_graph=sets)
-    us = {n: v * 1e3 for n, v in ms.items()}
-    cand = {n: v for n, v in us.items() if n.startswith("cand") or n == "gemmtune"}
-    best = min(cand, key=lambda n: cand[n] if math.isfinite(cand[n]) else float("inf"))
-    hit_bytes = sum(fmoe.bytes_hit(key, ids) for _, _, ids in ins) / sets
-    roof = max(fmoe.FAMILY.flops(key) / ceilings.flops, hit_bytes / ceilings.read_bw) * 1e6
-    hf = [us[n] for n in ("hf_grouped_mm", "hf_batched_mm") if n in us and math.isfinite(us[n])]
-    row = {"model": name, "T": T, "gemmtune_us": us.get("gemmtune"), "tuned_us": us[best],
-           "tuned_config": "default" if best == "gemmtune" else sweep_sols[int(best[4:])].kernel_name,
-           "grouped_mm_us": us.get("grouped_mm"), "hf_grouped_mm_us": us.get("hf_grouped_mm"),
-           "hf_batched_mm_us": us.get("hf_batched_mm"), "hf_best_us": min(hf) if hf else None, "roof_us": roof,
-           "hit_MB": hit_bytes / 1e6, "err_gemmtune": errs.get("gemmtune"), "err_tuned": errs.get(best)}  # fmt: skip
-    return row
+        us = time_all(graph_calls, eager_calls, args.reps, sets, cuda)
+    us = {n: v for n, v in us.items() if math.isfinite(v)}
+    tuned = "tuned" if args.table else min((n for n in us if n.startswith("cand") or n == "gemmtune"), key=us.get)
+    hit_bytes = sum(fmoe.bytes_hit(key, inp[4]) for inp in ins) / sets
+    roof = max(fmoe.FAMILY.flops(key) / ceilings.flops, hit_bytes / ceilings.read_bw) * 1e6 if ceilings else None
+    hf = [us[n] for n in HF_GRAPH if n in us]
+    base = [us[n] for n in ("grouped_mm", "hf_grouped_mm") if n in us]
+    return {"model": name, "T": T, "gemmtune_us": us.get("gemmtune"), "tuned_us": us.get(tuned),
+            "tuned_solution": names.get(tuned, ""), "grouped_mm_us": us.get("grouped_mm"),
+            "hf_grouped_mm_us": us.get("hf_grouped_mm"), "hf_batched_mm_us": us.get("hf_batched_mm"),
+            "hf_best_us": min(hf) if hf else None, "hf_eager_us_eager_timed": us.get("hf_eager"),
+            "grouped_mm_base_us": min(base) if base else None, "roof_us": roof, "hit_MB": hit_bytes / 1e6,
+            "err_gemmtune": errs.get("gemmtune"), "err_tuned": errs.get(tuned)}  # fmt: skip
 
 
 def run_op(args, device, ceilings) -> list[dict]:
     rows = []
-    for name in MODELS:
+    for name in args.models:
         for T in args.tokens:
             t0 = time.time()
             sets = 8 if T <= 64 else 2
             try:
-                row = op_point(name, T, sets, ceilings, device, args.sweep, args.reps)
+                row = op_point(name, T, sets, ceilings, device, args)
             except Exception:  # noqa: BLE001
                 log(traceback.format_exc())
                 continue
             rows.append(row)
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             f = lambda v: "-" if v is None else f"{v:9.1f}"  # noqa: E731
             log(f"{name:<18} T={T:<5} gemmtune {f(row['gemmtune_us'])} tuned {f(row['tuned_us'])} "
-                f"grouped_mm {f(row['grouped_mm_us'])} hf_best {f(row['hf_best_us'])} roof {f(row['roof_us'])} "
-                f"({time.time() - t0:.0f}s)")  # fmt: skip
+                f"grouped_mm {f(row['grouped_mm_base_us'])} hf_best {f(row['hf_best_us'])} "
+                f"hf_eager {f(row['hf_eager_us_eager_timed'])} roof {f(row['roof_us'])} "
+                f"({time.time() - t0:.0f}s; tuned = {row['tuned_solution']})")  # fmt: skip
     return rows
 
 
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
 def summarize_op(rows) -> list[str]:
-    head = "| model | T | gemmtune us | tuned us | grouped_mm us | HF best us | roof us | x HF | x grouped_mm |"
-    out = [head + " % roof |", "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| model | T | gemmtune us | tuned us | grouped_mm base us | HF best us (graph) | HF eager loop us (eager) "
+            "| roof us | x HF best | x HF eager (eager) | x grouped_mm | % roof |")  # fmt: skip
+    out = [head, "|" + "---|" * 12]
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
         t = r["tuned_us"]
-        f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        xh = f"{r['hf_best_us'] / t:.2f}" if r["hf_best_us"] else "-"
-        xg = f"{r['grouped_mm_us'] / t:.2f}" if r["grouped_mm_us"] else "-"
-        pct = 100 * r["roof_us"] / t
-        out.append(f"| {r['model']} | {r['T']} | {f(r['gemmtune_us'])} | {f(t)} | {f(r['grouped_mm_us'])} | "
-                   f"{f(r['hf_best_us'])} | {f(r['roof_us'])} | {xh} | {xg} | {pct:.0f}% |")  # fmt: skip
+        pct = f"{100 * r['roof_us'] / t:.0f}%" if r["roof_us"] and t else "-"
+        out.append(f"| {r['model']} | {r['T']} | {f(r['gemmtune_us'])} | {f(t)} | {f(r['grouped_mm_base_us'])} | "
+                   f"{f(r['hf_best_us'])} | {f(r['hf_eager_us_eager_timed'])} | {f(r['roof_us'])} | "
+                   f"{_ratio(r['hf_best_us'], t)} | {_ratio(r['hf_eager_us_eager_timed'], t)} | "
+                   f"{_ratio(r['grouped_mm_base_us'], t)} | {pct} |")  # fmt: skip
+    out += ["", "tuned solutions: " + "; ".join(f"{r['model']} T={r['T']}: {r['tuned_solution']}" for r in rows)]
     dec = [r for r in rows if r["T"] <= 16]
     big = [r for r in rows if r["T"] >= 1024]
     for label, col in (("tuned", "tuned_us"), ("gemmtune default", "gemmtune_us")):
-        out.append("")
-        out.append(f"{label}: decode (T <= 16) roof fraction geomean "
-                   f"{geomean([r['roof_us'] / r[col] for r in dec if r.get(col)]):.2f}, "
-                   f"speedup over HF best geomean {geomean([r['hf_best_us'] / r[col] for r in dec if r.get(col) and r['hf_best_us']]):.2f}")  # fmt: skip  # noqa: E501
-        sp = [r["grouped_mm_us"] / r[col] for r in big if r.get(col) and r["grouped_mm_us"]]
+        roof = geomean([r["roof_us"] / r[col] for r in dec if r.get(col) and r["roof_us"]])
+        hf = geomean([r["hf_best_us"] / r[col] for r in dec if r.get(col) and r["hf_best_us"]])
+        eag = geomean([r["hf_eager_us_eager_timed"] / r[col] for r in dec
+                       if r.get(col) and r["hf_eager_us_eager_timed"]])  # fmt: skip
+        out += ["", f"{label}: decode (T <= 16) roof fraction geomean {roof:.2f}; speedup geomean over HF best "
+                    f"(graph) {hf:.2f}, over the HF eager loop (eager-timed, uncapturable) {eag:.2f}"]  # fmt: skip
+        sp = [r["grouped_mm_base_us"] / r[col] for r in big if r.get(col) and r["grouped_mm_base_us"]]
         if sp:
-            out.append(f"{label}: T >= 1024 over grouped_mm geomean {geomean(sp):.2f}, worst {min(sp):.2f}")
+            slower = sum(s < 1 for s in sp)
+            out.append(f"{label}: T >= 1024 over the grouped_mm baseline geomean {geomean(sp):.2f}, worst "
+                       f"{min(sp):.2f} ({slower} of {len(sp)} points below 1.00)")  # fmt: skip
     return out
 
 
@@ -191,77 +259,102 @@ QWEN3_30B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size"
              "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
              "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False,
              "tie_word_embeddings": False, "norm_topk_prob": True}  # fmt: skip
+TINY_QWEN3 = {**QWEN3_30B, "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "intermediate_size": 128}  # fmt: skip
+HF_IMPLS = ("eager", "grouped_mm", "batched_mm")
 
 
-def build_qwen3(layers: int, device, smoke: bool):
-    import transformers as t
+def build_qwen3(layers: int, device, tiny: bool):
+    from gemmtune.profiling.build import build_model
 
-    cfg = dict(QWEN3_30B, num_hidden_layers=layers)
-    if smoke:
-        cfg.update(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=256, intermediate_size=128)  # fmt: skip
-    config = t.Qwen3MoeConfig(**cfg)
-    torch.manual_seed(0)
-    model = t.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).to(device).eval()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, desc = build_model(dict(TINY_QWEN3 if tiny else QWEN3_30B), layers, device, dtype)
     with torch.no_grad():  # spread routing: a router left near zero sends every token to the same experts
         for m in model.modules():
             if type(m).__name__.endswith("TopKRouter"):
                 m.weight.normal_(0.0, m.weight.shape[1] ** -0.5)
+    return model, desc
+
+
+def stock_variant(stock, impl: str):
+    """The stock model with another experts implementation, sharing its weights."""
+    memo = {id(t): t for t in (*stock.parameters(), *stock.buffers())}
+    model = copy.deepcopy(stock, memo)
+    model.set_experts_implementation(impl)
     return model
 
 
-def run_e2e(args, device) -> list[dict]:
-    import copy
+def _batched_mm_fits(model, tokens: int) -> bool:
+    cfg = model.config
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * model.dtype.itemsize
+    return tokens * cfg.num_experts_per_tok * per_expert <= 6e9  # batched_mm gathers every slot's weights
 
-    from bench_e2e_llama import GraphDecode, interleaved, prefill_fn
 
+def run_e2e(args, device) -> tuple[list[dict], dict]:
     import gemmtune
+    from gemmtune.profiling.bench_model import Contender, Decode, interleaved, prefill_call
 
-    stock = build_qwen3(args.layers, device, args.smoke)
+    cuda = device.type == "cuda"
+    stock, desc = build_qwen3(args.layers, device, args.tiny)
+    default_impl = stock.config._experts_implementation
     opt = copy.deepcopy(stock)
     report = gemmtune.optimize(opt)
-    log(report.summary())
+    log(str(report))
+    models = {f"hf_{impl}": stock_variant(stock, impl) for impl in HF_IMPLS}
+    models["gemmtune"] = opt
     vocab = stock.config.vocab_size
-    # a replayed graph stays at one cache position; without graphs (CPU smoke) every call advances it
-    steps = 4 if device.type == "cuda" else args.iters * (args.e2e_reps + 2) + 4
+    g = torch.Generator(device="cpu").manual_seed(2)
+    probe = torch.randint(0, vocab, (1, 64), generator=g).to(device)
+    with torch.no_grad():
+        want = models["hf_eager"](input_ids=probe, use_cache=False, logits_to_keep=1).logits.float()
+        got = opt(input_ids=probe, use_cache=False, logits_to_keep=1).logits.float()
+    meta = {"model": desc, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "hf_default_experts": default_impl,
+            "optimize": str(report).splitlines()[0] if str(report) else "",
+            "parity": f"optimize() vs HF eager loop, 64-token prefill logits: max |diff| "
+                      f"{(got - want).abs().max().item():.3g} of max |x| {want.abs().max().item():.3g}"}  # fmt: skip
+    log(meta["parity"])
     rows = []
-
-    def set_impl(model, impl):
-        model.config._experts_implementation = impl
-        for m in model.modules():
-            if getattr(m, "config", None) is not None and hasattr(m, "gate_up_proj"):
-                m.config._experts_implementation = impl
-
-    # decode: CUDA graphs (HF's eager loop cannot be captured: its best capturable implementations)
+    iters = 16 if cuda else 2
+    steps = 8 + args.e2e_reps * iters + 32
     for b in (1, 8):
         fns = {}
-        for impl in ("grouped_mm", "batched_mm"):
-            set_impl(stock, impl)  # the graph keeps the kernels of the implementation set at capture
+        for name, model in models.items():
+            graph = cuda and name != "hf_eager"  # the eager loop syncs with the host: no graph
             try:
-                fns[f"hf_{impl}"] = GraphDecode(stock, b, args.ctx, device, vocab, steps)
+                dec = Decode(Contender(name, model, model), b, args.ctx, steps, graph, vocab, 0)
+                fns[name] = dec.replay
             except Exception as exc:  # noqa: BLE001
-                log(f"decode b={b} hf {impl}: {type(exc).__name__}: {str(exc)[:200]}")
-        fns["gemmtune"] = GraphDecode(opt, b, args.ctx, device, vocab, steps)
-        res = interleaved(fns, args.iters, args.e2e_reps, device)
-        hf = min(v[0] for k, v in res.items() if k.startswith("hf_"))
-        rows.append({"what": f"decode b={b} ctx={args.ctx} (CUDA graph)", **{f"{k}_ms": v[0] for k, v in res.items()},
-                     "speedup_vs_hf_best": hf / res["gemmtune"][0]})  # fmt: skip
-        log(rows[-1])
+                log(f"decode b={b} {name}: {type(exc).__name__}: {str(exc)[:200]}")
+        rows.append(_e2e_row(f"decode b={b} ctx={args.ctx}", interleaved(fns, iters, args.e2e_reps, cuda),
+                             "CUDA graph, hf_eager eager" if cuda else "eager, CPU", default_impl))  # fmt: skip
         del fns
-        torch.cuda.empty_cache()
-    # prefill 2048 tokens, eager (HF's eager loop allowed here), logits of the last token only
-    g = torch.Generator(device="cpu").manual_seed(2)
+        if cuda:
+            torch.cuda.empty_cache()
     ids = torch.randint(0, vocab, (1, args.prefill), generator=g).to(device)
-    fns = {}
-    for impl in ("eager", "grouped_mm"):
-        fns[f"hf_{impl}"] = lambda impl=impl: (set_impl(stock, impl), prefill_fn(stock, ids)())
-    fns["gemmtune"] = prefill_fn(opt, ids)
-    res = interleaved(fns, max(1, args.iters // 4), args.e2e_reps, device)
-    hf = min(v[0] for k, v in res.items() if k.startswith("hf_"))
-    rows.append({"what": f"prefill {args.prefill} tokens", **{f"{k}_ms": v[0] for k, v in res.items()},
-                 "speedup_vs_hf_best": hf / res["gemmtune"][0]})  # fmt: skip
-    log(rows[-1])
-    return rows
+    fns = {n: prefill_call(Contender(n, m, m), ids) for n, m in models.items()
+           if n != "hf_batched_mm" or _batched_mm_fits(stock, args.prefill)}  # fmt: skip
+    for fn in fns.values():
+        fn()  # warm-up: compiles, caches
+    rows.append(_e2e_row(f"prefill {args.prefill} tokens", interleaved(fns, 2 if cuda else 1, args.e2e_reps, cuda),
+                         "eager", default_impl))  # fmt: skip
+    return rows, meta
+
+
+def _e2e_row(what: str, times: dict[str, list[float]], how: str, default_impl: str) -> dict:
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    hf = {k: v for k, v in ms.items() if k.startswith("hf_")}
+    best = min(hf, key=hf.get) if hf else None
+    row = {"what": what, "timing": how, **{f"{k}_ms": v for k, v in ms.items()}}
+    if "gemmtune" in ms and best:
+        row["hf_best"] = best
+        row["x_hf_best"] = hf[best] / ms["gemmtune"]
+        if f"hf_{default_impl}" in hf:
+            row["x_hf_default"] = hf[f"hf_{default_impl}"] / ms["gemmtune"]
+        for k, v in hf.items():
+            row[f"x_{k}"] = v / ms["gemmtune"]
+    log(row)
+    return row
 
 
 def main(argv=None):
@@ -269,43 +362,67 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="folder for moe_op.csv/json, moe_e2e.json and moe.md")
     ap.add_argument("--part", choices=["op", "e2e", "all"], default="all")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", "--smoke", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
+    ap.add_argument("--models", default=None, help="comma list of the op part's models (default: all)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--sweep", type=int, default=6, help="Triton config pairs timed per point besides the default")
+    ap.add_argument("--table", default=None, help="tuned fmoe table: the tuned column is its rows' solutions")
+    ap.add_argument("--sweep", type=int, default=6, help="without --table: kernels per backend and stage timed")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--e2e-reps", type=int, default=7)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU smoke test of the e2e part)")
     args = ap.parse_args(argv)
+    zoo = TINY_MODELS if args.tiny else MODELS
+    args.models = args.models.split(",") if args.models else list(zoo)
+    unknown = [m for m in args.models if m not in zoo]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(zoo)}")
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    if args.tiny:
+        args.ctx, args.prefill = min(args.ctx, 32), min(args.prefill, 48)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    md = [
-        f"# MoE bench ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__})"
-    ]
-    t0 = time.time()
-    if args.part in ("op", "all") and device.type == "cuda":
-        from gemmtune.tuner.timing import measure_ceilings
+    cuda = device.type == "cuda"
+    if args.table:
+        import gemmtune
 
-        ceilings = measure_ceilings(device)
-        md += ["", f"Ceilings: {ceilings.describe()}", ""]
+        gemmtune.set_config(args.table)
+    md = [f"# MoE bench ({torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__})", ""]
+    if not cuda:
+        md += ["CPU: every contender eager, wall clock: a smoke test of the script, not a speed claim.", ""]
+    t0 = time.time()
+    if args.part in ("op", "all"):
+        ceilings = None
+        if cuda:
+            from gemmtune.tuner.timing import measure_ceilings
+
+            ceilings = measure_ceilings(device)
+            md += [f"Ceilings: {ceilings.describe()}", ""]
+        md += ["Tuned: " + (f"rows of {args.table}" if args.table else f"quick stage search (--sweep {args.sweep})"),
+               "HF best = the faster of transformers' grouped_mm and batched_mm (CUDA graphs); HF eager loop = "
+               "experts_implementation='eager', timed eagerly (not capturable); grouped_mm base = the faster of "
+               "gemmtune's plain-torch torch._grouped_mm MoE and HF's grouped_mm.", ""]  # fmt: skip
         rows = run_op(args, device, ceilings)
-        with open(out / "moe_op.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        (out / "moe_op.json").write_text(json.dumps(rows, indent=1))
-        md += summarize_op(rows)
+        if rows:
+            with open(out / "moe_op.csv", "w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+            (out / "moe_op.json").write_text(json.dumps(rows, indent=1))
+            md += summarize_op(rows)
         log(f"op part: {time.time() - t0:.0f}s")
     if args.part in ("e2e", "all"):
-        rows = run_e2e(args, device)
-        (out / "moe_e2e.json").write_text(json.dumps(rows, indent=1))
-        md += ["", "End to end (ms per call; speedup over the best stock HF implementation):"]
+        rows, meta = run_e2e(args, device)
+        (out / "moe_e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        md += ["", "End to end (ms per call; x = speedup of optimize() over each stock HF experts implementation; "
+                   f"transformers' default for this model: {meta['hf_default_experts']}):",
+               f"- {meta['parity']}"]  # fmt: skip
         for r in rows:
-            md.append(f"- {r['what']}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "what"))
+            md.append(f"- {r['what']} ({r['timing']}): " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                if k not in ("what", "timing")))  # fmt: skip
     text = "\n".join(md)
     (out / "moe.md").write_text(text + "\n")
     print(text)

@@ -4,22 +4,21 @@ equal to eager. Every output buffer the kernels write starts NaN, so a skipped e
 
 Cases: odd sizes (H, I not multiples of any block, E not a power of two), experts with no tokens,
 all tokens on one expert, topk 1/2/8, direct and sorted routing, split-K, ungated, doweight_stage1,
-expert parallelism (expert_map) and a fused shared expert.
+expert parallelism (expert_map) and a fused shared expert. Mixed pairs run a torch._grouped_mm stage
+(backends/moe.py, GM) with a Triton one, and two GM stages with the Triton combine: rows past the
+last expert's group, which torch._grouped_mm leaves unwritten, are made NaN too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import zlib
 
 import pytest
 import torch
-
-_DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from moe_cases import make_case, nan_buffers
 
 # (dtype, T, H, I, E, topk, routing, direct, bm, split_k, extra)
 # routing: "random" (softmax top-k of random logits), "one" (every token on expert E-1), "low" (ids
@@ -52,61 +51,38 @@ GPU_CASES = [
 ]
 
 
-@contextlib.contextmanager
-def nan_buffers():
-    from gemmtune.kernels import fused_moe as km
-
-    saved = km._empty
-    km._empty = lambda shape, like, dtype=None: torch.full(shape, float("nan"), device=like.device,
-                                                           dtype=dtype or like.dtype)  # fmt: skip
-    try:
-        yield
-    finally:
-        km._empty = saved
-
-
-def make_case(case, device):
-    from gemmtune.families.fmoe import MoeKey, route
-
-    dt, T, H, inter, E, topk, routing, _, _, _, extra = case
-    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
-    shared = 1 if extra == "shared" else 0
-    e_all = E + shared
-    gated = 1 if extra == "ungated" else 2
-    x = torch.randn(T, H, generator=g)
-    w1 = torch.randn(e_all, gated * inter, H, generator=g) / H**0.5
-    w2 = torch.randn(e_all, H, inter, generator=g) / inter**0.5
-    n_routed = 8 if extra == "ep" else E
-    weights, ids = route(torch.randn(T, n_routed, generator=g), topk)
-    if routing == "one":
-        ids[:, 0] = n_routed - 1
-        ids[:, 1:] = torch.arange(topk - 1).expand(T, topk - 1)
-    elif routing == "low":
-        ids = torch.stack([torch.randperm(topk + 1, generator=g)[:topk] for _ in range(T)])
-    expert_map = None
-    if extra == "ep":  # this rank holds global experts 2, 5, 7 as local 0, 1, 2
-        expert_map = torch.full((8,), -1, dtype=torch.int32)
-        expert_map[torch.tensor([2, 5, 7])] = torch.arange(3, dtype=torch.int32)
-    if extra == "badid":
-        ids[T // 2, 0] = E + 3
-    key = MoeKey(T, H, inter, e_all, topk, "ActivationType.Silu", _DT[dt], _DT[dt], _DT[dt], "QuantType.No",
-                 gated == 2, extra == "doweight", 8 if extra == "ep" else 0, shared)  # fmt: skip
-    to = lambda t: t.to(device)  # noqa: E731
-    inputs = (to(x.to(_DT[dt])), to(w1.to(_DT[dt])), to(w2.to(_DT[dt])), to(weights), to(ids.to(torch.int32)),
-              None if expert_map is None else to(expert_map))  # fmt: skip
-    return key, inputs
+# (case, stage 1, stage 2): "tri" a Triton config (the case's), "gm" a torch._grouped_mm stage. fp32
+# cases need H, I multiples of 4, fp16 of 8 (16-byte rows).
+MIX_CASES = [
+    (INTERP_CASES[0], "tri", "gm"),
+    (INTERP_CASES[1], "gm", "tri"),
+    (INTERP_CASES[1], "gm", "gm"),
+    (INTERP_CASES[4], "tri", "gm"),
+    (INTERP_CASES[5], "gm", "tri"),
+    (("fp32", 9, 48, 20, 11, 8, "random", False, 16, 1, "doweight"), "gm", "gm"),
+    (INTERP_CASES[9], "gm", "tri"),
+    (INTERP_CASES[12], "tri", "gm"),
+    (INTERP_CASES[13], "gm", "gm"),
+]
+GPU_MIX_CASES = [
+    (GPU_CASES[2], "tri", "gm"),
+    (GPU_CASES[3], "gm", "tri"),
+    (GPU_CASES[5], "gm", "gm"),
+    (GPU_CASES[6], "gm", "tri"),
+    (("bf16", 1000, 1024, 384, 60, 4, "random", False, 64, 1, "shared"), "tri", "gm"),
+]
 
 
-def run_case(case, device="cpu") -> dict:
-    from gemmtune.backends.moe import _triton_runner
+def run_case(case, device="cpu", s1="tri", s2="tri") -> dict:
+    from gemmtune.backends.moe import GM, pair_runner
     from gemmtune.kernels.fused_moe import MoeGemmConfig, fused_moe_ref
 
     _, _, _, _, _, _, _, direct, bm, sk, extra = case
     key, inputs = make_case(case, device)
-    c1 = MoeGemmConfig(1, direct, bm, 32, 32, 1, 4, 2)
-    c2 = MoeGemmConfig(2, direct, bm, 64, 32, sk, 4, 2)
+    c1 = MoeGemmConfig(1, direct, bm, 32, 32, 1, 4, 2) if s1 == "tri" else GM
+    c2 = MoeGemmConfig(2, direct, bm, 64, 32, sk, 4, 2) if s2 == "tri" else GM
     with nan_buffers():
-        y = _triton_runner(key, c1, c2)(*inputs)
+        y = pair_runner(key, c1, c2)(*inputs)
     hidden, w1, w2, tw, ids, emap = (t if t is None else t.cpu() for t in inputs)
     act = "silu"
     ref = fused_moe_ref(hidden.float(), w1.float(), w2.float(), tw, ids, act, emap, key.shared_expert)
@@ -122,6 +98,8 @@ def run_case(case, device="cpu") -> dict:
 def _interp_main() -> None:
     for case in INTERP_CASES:
         print(json.dumps({"case": list(case), **run_case(case)}), flush=True)
+    for case, s1, s2 in MIX_CASES:
+        print(json.dumps({"case": [*case, s1, s2], **run_case(case, "cpu", s1, s2)}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +146,13 @@ def test_bad_id_case_really_poisons_one_row():
     assert torch.isnan(ref).any(1).sum() == 1
 
 
+@pytest.mark.parametrize("mix", MIX_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+def test_interpreter_mixed_stages_match_fp32_reference(mix, interp_results):
+    case, s1, s2 = mix
+    r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
+    _check(case, r)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_matches_fp32_reference(case, gpu):
@@ -175,15 +160,33 @@ def test_gpu_matches_fp32_reference(case, gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[2], GPU_CASES[4]], ids=_case_id)
-def test_gpu_graph_replay_equals_eager(case, gpu):
-    from gemmtune.backends.moe import _triton_runner
+@pytest.mark.parametrize("mix", GPU_MIX_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+def test_gpu_mixed_stages_match_fp32_reference(mix, gpu):
+    from gemmtune.backends.moe import grouped_mm_usable
+
+    if not grouped_mm_usable(torch.bfloat16, gpu):
+        pytest.skip("torch._grouped_mm has no capturable path on this GPU (sm90/sm100, bf16)")
+    case, s1, s2 = mix
+    _check(case, run_case(case, "cuda", s1, s2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,s1,s2", [(GPU_CASES[1], "tri", "tri"), (GPU_CASES[2], "tri", "tri"),
+                                        (GPU_CASES[4], "tri", "tri"), (GPU_CASES[2], "gm", "tri"),
+                                        (GPU_CASES[3], "tri", "gm"), (GPU_CASES[6], "gm", "gm")],
+                         ids=lambda v: v if isinstance(v, str) else _case_id(v))  # fmt: skip
+def test_gpu_graph_replay_equals_eager(case, s1, s2, gpu):
+    from gemmtune.backends.moe import GM, grouped_mm_usable, pair_runner
     from gemmtune.kernels.fused_moe import MoeGemmConfig
 
+    if "gm" in (s1, s2):
+        if not grouped_mm_usable(torch.bfloat16, gpu):
+            pytest.skip("torch._grouped_mm has no capturable path on this GPU (sm90/sm100, bf16)")
     _, _, _, _, _, _, _, direct, bm, sk, _ = case
     key, inputs = make_case(case, "cuda")
-    run = _triton_runner(key, MoeGemmConfig(1, direct, bm, 64, 64, 1, 4, 3),
-                         MoeGemmConfig(2, direct, bm, 64, 64, sk, 4, 3))  # fmt: skip
+    c1 = MoeGemmConfig(1, direct, bm, 64, 64, 1, 4, 3) if s1 == "tri" else GM
+    c2 = MoeGemmConfig(2, direct, bm, 64, 64, sk, 4, 3) if s2 == "tri" else GM
+    run = pair_runner(key, c1, c2)
     eager = run(*inputs)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

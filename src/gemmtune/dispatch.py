@@ -23,6 +23,7 @@ from .configs.schema import TunedRow
 from .configs.table import ConfigStore, ConfigTable
 from .device import identity
 from .families import Family
+from .families.base import positive_int
 from .online import OnlineTuner
 
 log = logging.getLogger("gemmtune")
@@ -162,7 +163,7 @@ class Dispatcher:
     def resolve(self, key, device: torch.device, family: str = A16W16) -> Resolution:
         """Which solution runs `key` of `family` on `device`, and its runner."""
         fam = families.get(family)
-        row = self.table(family).lookup(key, identity(device)) if _nonempty(key) else None
+        row = self.table(family).lookup(key, identity(device)) if _nonempty(key, fam) else None
         if row is not None:
             backend = backends.get(row.libtype, family)
             reason = ""
@@ -210,8 +211,10 @@ class Dispatcher:
         return run
 
 
-def _nonempty(key) -> bool:
-    return all(v > 0 for v in key if isinstance(v, int) and not isinstance(v, bool))
+def _nonempty(key, fam: Family) -> bool:
+    """No zero-sized dimension (such calls never reach a table). Only the family's size columns count:
+    fmoe's expert-parallel and shared-expert columns are 0 in most rows."""
+    return all(getattr(key, c.field) > 0 for c in fam.key_columns if c.parse is positive_int)
 
 
 _dispatcher = Dispatcher()

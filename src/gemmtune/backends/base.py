@@ -74,6 +74,19 @@ class Backend(ABC):
     def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
         """A callable bound to `solution`; compile/lookup work happens here, not per call."""
 
+    # ---- two-stage families (fmoe): stages timed apart, then paired (tuner/stages.py) ------------
+    def stage_candidates(self, key, device: torch.device, stage: int) -> list[str]:
+        """Names of this backend's kernels for one stage of `key` (none for a one-stage family)."""
+        return []
+
+    def make_stage_runner(self, stage: int, name: str, key, device: torch.device) -> Runner:
+        """A callable running one stage alone, as the family's stage_inputs feed it."""
+        raise NotImplementedError(f"{self.name} has no stage kernels")
+
+    def pair_solution(self, names: tuple[str, ...], key, device: torch.device) -> Solution | None:
+        """This backend's solution running these stage kernels in turn, or None if it has none."""
+        return None
+
     def runner_scope(self, solution: Solution, key) -> tuple:
         """What a runner made for `key` depends on besides the solution: keys with the same scope share
         one runner. By default the whole key (no sharing); a backend whose runners size every launch

@@ -2,28 +2,49 @@
 runner(hidden (T, H), w1 (E, 2I, H), w2 (E, H, I), topk_weights (T, topk), topk_ids (T, topk),
 expert_map (G,) or None) -> (T, H), bound to one MoeKey (activation, doweight_stage1, shared experts).
 
-- torch: `grouped_mm` (torch._grouped_mm over slots sorted on the device: no host sync, capturable),
-  `dense` (every expert on every token, masked: capturable anywhere, E times the FLOPs) and `loop`
-  (a Python loop over the experts that were hit: eager only, the plain reference formulation).
-- triton: kernels/fused_moe.py, one config per stage (kernelName1 / kernelName2).
+A solution is two stages, named apart as aiter's table names them (kernelName1 | kernelName2):
+  stage 1  gate+up GEMM and the gated activation (times the routing weight with doweight_stage1),
+           into one intermediate row per slot (slot s = t * TK + j, kernels/fused_moe.py);
+  stage 2  down GEMM and the routing-weight combine into (T, H).
+A stage is a Triton config (kernels/fused_moe.py: `moe1_...` / `moe2_...`) or `grouped_mm`
+(torch._grouped_mm over the slots sorted by expert on the device). Any stage 1 runs with any
+stage 2, and the two stages of a call share its routing work (local ids, sort, aligned blocks); the
+tuner times the stages apart, then the best pairs whole (tuner/stages.py).
+- torch backend: `grouped_mm|grouped_mm`, `dense|dense` (every expert on every token, masked:
+  capturable anywhere, E times the FLOPs) and `loop|loop` (a Python loop over the experts hit: eager
+  only, the plain reference formulation).
+- triton backend: every pair with a Triton stage (the other one may be `grouped_mm`).
 
-An untuned key resolves to the torch backend's default_solution: the Triton heuristic config where
-Triton runs (CUDA/ROCm, 16-bit), else grouped_mm where torch._grouped_mm runs, else the loop.
+torch._grouped_mm runs without a host sync only on CUDA sm90/sm100 in bf16 (elsewhere on CUDA it
+falls back to a loop that copies the group offsets to the host: not capturable) and on the CPU
+(fp32/fp16/bf16, a loop). Its operands' row strides must be multiples of 16 bytes, so a grouped_mm
+stage takes only keys whose hidden and intermediate sizes are multiples of 16 / itemsize; the rows it
+multiplies are gathered into fresh (aligned) buffers, and rows past the last expert's group (slots
+with no local expert, sorted last) are never written by it and never read after it.
+
+An untuned key resolves to the torch backend's default_solution: the Triton heuristic pair where
+Triton runs (CUDA/ROCm, 16-bit), else grouped_mm where it runs, else the loop (CPU) or dense.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from typing import NamedTuple
 
 import torch
 
 from ..device import facts
-from ..families.fmoe import MoeKey, act_name, join_name, split_name
+from ..families.fmoe import MoeKey, StageOut, act_name, join_name, split_name
 from ..kernels import fused_moe as kmoe
+from ..kernels.activations import ACTIVATIONS as ACT_MUL_ACTS
+from ..kernels.activations import act_mul
 from ..kernels.moe_align import moe_align
 from .base import Backend, Runner, Solution
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GM = "grouped_mm"  # the name of a torch._grouped_mm stage (either stage)
+Stage = kmoe.MoeGemmConfig | str  # a Triton config or GM
 
 
 def _routing(key: MoeKey, topk_ids, expert_map) -> kmoe.Routing:
@@ -36,13 +57,166 @@ def _gated(key: MoeKey) -> bool:
     return bool(key.use_g1u1)
 
 
+def _triton_runs_on(t: torch.Tensor) -> bool:
+    """Triton kernels run on this tensor's device (the interpreter runs them on CPU tensors)."""
+    return kmoe.HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ---- grouped_mm availability --------------------------------------------------------------------
+def grouped_mm_usable(dtype: torch.dtype, device: torch.device) -> bool:
+    """torch._grouped_mm runs here without a host sync: CUDA sm90/sm100 in bf16 (its CUTLASS path;
+    other CUDA GPUs get a fallback that copies the offsets to the host), or the CPU (torch >= 2.9)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        if torch.version.hip or dtype != torch.bfloat16:
+            return False
+        return facts(device).capability[0] in (9, 10)
+    return device.type == "cpu" and dtype in TRITON_DTYPES and _torch_at_least(2, 9)
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    v = torch.__version__.split("+")[0].split(".")
+    return (int(v[0]), int(v[1])) >= (major, minor)
+
+
+def grouped_mm_fits(key: MoeKey, device: torch.device) -> bool:
+    """A grouped_mm stage can compute `key` here: unquantized, a usable dtype and device, and hidden
+    and intermediate sizes whose row strides are multiples of 16 bytes (torch._grouped_mm's rule)."""
+    if key.q_type != "QuantType.No" or key.q_dtype_w != key.dtype or not grouped_mm_usable(key.dtype, device):
+        return False
+    return all(d * key.dtype.itemsize % 16 == 0 for d in (key.model_dim, key.inter_dim))
+
+
+def expert_offsets(ids_flat: torch.Tensor, num_experts: int):
+    """Slots sorted by expert on the device: (perm, live_sorted (S, 1), offs (E,) int32 cumulative ends).
+    Slots with no local expert sort last, past offs[-1], where torch._grouped_mm writes nothing."""
+    e = torch.where(ids_flat >= 0, ids_flat.long(), num_experts)
+    sorted_e, perm = torch.sort(e, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=e.device)
+    counts.scatter_add_(0, e, torch.ones_like(e, dtype=torch.int32))
+    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
+    return perm, (sorted_e < num_experts).unsqueeze(-1), offs
+
+
+class _Sorted(NamedTuple):
+    perm: torch.Tensor  # (S,) slot at each sorted row
+    offs: torch.Tensor  # (E,) int32 end of each expert's rows
+    inv: torch.Tensor  # (S,) sorted row of each slot
+
+
+# ---- one call, two stages -----------------------------------------------------------------------
+class _Call:
+    """One call's tensors and routing; each derived piece is computed on first use and shared by the
+    call's two stages."""
+
+    def __init__(self, key: MoeKey, hidden, w1, w2, topk_weights, topk_ids, expert_map=None,
+                 triton_glue: bool | None = None):  # fmt: skip
+        self.key, self.hidden, self.w1, self.w2, self.topk_weights = key, hidden, w1, w2, topk_weights
+        self.r = _routing(key, topk_ids, expert_map)
+        # Triton kernels for what runs around torch._grouped_mm (gated activation, combine)
+        self.triton_glue = _triton_runs_on(hidden) if triton_glue is None else triton_glue
+        self._ids = self._weights = self._sorted = None
+        self._blocks: dict[int, tuple] = {}
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """(T, TK) int32 local expert id of every slot (-1 other rank, -2 bad id)."""
+        if self._ids is None:
+            r = self.r
+            self._ids = kmoe.local_expert_ids(r.topk_ids, r.num_routed, r.expert_map, r.shared, r.num_local_routed)
+        return self._ids
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """(T, TK) fp32 routing weight of every slot (shared experts weigh 1)."""
+        if self._weights is None:
+            self._weights = kmoe.slot_weights(self.topk_weights, self.r.shared)
+        return self._weights
+
+    @property
+    def sorted(self) -> _Sorted:
+        if self._sorted is None:
+            perm, _, offs = expert_offsets(self.ids.reshape(-1), self.w1.shape[0])
+            inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+            self._sorted = _Sorted(perm, offs, inv)
+        return self._sorted
+
+    def blocks(self, block_m: int):
+        if block_m not in self._blocks:
+            self._blocks[block_m] = moe_align(self.ids, self.w1.shape[0], block_m)
+        return self._blocks[block_m]
+
+
+def _gate(key: MoeKey, gu: torch.Tensor, triton: bool) -> torch.Tensor:
+    """act(gate) * up of gate+up rows (one Triton pass with `triton`), or act(x) ungated."""
+    act = act_name(key.act_type)
+    if not _gated(key):
+        return kmoe.act_ref(gu, act)
+    if triton and act in ACT_MUL_ACTS:
+        return act_mul(gu, act, impl="triton")
+    return kmoe.act_ref(gu[:, : key.inter_dim], act) * gu[:, key.inter_dim :]
+
+
+def _stage1(key: MoeKey, s1: Stage, call: _Call) -> StageOut:
+    if s1 == GM:
+        srt = call.sorted
+        gu = torch._grouped_mm(call.hidden[srt.perm // call.r.tk], call.w1.transpose(1, 2), offs=srt.offs)
+        h = _gate(key, gu, call.triton_glue)
+        if key.doweight_stage1:
+            h = h * call.weights.reshape(-1)[srt.perm].unsqueeze(-1).to(h.dtype)
+        return StageOut(h, srt.inv)
+    hidden, r = call.hidden, call.r
+    h = kmoe._empty((r.n_slots, key.inter_dim), hidden)
+    kmoe.moe_gemm(s1, hidden, (hidden.stride(0), 0), call.w1.transpose(1, 2), h, r, call.w1.shape[0], _gated(key),
+                  act_name(key.act_type), call.topk_weights if key.doweight_stage1 else None,
+                  None if s1.direct else call.blocks(s1.block_m))  # fmt: skip
+    return StageOut(h)
+
+
+def _stage2(key: MoeKey, s2: Stage, call: _Call, inter: StageOut) -> torch.Tensor:
+    hidden, r = call.hidden, call.r
+    weights = None if key.doweight_stage1 else call.topk_weights
+    out_shape = (hidden.shape[0], key.model_dim)
+    if s2 == GM:
+        srt = call.sorted
+        # rows given: stage 1 was grouped_mm too, its rows are already in this call's sorted order
+        x = inter.h if inter.rows is not None else inter.h[srt.perm]
+        y = torch._grouped_mm(x, call.w2.transpose(1, 2), offs=srt.offs)
+        if call.triton_glue:
+            out = kmoe._empty(out_shape, hidden)
+            kmoe.combine(y, r, weights, out, rows=srt.inv)
+            return out
+        return _finish(key, y[srt.inv].float().view(*call.ids.shape, -1), call.ids, call.weights, hidden.dtype)
+    h = inter.slot_order()
+    c = kmoe._empty((s2.split_k, r.n_slots, key.model_dim), hidden, torch.float32 if s2.split_k > 1 else hidden.dtype)
+    kmoe.moe_gemm(s2, h, (r.tk * h.stride(0), h.stride(0)), call.w2.transpose(1, 2), c, r, call.w2.shape[0], False,
+                  "none", None, None if s2.direct else call.blocks(s2.block_m))  # fmt: skip
+    out = kmoe._empty(out_shape, hidden)
+    kmoe.combine(c, r, weights, out)
+    return out
+
+
+def pair_runner(key: MoeKey, s1: Stage, s2: Stage, triton_glue: bool | None = None) -> Runner:
+    """The whole call: stage s1, then stage s2 (Triton configs or GM). triton_glue False keeps the
+    grouped_mm stages in plain torch ops (default: Triton's activation and combine where Triton runs)."""
+
+    def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
+        call = _Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map, triton_glue)
+        return _stage2(key, s2, call, _stage1(key, s1, call))
+
+    return run
+
+
+def stage_runner(key: MoeKey, stage: int, s: Stage) -> Runner:
+    """One stage alone, as the tuner times it: stage 1 (*inputs) -> StageOut; stage 2
+    (h (slots, I) in slot order, *inputs) -> (T, H). Each does its own routing work."""
+    if stage == 1:
+        return lambda *inputs: _stage1(key, s, _Call(key, *inputs))
+    return lambda h, *inputs: _stage2(key, s, _Call(key, *inputs), StageOut(h))
+
+
 # ---- torch --------------------------------------------------------------------------------------
-def _slots(key: MoeKey, topk_weights, topk_ids, expert_map):
-    r = _routing(key, topk_ids, expert_map)
-    ids = kmoe.local_expert_ids(topk_ids, r.num_routed, expert_map, key.shared_expert, r.num_local_routed)
-    return ids, kmoe.slot_weights(topk_weights, key.shared_expert)
-
-
 def _expert_mlp(key: MoeKey, act: str, x, w1e, w2e, scale=None):
     """One expert on rows x (any batch dims): act(gate) * up, then down; `scale` per row if given."""
     inter = key.inter_dim
@@ -66,7 +240,8 @@ def _loop_runner(key: MoeKey) -> Runner:
     act = act_name(key.act_type)
 
     def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
-        ids, weights = _slots(key, topk_weights, topk_ids, expert_map)
+        call = _Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map)
+        ids, weights = call.ids, call.weights
         T, TK = ids.shape
         contrib = torch.zeros(T, TK, w2.shape[1], dtype=torch.float32, device=hidden.device)
         for e in torch.unique(ids[ids >= 0]).tolist():  # host sync: eager only
@@ -82,7 +257,8 @@ def _dense_runner(key: MoeKey) -> Runner:
     act = act_name(key.act_type)
 
     def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
-        ids, weights = _slots(key, topk_weights, topk_ids, expert_map)
+        call = _Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map)
+        ids, weights = call.ids, call.weights
         T, TK = ids.shape
         x = hidden.unsqueeze(0).expand(w1.shape[0], T, hidden.shape[1])
         scale = None
@@ -96,56 +272,15 @@ def _dense_runner(key: MoeKey) -> Runner:
     return run
 
 
-def grouped_mm_usable(dtype: torch.dtype, device: torch.device) -> bool:
-    """torch._grouped_mm runs here: CUDA sm80+ with bf16 (sm90 only before torch 2.9), or the CPU."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if device.type == "cuda":
-        if torch.version.hip or dtype != torch.bfloat16:
-            return False
-        return facts(device).capability >= (9, 0) or _torch_at_least(2, 9)
-    return device.type == "cpu" and _torch_at_least(2, 9)
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    v = torch.__version__.split("+")[0].split(".")
-    return (int(v[0]), int(v[1])) >= (major, minor)
-
-
-def expert_offsets(ids_flat: torch.Tensor, num_experts: int):
-    """Slots sorted by expert on the device: (perm, live_sorted (S, 1), offs (E,) int32 cumulative ends).
-    Slots with no local expert sort last, past offs[-1], where torch._grouped_mm writes nothing."""
-    e = torch.where(ids_flat >= 0, ids_flat.long(), num_experts)
-    sorted_e, perm = torch.sort(e, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=e.device)
-    counts.scatter_add_(0, e, torch.ones_like(e, dtype=torch.int32))
-    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
-    return perm, (sorted_e < num_experts).unsqueeze(-1), offs
-
-
-def _grouped_mm_runner(key: MoeKey) -> Runner:
-    act = act_name(key.act_type)
-    inter = key.inter_dim
-
-    def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
-        ids, weights = _slots(key, topk_weights, topk_ids, expert_map)
-        T, TK = ids.shape
-        perm, live, offs = expert_offsets(ids.reshape(-1), w1.shape[0])
-        gu = torch._grouped_mm(hidden[perm // TK], w1.transpose(1, 2), offs=offs)
-        h = kmoe.act_ref(gu[:, :inter], act) * gu[:, inter:] if _gated(key) else kmoe.act_ref(gu, act)
-        if key.doweight_stage1:
-            h = h * weights.reshape(-1)[perm].unsqueeze(-1).to(h.dtype)
-        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-        y = torch.where(live, y.float(), 0.0)  # rows past the last expert are never written by the GEMM
-        contrib = torch.zeros_like(y).index_copy_(0, perm, y).view(T, TK, -1)
-        return _finish(key, contrib, ids, weights, hidden.dtype)
-
-    return run
+def grouped_mm_torch_runner(key: MoeKey) -> Runner:
+    """grouped_mm for both stages in plain torch ops (the combine too): a torch._grouped_mm
+    implementation of the whole MoE, the baseline benchmarks compare against."""
+    return pair_runner(key, GM, GM, triton_glue=False)
 
 
 LOOP = Solution("torch", join_name("loop", "loop"), 0, 0)
 DENSE = Solution("torch", join_name("dense", "dense"), 0, 0)
-GROUPED_MM = Solution("torch", join_name("grouped_mm", "grouped_mm"), 0, 0)
+GROUPED_MM = Solution("torch", join_name(GM, GM), 0, 0)
 _TORCH = {s.kernel_name: s for s in (LOOP, DENSE, GROUPED_MM)}
 
 
@@ -174,13 +309,27 @@ class TorchMoeBackend(Backend):
         if key.q_type != "QuantType.No" or key.q_dtype_w != key.dtype:
             return False
         if solution == GROUPED_MM:
-            return grouped_mm_usable(key.dtype, device)
+            return grouped_mm_fits(key, device)
         return solution in (LOOP, DENSE)
 
     def make_runner(self, solution: Solution, key: MoeKey, device: torch.device) -> Runner:
         if solution.libtype == "triton":  # the heuristic default on GPUs (default_solution)
             return TritonMoeBackend().make_runner(solution, key, device)
-        return {LOOP: _loop_runner, DENSE: _dense_runner, GROUPED_MM: _grouped_mm_runner}[solution](key)
+        if solution == GROUPED_MM:
+            return pair_runner(key, GM, GM)
+        return {LOOP: _loop_runner, DENSE: _dense_runner}[solution](key)
+
+    # stages: grouped_mm for either stage (pairs of two grouped_mm stages are this backend's)
+    def stage_candidates(self, key: MoeKey, device: torch.device, stage: int) -> list[str]:
+        return [GM] if grouped_mm_fits(key, device) else []
+
+    def make_stage_runner(self, stage: int, name: str, key: MoeKey, device: torch.device) -> Runner:
+        if name != GM:
+            raise ValueError(f"not a torch fused-MoE stage: {name!r}")
+        return stage_runner(key, stage, GM)
+
+    def pair_solution(self, names: tuple[str, ...], key: MoeKey, device: torch.device) -> Solution | None:
+        return GROUPED_MM if tuple(names) == (GM, GM) else None
 
 
 # ---- triton -------------------------------------------------------------------------------------
@@ -232,45 +381,41 @@ def sweep_configs(key: MoeKey) -> list[tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmCon
     return out[:1] + rest
 
 
-def solution_of(c1: kmoe.MoeGemmConfig, c2: kmoe.MoeGemmConfig) -> Solution:
-    return Solution("triton", join_name(c1.name, c2.name), c1.block_m, c2.split_k)
+def stage_configs(key: MoeKey, stage: int) -> list[kmoe.MoeGemmConfig]:
+    """The distinct configs of one stage among sweep_configs' pairs, in their order (heuristic first)."""
+    return list(dict.fromkeys(pair[stage - 1] for pair in sweep_configs(key)))
+
+
+def stage_name(s: Stage) -> str:
+    return s if isinstance(s, str) else s.name
+
+
+def parse_stage(name: str, stage: int) -> Stage | None:
+    """A stage name as a tuned row holds it: GM or a Triton config of that stage (None: neither)."""
+    if name.strip() == GM:
+        return GM
+    cfg = kmoe.MoeGemmConfig.parse(name)
+    return cfg if cfg is not None and cfg.stage == stage else None
+
+
+def solution_of(s1: Stage, s2: Stage) -> Solution:
+    """The Triton backend's solution for a pair with a Triton stage (solidx: its block_m; splitK: stage 2's)."""
+    tri = s1 if s1 != GM else s2
+    return Solution("triton", join_name(stage_name(s1), stage_name(s2)), tri.block_m, 1 if s2 == GM else s2.split_k)
 
 
 @functools.cache
-def _configs_of(kernel_name: str) -> tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig] | None:
+def _stages_of(kernel_name: str) -> tuple[Stage, Stage] | None:
+    """(stage 1, stage 2) of a pair with at least one Triton stage, else None."""
     n1, n2 = split_name(kernel_name)
-    c1, c2 = kmoe.MoeGemmConfig.parse(n1), kmoe.MoeGemmConfig.parse(n2)
-    if c1 is None or c2 is None or c1.stage != 1 or c2.stage != 2:
+    s1, s2 = parse_stage(n1, 1), parse_stage(n2, 2)
+    if s1 is None or s2 is None or s1 == s2 == GM:
         return None
-    return c1, c2
+    return s1, s2
 
 
-def _triton_runner(key: MoeKey, c1: kmoe.MoeGemmConfig, c2: kmoe.MoeGemmConfig) -> Runner:
-    act = act_name(key.act_type)
-    gated = _gated(key)
-    tk = key.topk + key.shared_expert
-    inter, hid = key.inter_dim, key.model_dim
-    same_blocks = not c1.direct and not c2.direct and c1.block_m == c2.block_m
-
-    def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
-        r = _routing(key, topk_ids, expert_map)
-        E = w1.shape[0]
-        s = r.n_slots
-        blocks1 = blocks2 = None
-        if not (c1.direct and c2.direct):
-            ids = kmoe.local_expert_ids(topk_ids, r.num_routed, expert_map, key.shared_expert, r.num_local_routed)
-            blocks1 = None if c1.direct else moe_align(ids, E, c1.block_m)
-            blocks2 = blocks1 if same_blocks else None if c2.direct else moe_align(ids, E, c2.block_m)
-        h = kmoe._empty((s, inter), hidden)
-        kmoe.moe_gemm(c1, hidden, (hidden.stride(0), 0), w1.transpose(1, 2), h, r, E, gated, act,
-                      topk_weights if key.doweight_stage1 else None, blocks1)  # fmt: skip
-        c = kmoe._empty((c2.split_k, s, hid), hidden, torch.float32 if c2.split_k > 1 else hidden.dtype)
-        kmoe.moe_gemm(c2, h, (tk * inter, inter), w2.transpose(1, 2), c, r, E, False, "none", None, blocks2)
-        out = kmoe._empty((hidden.shape[0], hid), hidden)
-        kmoe.combine(c, r, None if key.doweight_stage1 else topk_weights, out)
-        return out
-
-    return run
+def _triton_stage_ok(key: MoeKey) -> bool:
+    return key.q_type == "QuantType.No" and key.dtype in TRITON_DTYPES and act_name(key.act_type) in kmoe.ACTS
 
 
 class TritonMoeBackend(Backend):
@@ -286,25 +431,44 @@ class TritonMoeBackend(Backend):
         return "" if device.type == "cuda" else f"the Triton fused-MoE kernels run on CUDA/ROCm, not {device.type}"
 
     def candidates(self, key: MoeKey, device: torch.device) -> list[Solution]:
-        slots = key.token * (key.topk + key.shared_expert)
-        return [solution_of(c1, c2) for c1, c2 in sweep_configs(key) if c1.fits(slots) and c2.fits(slots)]
+        """Only the heuristic pair: the tuner draws every other pair from the stages timed apart."""
+        return [self.default_solution(key, device)]
 
     def default_solution(self, key: MoeKey, device: torch.device) -> Solution:
         return solution_of(*heuristic_configs(key, _sm_count(device)))
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        cfgs = _configs_of(kernel_name)
-        return solution_of(*cfgs) if cfgs else None
+        stages = _stages_of(kernel_name)
+        return solution_of(*stages) if stages else None
 
     def supports(self, solution: Solution, key: MoeKey, device: torch.device) -> bool:
-        cfgs = _configs_of(solution.kernel_name)
-        if cfgs is None or key.q_type != "QuantType.No" or key.dtype not in TRITON_DTYPES:
+        stages = _stages_of(solution.kernel_name)
+        if stages is None or not _triton_stage_ok(key):
+            return False
+        if GM in stages and not grouped_mm_fits(key, device):
             return False
         slots = key.token * (key.topk + key.shared_expert)
-        return all(c.fits(slots) for c in cfgs) and act_name(key.act_type) in kmoe.ACTS
+        return all(s.fits(slots) for s in stages if s != GM)
 
     def make_runner(self, solution: Solution, key: MoeKey, device: torch.device) -> Runner:
-        cfgs = _configs_of(solution.kernel_name)
-        if cfgs is None:
+        stages = _stages_of(solution.kernel_name)
+        if stages is None:
             raise ValueError(f"not a Triton fused-MoE solution: {solution.kernel_name!r}")
-        return _triton_runner(key, *cfgs)
+        return pair_runner(key, *stages)
+
+    # stages: every Triton config of the sweep, per stage
+    def stage_candidates(self, key: MoeKey, device: torch.device, stage: int) -> list[str]:
+        if not _triton_stage_ok(key):
+            return []
+        slots = key.token * (key.topk + key.shared_expert)
+        return [c.name for c in stage_configs(key, stage) if c.fits(slots)]
+
+    def make_stage_runner(self, stage: int, name: str, key: MoeKey, device: torch.device) -> Runner:
+        s = parse_stage(name, stage)
+        if s is None or s == GM:
+            raise ValueError(f"not a Triton fused-MoE stage-{stage} config: {name!r}")
+        return stage_runner(key, stage, s)
+
+    def pair_solution(self, names: tuple[str, ...], key: MoeKey, device: torch.device) -> Solution | None:
+        stages = _stages_of(join_name(*names))
+        return solution_of(*stages) if stages else None

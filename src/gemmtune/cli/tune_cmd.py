@@ -103,6 +103,9 @@ def _log(msg: str) -> None:
     help="Time each winner at the middle and lower edge of the M range its row will answer (down "
     "to the next smaller tuned M) and record the range where it is not slower than the default.",
 )
+@click.option("--stage-limit", type=click.IntRange(min=1), default=None,
+              help="Two-stage families (fmoe): time at most this many kernels per backend and stage, the ones "
+              "nearest the backend's heuristic (default: all).")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Base seed (per shape derived).")
 @click.option(
     "--precompile/--no-precompile",
@@ -114,7 +117,7 @@ def _log(msg: str) -> None:
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
 @click.option("-v", "--verbose", is_flag=True, help="Per-shape and per-rejected-candidate lines.")
 def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, timeout, mp_workers, all_shapes,
-            profile_file, device, family, ms, verify_range, seed, precompile, plugin, progress,
+            profile_file, device, family, ms, verify_range, stage_limit, seed, precompile, plugin, progress,
             verbose) -> None:  # fmt: skip
     """Tune every shape of SHAPES (aiter's untuned CSV of any GEMM family, or a capture file) and write
     the winners into OUTPUT, a tuned table of the same family.
@@ -139,7 +142,7 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
     if err_ratio is not None and not err_ratio > 0:
         raise click.BadParameter("must be > 0", param_hint="--err-ratio")
     opts = TuneOptions(libtypes=libs, err_ratio=err_ratio, min_gain=min_gain, top=top, reps=reps, batch=batch,
-                       seed=seed, verify_range=verify_range)  # fmt: skip
+                       seed=seed, verify_range=verify_range, stage_limit=stage_limit)  # fmt: skip
     try:
         ladder = parse_nsets(ms) if ms else None
     except ValueError as exc:

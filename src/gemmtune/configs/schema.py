@@ -57,6 +57,8 @@ class TunedRow:
     # The M range the tuner verified this row on (0: not recorded, as in aiter's tables; see m_range).
     m_lo: int = 0
     m_hi: int = 0
+    # More columns a new row writes (a two-stage family's us1/err1/us2/err2); they win over computed ones.
+    extra: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.family is None:
@@ -105,6 +107,7 @@ class TunedRow:
         out.update(self.family.solution_record(self.libtype, self.kernel_name))
         lo, hi = self.family.range_columns
         out[lo], out[hi] = (str(self.m_lo), str(self.m_hi)) if self.m_lo > 0 else ("", "")
+        out.update(self.extra)
         return out
 
 

@@ -111,6 +111,11 @@ class Family:
     # the same linear layers run another way (quantized, fused epilogue, sparse).
     own_model_gemms: bool = False
 
+    # Two-stage families (fmoe): the tuner times each stage's kernels apart, then the best pairs whole
+    # (tuner/stages.py). `stages` numbers them; stage_columns names each one's (us, kernel, err) columns.
+    stages: tuple[int, ...] = ()
+    stage_columns: dict[int, tuple[str, str, str]] = {}
+
     # ---- keys ---------------------------------------------------------------------------------
     def parse_key(self, raw: dict[str, str], parse_column) -> tuple:
         """A key from a record; `parse_column(name, conv, default)` names file:line:column on errors."""
@@ -214,6 +219,26 @@ class Family:
         if not us > 0:
             return 0.0, 0.0
         return self.flops(key) / (us * 1e6), self.bytes(key) / (us * 1e-6) / 1e9
+
+    # ---- stages (families with `stages` only) -------------------------------------------------------
+    def stage_names(self, kernel_name: str) -> tuple[str, ...]:
+        """A solution's kernel name split into its stages' names."""
+        raise NotImplementedError(f"family {self.name} has no stages")
+
+    def stage_inputs(self, key, stage: int, sets: list[Inputs]) -> list[Inputs]:
+        """The input sets a stage's runners take, made from the family's own input sets."""
+        raise NotImplementedError(f"family {self.name} has no stages")
+
+    def stage_reference(self, key, stage: int, inputs: Inputs) -> torch.Tensor:
+        """fp32 result of one stage on its inputs, as stage_result presents a runner's output."""
+        raise NotImplementedError(f"family {self.name} has no stages")
+
+    def stage_output_shape(self, key, stage: int) -> tuple[int, ...]:
+        raise NotImplementedError(f"family {self.name} has no stages")
+
+    def stage_result(self, key, stage: int, out, inputs: Inputs) -> torch.Tensor:
+        """A stage runner's output as a tensor comparable with stage_reference."""
+        return out
 
     # ---- shape sources --------------------------------------------------------------------------
     def keys_for_model(self, config: dict, tp: int, ms: Sequence[int], dtype: torch.dtype) -> list:

@@ -11,6 +11,11 @@ follow aiter's, and their defaults make aiter's rows read as what aiter tuned:
 - shared_expert: how many shared experts are fused in as the last experts of the weights (every
   token takes them with weight 1, after its topk routed ones); topk counts routed experts only.
 
+Stages: stage 1 is gate+up and the gated activation into one intermediate row per slot (slot s =
+t * TK + j for token t and routing column j, TK = topk + shared_expert), stage 2 the down GEMM and the
+routing-weight combine. The tuner times the stages apart (us1/err1, us2/err2 of the kernels a row
+names) and then the best pairs whole: `us` is the whole call as timed (aiter writes us1 + us2).
+
 A row's solution is its two kernel names. aiter's tables have no libtype column: gemmtune's own rows
 write their backend as `libtype:` in front of kernelName1 (`triton:moe1_...`); a row without a prefix
 is aiter's. The row's kernel name as gemmtune holds it is `kernelName1|kernelName2` (prefix removed).
@@ -137,6 +142,9 @@ class FusedMoe(Family):
     signature = frozenset({"token", "model_dim", "inter_dim", "expert", "topk"})
     name_hints = ("fmoe", "moe")
 
+    stages = (1, 2)
+    stage_columns = {1: ("us1", "kernelName1", "err1"), 2: ("us2", "kernelName2", "err2")}
+
     def describe(self, key: MoeKey) -> str:
         return f"fmoe {key.describe()}"
 
@@ -206,6 +214,41 @@ class FusedMoe(Family):
             ("weights stored (E, K, N)", (hidden, w1t, w2t, topk_weights, topk_ids, expert_map), shape),
         ]
 
+    # ---- stages (tuner/stages.py) ---------------------------------------------------------------
+    def stage_names(self, kernel_name: str) -> tuple[str, str]:
+        return split_name(kernel_name)
+
+    def stage_inputs(self, key: MoeKey, stage: int, sets):
+        """Stage 1 takes the family's sets; stage 2 takes (h, *set), h the stage-1 reference rounded to
+        the key's dtype, in slot order (rows of slots with no local expert are zero, never read)."""
+        if stage == 1:
+            return list(sets)
+        return [(self.stage_reference(key, 1, inp).to(key.dtype), *inp) for inp in sets]
+
+    def stage_reference(self, key: MoeKey, stage: int, inputs):
+        from ..kernels.fused_moe import stage1_ref, stage2_ref
+
+        if stage == 1:
+            hidden, w1, _, topk_weights, topk_ids, expert_map = inputs
+            h = stage1_ref(hidden, w1, topk_weights, topk_ids, act_name(key.act_type), expert_map, key.shared_expert,
+                           key.inter_dim, key.doweight_stage1)  # fmt: skip
+            return torch.where(_live_slots(key, topk_ids, expert_map), h, 0.0)
+        h, _, _, w2, topk_weights, topk_ids, expert_map = inputs
+        return stage2_ref(h, w2, topk_weights, topk_ids, expert_map, key.shared_expert, key.doweight_stage1)
+
+    def stage_output_shape(self, key: MoeKey, stage: int) -> tuple[int, int]:
+        if stage == 1:
+            return (key.token * (key.topk + key.shared_expert), key.inter_dim)
+        return self.output_shape(key)
+
+    def stage_result(self, key: MoeKey, stage: int, out, inputs):
+        """Stage 1's StageOut in slot order, rows of slots with no local expert zeroed (no kernel writes
+        them); stage 2's output as is."""
+        if stage == 1:
+            _, _, _, _, topk_ids, expert_map = inputs
+            return torch.where(_live_slots(key, topk_ids, expert_map), out.slot_order(), 0.0)
+        return out
+
     def bytes(self, key: MoeKey) -> int:
         """Weights of the experts expected to be hit under uniform routing, plus activations in and out."""
         e = key.dtype.itemsize
@@ -218,6 +261,24 @@ class FusedMoe(Family):
 
     def keys_for_model(self, config, tp, ms, dtype):
         return moe_keys(config, tp, 1, ms, dtype)
+
+
+class StageOut(NamedTuple):
+    """Stage 1's intermediate rows: slot s's row is h[s] (rows None) or h[rows[s]] (sorted by expert)."""
+
+    h: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def slot_order(self) -> torch.Tensor:
+        return self.h if self.rows is None else self.h[self.rows]
+
+
+def _live_slots(key: MoeKey, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """(T * TK, 1) bool: the slot has a local expert."""
+    from ..kernels.fused_moe import local_expert_ids
+
+    ids = local_expert_ids(topk_ids, key.num_routed, expert_map, key.shared_expert, key.local_routed)
+    return (ids >= 0).reshape(-1, 1)
 
 
 def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,7 +350,7 @@ def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.d
                    "QuantType.No", True, False, experts if ep > 1 else 0, shared) for t in tokens]  # fmt: skip
 
 
-__all__ = ["ACT_TYPES", "FAMILY", "MoeKey", "act_name", "act_type_of", "bytes_hit", "expected_experts_hit",
+__all__ = ["ACT_TYPES", "FAMILY", "MoeKey", "StageOut", "act_name", "act_type_of", "bytes_hit", "expected_experts_hit",
            "expert_map_of", "join_name", "moe_keys", "route", "split_name"]  # fmt: skip
 
 

@@ -153,23 +153,48 @@ def moe_gemm_ref(a_rows: torch.Tensor, b: torch.Tensor, local_ids: torch.Tensor,
     return out
 
 
+def _ref_slots(w1: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, shared: int):
+    local_routed = w1.shape[0] - shared
+    num_routed = expert_map.shape[0] if expert_map is not None else local_routed
+    return local_expert_ids(topk_ids, num_routed, expert_map, shared, local_routed)
+
+
+def stage1_ref(hidden: torch.Tensor, w1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               activation: str = "silu", expert_map: torch.Tensor | None = None, shared: int = 0,
+               inter: int | None = None, doweight: bool = False) -> torch.Tensor:  # fmt: skip
+    """fp32 stage 1 of fused_moe: (T * TK, I) per slot act(gate) * up (times the routing weight with
+    doweight), slot s = t * TK + j; NaN rows for slots with no local expert. `inter` tells a gated w1
+    (2I rows) from an ungated one (defaults to gated)."""
+    ids = _ref_slots(w1, topk_ids, expert_map, shared)
+    T, TK = ids.shape
+    gated = inter is None or w1.shape[1] == 2 * inter
+    rows = hidden.unsqueeze(1).expand(T, TK, hidden.shape[1]).reshape(T * TK, -1)
+    w = slot_weights(topk_weights, shared).reshape(-1) if doweight else None
+    return moe_gemm_ref(rows, w1.transpose(1, 2), ids.reshape(-1), activation, gated, w)
+
+
+def stage2_ref(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               expert_map: torch.Tensor | None = None, shared: int = 0,
+               doweight: bool = False) -> torch.Tensor:  # fmt: skip
+    """fp32 stage 2 of fused_moe from the slots' intermediate rows h (T * TK, I): down GEMM, then the
+    routing-weight combine (weights already applied in stage 1 with doweight) into (T, H). Rows of
+    slots with no local expert are never read; a token with an out-of-range id gets NaN."""
+    ids = _ref_slots(w2, topk_ids, expert_map, shared)
+    T, TK = ids.shape
+    live = (ids >= 0).reshape(-1, 1)
+    y = moe_gemm_ref(torch.where(live, h.float(), 0.0), w2.transpose(1, 2), ids.reshape(-1))
+    w = slot_weights(topk_weights, shared).reshape(-1, 1)
+    y = torch.where(live, y if doweight else y * w, 0.0).view(T, TK, -1).sum(1)
+    return torch.where((ids == BAD_ID).any(1, keepdim=True), float("nan"), y)
+
+
 def fused_moe_ref(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str = "silu", expert_map: torch.Tensor | None = None,
                   shared: int = 0) -> torch.Tensor:  # fmt: skip
     """fp32 loop-over-experts reference of fused_moe: w1 (E, 2I, H) gate rows first (or (E, I, H) for
     an ungated MLP), w2 (E, H, I); out (T, H) fp32. A token with an out-of-range expert id gets NaN."""
-    local_routed = w1.shape[0] - shared
-    num_routed = expert_map.shape[0] if expert_map is not None else local_routed
-    ids = local_expert_ids(topk_ids, num_routed, expert_map, shared, local_routed)
-    w = slot_weights(topk_weights, shared)
-    gated = w1.shape[1] == 2 * w2.shape[2]
-    T, TK = ids.shape
-    rows = hidden.unsqueeze(1).expand(T, TK, hidden.shape[1]).reshape(T * TK, -1)
-    h = moe_gemm_ref(rows, w1.transpose(1, 2), ids.reshape(-1), activation, gated)
-    y = moe_gemm_ref(h, w2.transpose(1, 2), ids.reshape(-1))
-    live = (ids >= 0).reshape(-1, 1)
-    y = torch.where(live, y * w.reshape(-1, 1), 0.0).view(T, TK, -1).sum(1)
-    return torch.where((ids == BAD_ID).any(1, keepdim=True), float("nan"), y)
+    h = stage1_ref(hidden, w1, topk_weights, topk_ids, activation, expert_map, shared, w2.shape[2])
+    return stage2_ref(h, w2, topk_weights, topk_ids, expert_map, shared)
 
 
 # ---- kernels --------------------------------------------------------------------------------------
@@ -283,9 +308,9 @@ if HAS_TRITON:
                   stride_wj, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
 
     @triton.jit
-    def _combine(c_ptr, w_ptr, ids_ptr, map_ptr, out_ptr, N, TK, TOPK, num_routed, num_local_routed, stride_it,
-                 stride_ij, stride_wt, stride_wj, stride_cs, stride_cm, stride_ot, SPLITS: tl.constexpr,
-                 TK_P2: tl.constexpr, HAS_MAP: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    def _combine(c_ptr, w_ptr, ids_ptr, map_ptr, row_ptr, out_ptr, N, TK, TOPK, num_routed, num_local_routed,
+                 stride_it, stride_ij, stride_wt, stride_wj, stride_cs, stride_cm, stride_ot, SPLITS: tl.constexpr,
+                 TK_P2: tl.constexpr, HAS_MAP: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr):  # fmt: skip
         t = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -300,7 +325,10 @@ if HAS_TRITON:
             w = tl.where(live, 1.0, 0.0)
         w = tl.where(live, w, 0.0)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        rows = slots.to(tl.int64) * stride_cm
+        if HAS_ROWS:  # C holds slot s at row rows[s] (sorted by expert: torch._grouped_mm's output)
+            rows = tl.load(row_ptr + slots, mask=live, other=0).to(tl.int64) * stride_cm
+        else:
+            rows = slots.to(tl.int64) * stride_cm
         for s in tl.static_range(SPLITS):
             part = tl.load(c_ptr + s * stride_cs + rows[:, None] + offs[None, :], mask=live[:, None] & n_ok[None, :],
                            other=0.0)  # fmt: skip
@@ -366,9 +394,11 @@ def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b:
                                routing.topk, *strides, **common)  # fmt: skip
 
 
-def combine(c: torch.Tensor, routing: Routing, topk_weights: torch.Tensor | None, out: torch.Tensor) -> None:
+def combine(c: torch.Tensor, routing: Routing, topk_weights: torch.Tensor | None, out: torch.Tensor,
+            rows: torch.Tensor | None = None) -> None:  # fmt: skip
     """out[t] = sum_j w[t, j] * C[t * TK + j] over the slots with a local expert (summing C's splits);
-    NaN for a token with an out-of-range id. topk_weights None: the weights were applied in stage 1."""
+    NaN for a token with an out-of-range id. topk_weights None: the weights were applied in stage 1.
+    rows (S,): C holds slot s at row rows[s] instead of row s (rows of other slots are never read)."""
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
     n = c3.shape[2]
     ids = routing.topk_ids
@@ -377,7 +407,8 @@ def combine(c: torch.Tensor, routing: Routing, topk_weights: torch.Tensor | None
     ws = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
     block = min(1024, max(64, triton.next_power_of_2(n)))
     grid = (ids.shape[0], triton.cdiv(n, block))
-    _combine[grid](c3, w, ids, emap, out, n, routing.tk, routing.topk, routing.num_routed, routing.num_local_routed,
-                   ids.stride(0), ids.stride(1), *ws, c3.stride(0), c3.stride(1), out.stride(0), SPLITS=c3.shape[0],
-                   TK_P2=max(2, triton.next_power_of_2(routing.tk)), HAS_MAP=routing.expert_map is not None,
-                   MUL_WEIGHT=topk_weights is not None, BLOCK_N=block, num_warps=4)  # fmt: skip
+    _combine[grid](c3, w, ids, emap, rows if rows is not None else ids, out, n, routing.tk, routing.topk,
+                   routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1), *ws, c3.stride(0),
+                   c3.stride(1), out.stride(0), SPLITS=c3.shape[0], TK_P2=max(2, triton.next_power_of_2(routing.tk)),
+                   HAS_MAP=routing.expert_map is not None, MUL_WEIGHT=topk_weights is not None,
+                   HAS_ROWS=rows is not None, BLOCK_N=block, num_warps=4)  # fmt: skip

@@ -129,7 +129,8 @@ def causal_block_mask(q_len: int, kv_len: int, window: int | None, device):
 def tensor_block_mask(mask: torch.Tensor, batch: int, kv_len: int):
     """BlockMask of transformers' boolean mask (cropped to kv_len keys, broadcast to the batch); in eager
     code reused by the layers that get the same mask object in one forward."""
-    m = mask[..., :kv_len].expand(batch, 1, mask.shape[2], kv_len)
+    # A dense copy: flex's compiled kernels read the captured mask with plain strides.
+    m = mask[..., :kv_len].expand(batch, 1, mask.shape[2], kv_len).contiguous()
     if torch.compiler.is_compiling():
         return create_block_mask(tensor_mask_mod(m), batch, None, m.shape[2], kv_len, device=m.device)
     entry = _TENSOR_BLOCKS.get(id(mask))
@@ -147,6 +148,29 @@ def _block_mask(mask, causal: bool, batch: int, q_len: int, kv_len: int, window,
     if mask is not None:
         return tensor_block_mask(mask, batch, kv_len)
     return causal_block_mask(q_len, kv_len, window, device) if causal else None
+
+
+_PLAIN: dict = {}  # id(mask) -> (the mask, its version, L, S, window, verdict)
+
+
+def is_plain_causal(mask: torch.Tensor, q_len: int, kv_len: int, window: int | None) -> bool:
+    """Is transformers' boolean mask just causal (and windowed) for queries at positions 0..L-1, every
+    batch row alike (no padding)? One device sync per mask object, shared by the layers of a forward."""
+    if q_len > kv_len:
+        return False
+    entry = _PLAIN.get(id(mask))
+    sig = (q_len, kv_len, window)
+    if entry is not None and entry[0] is mask and entry[1] == mask._version and entry[2] == sig:
+        return entry[3]
+    q_idx = torch.arange(q_len, device=mask.device)[:, None]
+    kv_idx = torch.arange(kv_len, device=mask.device)[None, :]
+    want = q_idx >= kv_idx
+    if window is not None:
+        want = want & (q_idx - kv_idx < window)
+    verdict = bool((mask[:, 0, :, :kv_len] == want).all())
+    _PLAIN.clear()  # one forward's masks at a time; the entry keeps its mask (and id) alive
+    _PLAIN[id(mask)] = (mask, mask._version, sig, verdict)
+    return verdict
 
 
 # ---- the call -----------------------------------------------------------------------------------
@@ -187,16 +211,24 @@ def attention(query, key, value, mask, *, scaling, softcap, window, causal) -> t
     layer's sliding window, applied when no mask is given. Check `takes()` first.
     """
     B, L, S = query.shape[0], query.shape[2], key.shape[2]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     kwargs = {"score_mod": score_mod(softcap), "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
     if KERNEL_OPTIONS:
         kwargs["kernel_options"] = KERNEL_OPTIONS
-    if torch.compiler.is_compiling():  # inside the user's torch.compile: inductor fuses it
-        bm = _block_mask(mask, causal, B, L, S, window, query.device)
-        return flex_attention(query, key, value, block_mask=bm, **kwargs).transpose(1, 2)
+    if torch.compiler.is_compiling():
+        # Inside the user's torch.compile: a graph break that runs the eager path below. Inlined,
+        # inductor 2.11 failed to lower flex with transformers' mask, a graph intermediate
+        # ("convert FlexibleLayout to FixedLayout first", H100).
+        return attention_outside_graph(query, key, value, mask, scaling=scaling, softcap=softcap, window=window,
+                                       causal=causal)  # fmt: skip
+    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+    if mask is not None and not capturing and is_plain_causal(mask, L, S, window):
+        # No padding, queries from position 0: the causal block mask over the first L keys, which
+        # compiles where a captured mask tensor did not (torch 2.11 inductor, H100).
+        key, value, mask, causal, S = key[:, :, :L], value[:, :, :L], None, True, L
     sig = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, softcap, window, causal, mask is None)
     if sig in _failed:
         return None
-    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing and (sig not in _warm or mask is not None):
         return None  # nothing is compiled or built inside a capture
     bm = _block_mask(mask, causal, B, L, S, window, query.device)
@@ -211,3 +243,33 @@ def attention(query, key, value, mask, *, scaling, softcap, window, causal) -> t
         return None
     _warm.add(sig)
     return out.transpose(1, 2)
+
+
+def math_attention(query, key, value, mask, *, scaling, softcap, window, causal) -> torch.Tensor:
+    """The same function in plain PyTorch ([B, L, Hq, D]): the op's fallback where flex does not build."""
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    rep = Hq // key.shape[1]
+    k, v = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    w = torch.matmul(query, k.transpose(-1, -2)) * scaling  # transformers' eager order and dtypes
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if mask is not None:
+        keep = mask[..., :S]
+    else:
+        q_idx = torch.arange(L, device=query.device)[:, None]
+        kv_idx = torch.arange(S, device=query.device)[None, :]
+        keep = (q_idx >= kv_idx) if causal else torch.ones(L, S, dtype=torch.bool, device=query.device)
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+    w = w.masked_fill(~keep, float("-inf")).softmax(-1, dtype=torch.promote_types(w.dtype, torch.float32))
+    return torch.matmul(w.to(v.dtype), v).transpose(1, 2).contiguous()
+
+
+@torch.compiler.disable
+def attention_outside_graph(query, key, value, mask, *, scaling, softcap, window, causal) -> torch.Tensor:
+    """attention() for compiled graphs, run eagerly at a graph break: flex compiled apart on real
+    tensors, or the plain-PyTorch fallback where it does not build."""
+    args = dict(scaling=scaling, softcap=softcap, window=window, causal=causal)
+    out = attention(query, key, value, mask, **args)
+    return out if out is not None else math_attention(query, key, value, mask, **args)

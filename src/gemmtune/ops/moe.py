@@ -279,7 +279,10 @@ def _grouped_miss(sig, x, w, ids, topk, weights_transposed):
     if x.device.type == "cuda" and kmoe.HAS_TRITON:
         run = _grouped_triton(topk, E)
     else:
-        run = _grouped_torch(topk, E, bmoe.grouped_mm_usable(x.dtype, x.device) and x.dtype == torch.bfloat16)
+        K, N = (w.shape[2], w.shape[1]) if weights_transposed else (w.shape[1], w.shape[2])
+        aligned = all(d * x.dtype.itemsize % 16 == 0 for d in (K, N))  # torch._grouped_mm's stride rule
+        run = _grouped_torch(topk, E, bmoe.grouped_mm_usable(x.dtype, x.device) and x.dtype == torch.bfloat16
+                             and aligned)  # fmt: skip
     _grouped_runners[sig] = run
     return run
 

@@ -51,7 +51,7 @@ def result_row(res: ShapeResult, ident: DeviceIdentity, family: Family) -> Tuned
     tflops, bw = family.throughput(res.key, res.us)
     err = w.err if math.isfinite(w.err) else 0.0
     return TunedRow(ident.gfx, ident.cu_num, res.key, w.libtype, w.solidx, w.splitk, res.us, w.kernel_name,
-                    err, tflops, bw, family=family, m_lo=res.m_lo, m_hi=res.m_hi)  # fmt: skip
+                    err, tflops, bw, family=family, m_lo=res.m_lo, m_hi=res.m_hi, extra=dict(res.extra))  # fmt: skip
 
 
 def write_row(path: str, row: TunedRow) -> None:

@@ -12,6 +12,9 @@ against the family's default.
    (docs/benchmarking.md), the default timed first and last (d1, d2): noise = |d1 - d2| / min(d1, d2).
 5. Decision: the fastest finalist replaces the default only if default_us / its_us - 1 exceeds both
    --min-gain and the noise; otherwise the default is kept, so a tuned row never makes a shape slower.
+   Two-stage families (fmoe): before step 3, each stage's kernels are checked and timed apart and the
+   fastest of each paired (stages.py); the pairs join the candidates, and the winner's stages are
+   timed once more for the row's per-stage columns (us1/us2, err1/err2).
 6. Range: the row will answer the Ms between the previous tuned M of its shape (exclusive) and its own
    (`m_lo`..M). The winner is checked and timed against the default at points ~1.5x apart from M down
    to m_lo (range_points); the range ends above the first point where it is slower beyond the noise
@@ -61,6 +64,7 @@ class TuneOptions:
     # "fast": every candidate gets the quick check (its plain call), only the best-screened ones the
     # full check; "exhaustive": every candidate gets the full check (measured: 85% of tuning time).
     search: str = "fast"
+    stage_limit: int | None = None  # two-stage families: at most this many kernels per backend and stage
 
 
 @dataclass
@@ -101,6 +105,7 @@ class ShapeResult:
     m_lo: int = 0  # the verified range the row answers (0: not verified)
     m_hi: int = 0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per tuning phase
+    extra: dict[str, str] = field(default_factory=dict)  # more columns of the row (per-stage us / err)
 
     @property
     def speedup(self) -> float:
@@ -442,6 +447,14 @@ def tune_shape(
     fast = opts.search == "fast"
     if opts.search not in SEARCHES:
         raise ValueError(f"unknown search {opts.search!r}; known: {', '.join(SEARCHES)}")
+    staged = None
+    if fam.stages:
+        from .stages import search_stages  # stages.py builds on this module
+
+        staged = search_stages(fam, key, device, select_backends(device, opts.libtypes, fam.name),
+                               inputs or [check_in], opts, seed, exclude, heartbeat, say, isolate)  # fmt: skip
+        _add_pairs(pool, staged.pairs, exclude or {})
+        lap("stages")
     _check_all(fam, key, device, opts, pool, default, check_in, ref, heartbeat, say, phases, quick=fast)
     lap("check")
 
@@ -470,8 +483,26 @@ def tune_shape(
     cands = list(pool.results.values())
     if not any(c.name == default.name for c in cands):
         cands.insert(0, default)
+    extra = {}
+    if staged is not None:
+        from .stages import stage_columns
+
+        cands += staged.candidates
+        extra = stage_columns(fam, key, device, staged, winner.kernel_name, opts.reps, seed, heartbeat)
     return ShapeResult(key, winner, us, default, default.us, noise, roof, kept, cands,
-                       time.perf_counter() - t0, note, fam.name, lo, m, phases)  # fmt: skip
+                       time.perf_counter() - t0, note, fam.name, lo, m, phases, extra)  # fmt: skip
+
+
+def _add_pairs(pool: _Pool, pairs: list[tuple[Backend, Solution]], exclude) -> None:
+    """Stage pairs as whole candidates (a pair some backend also offers whole is already there)."""
+    for backend, sol in pairs:
+        cand = CandidateResult.of(sol)
+        if cand.name in pool.results:
+            continue
+        if cand.name in exclude:
+            cand.status, cand.reason = exclude[cand.name]
+        pool.results[cand.name] = cand
+        pool.solutions[cand.name] = (backend, sol)
 
 
 def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,

@@ -53,11 +53,17 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_per_graph: int = 1) -> dict[str, float]:
+def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_per_graph: int = 1,
+                eager: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:  # fmt: skip
     """Capture each callable once in a CUDA graph, replay them interleaved `reps` times.
 
     Returns median milliseconds per replay / calls_per_graph for each name. A callable that raises
     during warm-up or capture is reported as NaN (the caller decides what failure means).
+
+    `eager`: baselines that cannot be captured (a host sync, e.g. a Python loop over the experts hit),
+    timed without a graph: CUDA events around one call, CPU launch cost and host syncs included (what
+    a user of that code pays), after each round of replays, so they share the run's inputs and drift.
+    Their figures are eager times: label them so wherever they are reported.
     """
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     stream = torch.cuda.Stream()
@@ -75,6 +81,9 @@ def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_pe
         except Exception:  # noqa: BLE001 - a failing contender is reported, not fatal
             torch.cuda.synchronize()
     torch.cuda.synchronize()
+    eager_ok = _warm_eager(eager or {})
+    eager_times: dict[str, list[float]] = {n: [] for n in eager_ok}
+    eager_events = {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in eager_ok}
     names = list(graphs)
     times: dict[str, list[float]] = {n: [] for n in names}
     events = {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in names}
@@ -97,7 +106,30 @@ def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_pe
         for name in names:
             start, end = events[name]
             times[name].append(start.elapsed_time(end) / calls_per_graph)
-    return {n: (_median(times[n]) if n in times else float("nan")) for n in calls}
+        for name in eager_ok:
+            start, end = eager_events[name]
+            start.record()
+            eager[name]()
+            end.record()
+            torch.cuda.synchronize()
+            eager_times[name].append(start.elapsed_time(end) / calls_per_graph)
+    out = {n: (_median(times[n]) if n in times else float("nan")) for n in calls}
+    out.update({n: (_median(eager_times[n]) if n in eager_ok else float("nan")) for n in eager or {}})
+    return out
+
+
+def _warm_eager(eager: dict[str, Callable[[], object]]) -> list[str]:
+    """The eager callables that run (twice: caches, compilation); the others time as NaN."""
+    ok = []
+    for name, fn in eager.items():
+        try:
+            fn()
+            fn()
+            torch.cuda.synchronize()
+            ok.append(name)
+        except Exception:  # noqa: BLE001 - a failing contender is reported, not fatal
+            torch.cuda.synchronize()
+    return ok
 
 
 def bench_gemm(
