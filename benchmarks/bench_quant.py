@@ -5,8 +5,9 @@ per-channel, fp8 1x128 / 128x128 block-scale).
 Suite: the linears (fused qkv, o, fused gate_up, down) of llama-3-8b (tp 1), llama-3-70b (tp 8) and
 qwen3-32b (tp 1); decode M in 1, 8, 16; prefill M in 1024, 2048, 4096. Contenders per (shape, M, format):
 - bf16: F.linear on bf16 x, w of the same N, K;
-- torch: torch._scaled_mm (fp8 rowwise; fp8 blockwise where this torch/cuBLAS has it, else the
-  dequantize path, marked) or torch._int_mm + scales (int8; M <= 16 falls back to dequantize, marked);
+- torch: torch._scaled_mm (fp8 rowwise; fp8 blockwise where the probe of this torch/cuBLAS finds it
+  right, see backends/blockwise.py, else the dequantize path, marked) or torch._int_mm + scales (int8;
+  M <= 16 falls back to dequantize, marked);
 - tuned: the fastest of every gemmtune candidate (Triton configs and the torch solutions) on a screen
   (8 repeats), re-timed against the others (20 repeats) on fresh inputs: what the tuner would pick;
 - tuned+q: tuned plus the dynamic per-token (or 1x128) activation quantization kernel before it.
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from suites import find_models_dir, suite_shapes
 
 from gemmtune import backends, families
+from gemmtune.backends import blockwise
 from gemmtune.families.quantized import FP8, BlockKey, QuantKey
 from gemmtune.kernels.quant import quantize_1x128_triton, quantize_per_token_triton
 from gemmtune.keys import GemmKey
@@ -44,7 +46,7 @@ MS = {"decode": [1, 8, 16], "prefill": [1024, 2048, 4096]}
 FORMATS = {  # name -> (family, key maker, torch baseline solution)
     "fp8": ("a8w8", lambda m, n, k: QuantKey(m, n, k, FP8, "per_token"), "scaled_mm"),
     "int8": ("a8w8", lambda m, n, k: QuantKey(m, n, k, torch.int8, "per_token"), "int_mm"),
-    "fp8-block": ("a8w8_blockscale", lambda m, n, k: BlockKey(m, n, k, FP8), "scaled_mm_block"),
+    "fp8-block": ("a8w8_blockscale", lambda m, n, k: BlockKey(m, n, k, FP8), "scaled_mm_blockwise"),
 }
 
 
@@ -119,7 +121,10 @@ def bench_point(fmt, label, layer, m, n, k, dev, ceil, args, seed):
     del sets
     sets = fam.make_inputs(key, dev, n_sets, seed + 7919)
     bf = _bf16_sets(GemmKey(m, n, k), dev, n_sets, seed)
-    quant = quantize_1x128_triton if fam_name == "a8w8_blockscale" else quantize_per_token_triton
+    if fam_name == "a8w8_blockscale":  # M-major scales, as optimize(quantize="fp8-block") makes them
+        quant = lambda x, dt: quantize_1x128_triton(x, dt, m_major=True)  # noqa: E731
+    else:
+        quant = quantize_per_token_triton
     x_bf = bf[0][0]
     final_names = list(dict.fromkeys(ranked[:3] + ([base_key] if base_key in ok else [])))
     calls = {"pad": _calls(F.linear, bf), "bf16": _calls(F.linear, bf), "bf16#2": _calls(F.linear, bf)}
@@ -219,6 +224,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     ceil = measure_ceilings(dev)
     print(f"{torch.cuda.get_device_name(dev)}; torch {torch.__version__}; ceilings: {ceil.describe()}")
+    blockwise_note = blockwise.cuda_support(dev.index).describe()
+    print(blockwise_note)
     shapes, sources = suite_shapes(find_models_dir(args.models_dir), SUITE)
     print("shapes from:", ", ".join(sources))
     ms = [int(v) for v in args.ms.split(",")] if args.ms else MS[args.suite]
@@ -235,7 +242,7 @@ def main():
                         f"{r['pct_roof']:.0f}% roof) {r['tuned_kernel']}  [{time.time() - t0:.0f}s]",
                         flush=True,
                     )
-    text = summarize(rows, args.suite)
+    text = summarize(rows, args.suite) + f"\n\n{blockwise_note}"
     print(text)
     stem = out / f"quant_{args.suite}"
     stem.with_suffix(".md").write_text(text + "\n")

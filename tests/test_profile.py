@@ -181,11 +181,42 @@ def test_cli_bench_model_cpu_end_to_end(tmp_path):
     assert (out / "report.png").stat().st_size > 0
 
 
+def test_cli_bench_model_quantize_cpu(tmp_path):
+    """--quantize adds the quantized copy to the same interleaved run and reports what runs 8-bit, each
+    8-bit GEMM's error vs the 16-bit GEMM and the logits' error vs stock."""
+    out = tmp_path / "bmq"
+    args = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
+            "--ctx", "16", "--batches", "1", "--reps", "2", "--contenders", "stock,optimize", "--quantize", "fp8",
+            "--no-profile", "-o", str(out)]  # fmt: skip
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "report.json").read_text())
+    assert not data["errors"], data["errors"]
+    for sc in data["scenarios"]:
+        assert set(sc["contenders"]) == {"stock", "optimize", "quantize"} and sc["contenders"]["quantize"]["ms"] > 0
+    q = data["quantize"]
+    assert q["mode"] == "fp8" and q["logits_ref"] == "stock"
+    # one layer: qkv, o, gate_up, down; e4m3 on both operands: ~3.5% a GEMM (measured 3.4-3.7%)
+    assert [p.rsplit(".", 1)[1] for p, _, _ in q["gemm_errors"]] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    assert all(0 < e < 0.06 for _, _, e in q["gemm_errors"])
+    # the logits carry the 16-bit embedding through the residual and one layer's 8-bit error: measured 0.017
+    assert 0 < q["logits_rel_err"] < 0.06
+    md = (out / "report.md").read_text()
+    assert "## optimize(quantize='fp8'): what runs 8-bit" in md and "lm_head stays 16-bit" in md
+    assert "| model.layers.*.self_attn.qkv_proj | 128x64 | 1 |" in md and "relative error vs stock" in md
+    assert "rel err" in data["parity"]["quantize"]
+
+
 def test_cli_bench_model_rejects_bad_input(tmp_path):
     res = CliRunner().invoke(cli, ["bench-model", "--device", "cpu", "--model", "no-such-model", "-o", str(tmp_path)])
     assert res.exit_code != 0 and "no-such-model" in res.output
     res = CliRunner().invoke(cli, ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--contenders", "fast"])
     assert res.exit_code != 0 and "fast" in res.output
+    res = CliRunner().invoke(cli, ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--contenders",
+                                   "stock,quantize"])  # fmt: skip
+    assert res.exit_code != 0 and "need a quantize mode" in res.output
+    res = CliRunner().invoke(cli, ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--quantize", "fp4"])
+    assert res.exit_code != 0 and "fp4" in res.output
 
 
 # ---- categorization -----------------------------------------------------------------------------

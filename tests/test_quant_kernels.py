@@ -24,7 +24,13 @@ _CFGS = {
         "a8w8_bm16_bn64_bk64_g1_sk3_w4_s2",
         "a8w8_bm32_bn32_bk64_g4_sk2_w4_s2",
     ],
-    "blockscale": ["blockscale_bm16_bn32_bk64_g1_sk1_w4_s2", "blockscale_bm32_bn64_bk128_g4_sk3_w4_s2"],
+    # bn <= 128: one weight scale per tile and group (folded); bn256: two (a vector), run on the
+    # M-major / row-padded scale layouts of quant/layouts.py
+    "blockscale": [
+        "blockscale_bm16_bn32_bk64_g1_sk1_w4_s2",
+        "blockscale_bm32_bn64_bk128_g4_sk3_w4_s2",
+        "blockscale_bm16_bn256_bk128_g1_sk2_w4_s2",
+    ],
 }
 _A8W8_SHAPES = [(1, 77, 203, "per_token", True), (5, 70, 192, "per_tensor", False), (37, 130, 96, "per_token", False),
                 (20, 33, 520, "per_tensor", True)]  # fmt: skip
@@ -39,7 +45,7 @@ def _cases(dt: str) -> list:
     for cfg in _CFGS["blockscale"]:
         out += [(f"{cfg}-{dt}-M{m}-N{n}-K{k}", "blockscale", cfg, dt, m, n, k, "", False) for m, n, k in _BLOCK_SHAPES]
     out += [(f"quant-{g}-{dt}-M{m}-K{k}", "quant", g, dt, m, 0, k, "", False)
-            for g in ("per_token", "1x128") for m, k in ((1, 300), (6, 4100))]  # fmt: skip
+            for g in ("per_token", "1x128", "1x128m") for m, k in ((1, 300), (6, 4100))]  # fmt: skip
     return out
 
 
@@ -61,6 +67,7 @@ def run_case(case, device: str) -> dict:
     from gemmtune.kernels import blockscale as kb
     from gemmtune.kernels import quant as kq
     from gemmtune.quant import quantize as Q
+    from gemmtune.quant.layouts import is_m_major, k_padded, m_major
 
     name, kind, cfg_name, dt_name, m, n, k, scale, bias = case
     dt = _dtype(dt_name)
@@ -68,16 +75,19 @@ def run_case(case, device: str) -> dict:
     x = torch.randn(m, k, generator=g)
     if kind == "quant":
         x = x.to(device)
-        if device == "cpu":  # the interpreter: call the kernels the CUDA entry points launch
+        m_major = cfg_name == "1x128m"
+        if device == "cpu":  # the interpreter: call the launchers the CUDA entry points use
             q, s = _interp_quant(kq, x, dt, cfg_name)
+        elif cfg_name == "per_token":
+            q, s = kq.quantize_per_token_triton(x, dt)
         else:
-            q, s = (kq.quantize_per_token_triton if cfg_name == "per_token" else kq.quantize_1x128_triton)(x, dt)
+            q, s = kq.quantize_1x128_triton(x, dt, m_major=m_major)
         qr, sr = (Q.quantize_per_token if cfg_name == "per_token" else Q.quantize_1x128)(x, dt)
+        deq = _deq_1x128 if cfg_name != "per_token" else (lambda q_, s_: q_.float() * s_)
         return {"scale_err": (s - sr).abs().max().item() / sr.abs().max().item(),
                 "q_steps": (q.float() - qr.float()).abs().max().item() if dt == torch.int8 else
-                _rel(q.float() * s.repeat_interleave(128, 1)[:, :k] if cfg_name == "1x128" else q.float() * s,
-                     qr.float() * sr.repeat_interleave(128, 1)[:, :k] if cfg_name == "1x128" else qr.float() * sr),
-                "nan": 0}  # fmt: skip
+                _rel(deq(q, s), deq(qr, sr)),
+                "layout_ok": is_m_major(s) if m_major else s.is_contiguous(), "nan": 0}  # fmt: skip
     w = torch.randn(n, k, generator=g) / k**0.5
     cfg = ka.TileConfig.parse(cfg_name)
     out = torch.bfloat16 if device != "cpu" else torch.float32  # the interpreter gets bf16 wrong
@@ -94,24 +104,27 @@ def run_case(case, device: str) -> dict:
     else:
         (xq, xs), (wq, ws) = Q.quantize_1x128(x, dt), Q.quantize_128x128(w, dt)
         args = [t.to(device) for t in (xq, wq, xs, ws)]
+        if "bn256" in cfg_name:
+            args[2], args[3] = m_major(args[2]), k_padded(args[3])
         with nan_outputs(kb):
             y = kb.gemm_blockscale_triton(*args, out_dtype=out, cfg=cfg)
         ref = kb.blockscale_ref(*args, out_dtype=torch.float32)
     return {"nan": int(torch.isnan(y).sum()), "err": _rel(y, ref), "shape_ok": tuple(y.shape) == (m, n)}
 
 
-def _interp_quant(kq, x, dt, kind):
-    from gemmtune.quant.formats import qmax
+def _deq_1x128(q, s):
+    return q.float() * s.repeat_interleave(128, 1)[:, : q.shape[1]]
 
+
+def _interp_quant(kq, x, dt, kind):
     m, k = x.shape
     q = torch.empty(m, k, dtype=dt)
     if kind == "per_token":
         s = torch.empty(m, 1)
-        kq._per_token_kernel[(m,)](x, q, s, k, x.stride(0), QMAX=qmax(dt), IS_INT=True, BLOCK=1024)
+        kq.launch_per_token(x, q, s)
     else:
-        groups = -(-k // 128)
-        s = torch.empty(m, groups)
-        kq._group_kernel[(m, groups)](x, q, s, k, groups, x.stride(0), QMAX=qmax(dt), IS_INT=True, GROUP=128)
+        s = kq.scales_1x128(m, k, "cpu", m_major=kind == "1x128m")
+        kq.launch_1x128(x, q, s)
     return q, s
 
 
@@ -129,7 +142,7 @@ def test_kernel_matches_reference(case, results):
     r = results[case[0]]
     assert r["nan"] == 0
     if case[1] == "quant":
-        assert r["scale_err"] < 1e-6
+        assert r["scale_err"] < 1e-6 and r["layout_ok"]
         # int8: at most one step apart (rounding ties); fp8: the dequantized values agree closely
         assert r["q_steps"] <= (1 if case[3] == "int8" else 1e-2)
         return

@@ -36,7 +36,7 @@ def load_config(paths: str | list[str]) -> ConfigTable:
 
 def __getattr__(name):
     # The model toolkit pulls in transformers: import it only when asked for.
-    if name in ("optimize", "restore"):
+    if name in ("optimize", "restore", "load_fp8_checkpoint"):
         from . import models
 
         return getattr(models, name)
@@ -76,5 +76,6 @@ __all__ = [
     "tuned_gemm",
     "optimize",
     "restore",
+    "load_fp8_checkpoint",
     "profile",
 ]

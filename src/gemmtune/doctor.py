@@ -60,6 +60,10 @@ def environment_report() -> dict[str, object]:
     else:
         report["device name"] = platform.processor() or "cpu"
     report["programmatic dependent launch"] = _pdl_status(dev)
+    if dev.type == "cuda":  # runs a few small GEMMs once (backends/blockwise.py)
+        from .backends.blockwise import cuda_support
+
+        report["fp8 block-scaled torch._scaled_mm"] = cuda_support(dev.index).describe()
     rows = {}
     for name, b in backends.all_backends().items():
         rows[name] = "available" if b.is_available(dev) else f"unavailable: {b.unavailable_reason(dev)}"

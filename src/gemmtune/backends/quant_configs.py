@@ -23,6 +23,10 @@ _MID = ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (32, 12
         (128, 64, 128, 4, 4), (128, 128, 128, 8, 3))  # fmt: skip
 _LARGE = ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
           (64, 256, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 4, 4))  # fmt: skip
+# Block-scale tiles scale each K step's partial product in registers, so the MMA waits on it every
+# step; the winners measured on an H100 at M >= 1024 were the 64x128 4-warp tiles, which leave room
+# for 2-3 programs an SM to overlap one another's scaling (fewer stages, more programs).
+_LARGE_BLOCK = _LARGE + ((64, 128, 128, 4, 3), (64, 128, 128, 4, 5), (128, 64, 128, 4, 3), (64, 64, 128, 4, 3))
 SMEM = 227 * 1024
 
 
@@ -44,7 +48,8 @@ def _pick_split(tiles: int, k_iters: int, slots: int) -> int:
 
 def tile_configs(kind: str, key, device: torch.device) -> list[TileConfig]:
     sms = _sms(device.type, device.index)
-    tiles = _SMALL if key.M <= 32 else _MID if key.M <= 256 else _LARGE
+    large = _LARGE_BLOCK if kind == "blockscale" else _LARGE
+    tiles = _SMALL if key.M <= 32 else _MID if key.M <= 256 else large
     out = []
     for bm, bn, bk, w, s in tiles:
         if kind == "blockscale":
@@ -59,3 +64,22 @@ def tile_configs(kind: str, key, device: torch.device) -> list[TileConfig]:
         for split in dict.fromkeys((sk, 1)):
             out.append(TileConfig(kind, bm, bn, bk, group, split, w, s))
     return list(dict.fromkeys(out))
+
+
+# The tiles an untuned key runs above M = 32 (the measured H100 winners at M >= 1024); decode keys
+# take the first small tile with its split.
+_DEFAULT_LARGE = {"a8w8": (128, 256, 128, 8, 3), "blockscale": (64, 128, 128, 4, 4)}
+_DEFAULT_MID = (64, 128, 128, 4, 4)
+
+
+def default_config(kind: str, key, device: torch.device) -> TileConfig | None:
+    """The heuristic config for a key nobody tuned (the torch backend's `native` on a CUDA GPU)."""
+    cfgs = tile_configs(kind, key, device)
+    if not cfgs:
+        return None
+    if key.M > 32:
+        want = _DEFAULT_LARGE[kind] if key.M > 256 else _DEFAULT_MID
+        for c in cfgs:
+            if (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages) == want and c.split_k == 1:
+                return c
+    return cfgs[0]

@@ -6,16 +6,16 @@ torch (the default, libtype "torch"):
 - a8w8: `scaled_mm` (torch._scaled_mm, cuBLASLt fp8: tensorwise, or rowwise = per-token x
   per-channel), `int_mm` (torch._int_mm, cuBLAS int8 -> int32, then scales in one fused torch
   expression), `dequant` (q * scale in fp32 or bf16, then a float matmul: any device, any shape).
-- a8w8_blockscale: `scaled_mm_block` (torch._scaled_mm with 1x128 / 128x128 scales, where this torch
-  and GPU have it) and `dequant`.
-`native` (aiter's torch spelling, solidx 0) is the best of these the key and device allow.
+- a8w8_blockscale: `scaled_mm_blockwise` (torch._scaled_mm with 1x128 / 128x128 scales, where the
+  probe of this torch and GPU finds it right: backends/blockwise.py) and `dequant`.
+`native` (aiter's torch spelling, solidx 0, what an untuned key runs) is cuBLASLt where it applies
+(scaled_mm, scaled_mm_blockwise), else on a CUDA GPU the Triton kernel's heuristic config
+(quant_configs.default_config), else int_mm, else dequant.
 
 triton: kernels/a8w8.py and kernels/blockscale.py configs (kernelName = the config string, solidx its crc).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from ..device import facts
 from ..kernels._common import HAS_TRITON
 from ..quant import formats
 from ..quant.quantize import dequantize_1x128, dequantize_128x128
+from . import blockwise
 from .base import Backend, Runner, Solution, stable_solidx
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -37,7 +38,8 @@ NATIVE = _sol("native")
 SCALED_MM = _sol("scaled_mm")
 INT_MM = _sol("int_mm")
 DEQUANT = _sol("dequant")
-SCALED_MM_BLOCK = _sol("scaled_mm_block")
+SCALED_MM_BLOCKWISE = _sol("scaled_mm_blockwise")
+_OLD_NAMES = {"scaled_mm_block": SCALED_MM_BLOCKWISE}  # the name before the probe worked (never tuned)
 
 
 def _capability(device_type: str, index: int | None) -> tuple[int, int]:
@@ -111,6 +113,30 @@ def _dequant_runner(key, device) -> Runner:
     return run
 
 
+def _triton_default(kind: str, key, device) -> Runner | None:
+    """The Triton kernel's heuristic config for an untuned key (quant_configs.default_config), or None
+    where the Triton backend cannot run it."""
+    be = TritonBlockscaleBackend() if kind == "blockscale" else TritonA8W8Backend()
+    if not (be.is_available(device) and be._key_ok(key, device)):
+        return None
+    from .quant_configs import default_config
+
+    cfg = default_config(kind, key, torch.device(device))
+    return None if cfg is None else be.make_runner(be._solution(cfg), key, device)
+
+
+def _native_a8w8(key, device) -> Runner:
+    """What an untuned a8w8 key runs: cuBLASLt fp8 where it applies, else the Triton kernel's heuristic
+    config on a CUDA GPU (measured on an H100: cuBLAS int8 via _int_mm ran at 0.5x of bf16, the Triton
+    int8 kernel above bf16), else _int_mm, else dequantize."""
+    if _scaled_mm_ok(key, device):
+        return _scaled_mm_runner(key)
+    tri = None if torch.version.hip else _triton_default("a8w8", key, device)
+    if tri is not None:
+        return tri
+    return _int_mm_runner(key) if _int_mm_ok(key, device) else _dequant_runner(key, device)
+
+
 class TorchA8W8Backend(Backend):
     name = "torch"
     family = "a8w8"
@@ -145,7 +171,7 @@ class TorchA8W8Backend(Backend):
 
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
         if solution == NATIVE:
-            solution = self._usable(key, device)[0]
+            return _native_a8w8(key, device)
         if solution == SCALED_MM:
             return _scaled_mm_runner(key)
         if solution == INT_MM:
@@ -159,40 +185,21 @@ class TorchA8W8BPreshuffleBackend(TorchA8W8Backend):
 
 # ---- block-scale: torch -----------------------------------------------------------------------------
 def _blockwise_ok(key, device) -> bool:
-    """cuBLASLt's 1x128 x 128x128 block-scaled fp8 GEMM through torch._scaled_mm: Hopper (sm90) only,
-    N and K multiples of 128, bf16 out; whether this torch/cuBLAS has it is probed once (below)."""
-    if not (_cuda(device) and hasattr(torch, "_scaled_mm") and key.q_dtype_w == formats.FP8 and not torch.version.hip):
+    """cuBLASLt's 1x128 x 128x128 block-scaled fp8 GEMM through torch._scaled_mm, where the probe of
+    this torch and GPU (backends/blockwise.py, once per GPU) found it right for this key's shape."""
+    if not (_cuda(device) and key.q_dtype_w == formats.FP8 and formats.FP8 is not None):
         return False
-    if key.N % 128 or key.K % 128 or key.outdtype != torch.bfloat16:
-        return False
-    return _capability(device.type, device.index)[0] == 9 and _blockwise_probe(device.index)
+    return blockwise.cuda_support(torch.device(device).index).fits(key.M, key.N, key.K, key.outdtype)
 
 
-def _scaled_mm_block(xq, wq, xs, ws, out_dtype=torch.bfloat16):
-    # cuBLASLt wants the 1x128 activation scales M-contiguous and the weight's as (K/128, N/128).
-    xs_t = xs if xs.stride(0) == 1 else xs.t().contiguous().t()
-    return torch._scaled_mm(xq, wq.t(), scale_a=xs_t, scale_b=ws.t(), out_dtype=out_dtype)
+def _blockwise_runner(key, device) -> Runner:
+    out = key.outdtype
+    pad_k = blockwise.cuda_support(torch.device(device).index).pad_k is not False
 
+    def run(xq, wq, xs, ws):
+        return blockwise.scaled_mm_blockwise(xq, wq, xs, ws, out, pad_k)
 
-@functools.cache
-def _blockwise_probe(index: int | None) -> bool:
-    """Run the block-scaled _scaled_mm once on a small problem and compare with the dequantized
-    reference. Never during a CUDA-graph capture (it syncs): then it says no for this process."""
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    from ..quant.quantize import quantize_1x128, quantize_128x128
-
-    dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())
-    try:
-        g = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(64, 256, device=dev, generator=g)
-        w = torch.randn(256, 256, device=dev, generator=g)
-        (xq, xs), (wq, ws) = quantize_1x128(x, formats.FP8), quantize_128x128(w, formats.FP8)
-        y = _scaled_mm_block(xq, wq, xs, ws).float()
-        ref = dequantize_1x128(xq, xs) @ dequantize_128x128(wq, ws).t()
-        return bool(((y - ref).norm() / ref.norm()).item() < 1e-2)
-    except (RuntimeError, TypeError, ValueError):
-        return False
+    return run
 
 
 def _block_dequant_runner(key, device) -> Runner:
@@ -213,7 +220,7 @@ class TorchBlockscaleBackend(Backend):
         return True
 
     def _usable(self, key, device) -> list[Solution]:
-        return ([SCALED_MM_BLOCK] if _blockwise_ok(key, device) else []) + [DEQUANT]
+        return ([SCALED_MM_BLOCKWISE] if _blockwise_ok(key, device) else []) + [DEQUANT]
 
     def candidates(self, key, device: torch.device) -> list[Solution]:
         return self._usable(key, device)
@@ -222,10 +229,10 @@ class TorchBlockscaleBackend(Backend):
         return NATIVE
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        for sol in (NATIVE, SCALED_MM_BLOCK, DEQUANT):
+        for sol in (NATIVE, SCALED_MM_BLOCKWISE, DEQUANT):
             if kernel_name == sol.kernel_name:
                 return sol
-        return NATIVE if solidx == 0 else None
+        return _OLD_NAMES.get(kernel_name, NATIVE if solidx == 0 else None)
 
     def supports(self, solution: Solution, key, device: torch.device) -> bool:
         if key.outdtype not in _OUT_DTYPES or key.K % formats.BLOCK:
@@ -235,9 +242,12 @@ class TorchBlockscaleBackend(Backend):
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
         if solution == NATIVE:
             solution = self._usable(key, device)[0]
-        if solution == SCALED_MM_BLOCK:
-            out = key.outdtype
-            return lambda xq, wq, xs, ws: _scaled_mm_block(xq, wq, xs, ws, out)
+            if solution == DEQUANT:
+                tri = _triton_default("blockscale", key, device)
+                if tri is not None:
+                    return tri
+        if solution == SCALED_MM_BLOCKWISE:
+            return _blockwise_runner(key, device)
         return _block_dequant_runner(key, device)
 
 

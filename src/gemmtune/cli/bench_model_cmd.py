@@ -48,7 +48,12 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
 @click.option("--ctx", type=click.IntRange(min=1), default=None, help="Decode context length [GPU 1024, CPU 64].")
 @click.option("--reps", type=click.IntRange(min=1), default=None, help="Timed rounds (median) [GPU 7, CPU 5].")
 @click.option("--contenders", default="stock,optimize,compile,compile+optimize", show_default=True,
-              help="Which of stock, optimize, compile, compile+optimize to run.")  # fmt: skip
+              help="Which of stock, optimize, compile, compile+optimize (and with --quantize: quantize, "
+                   "compile+quantize) to run.")  # fmt: skip
+@click.option("--quantize", type=click.Choice(["fp8", "fp8-block", "int8"]), default=None,
+              help="Also run optimize(quantize=...) (contender 'quantize', and 'compile+quantize' when "
+                   "compile+optimize runs): 8-bit linears, lm_head 16-bit; the report adds what was quantized, "
+                   "each 8-bit GEMM's error vs the 16-bit GEMM and the logits' error vs stock.")  # fmt: skip
 @click.option("--compile-ops", "compile_ops", multiple=True,
               help="How gemmtune's norms/act/rope run under torch.compile, one compile+optimize contender per "
                    "use: ref (inductor fuses the PyTorch formula), op (Triton kernel as a custom op), or e.g. "
@@ -56,7 +61,7 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
 @click.option("--compile-backend", default=None, help="torch.compile backend [GPU inductor, CPU aot_eager].")
 @click.option("--no-profile", is_flag=True, help="Only time; no profile breakdown.")
 @click.option("-o", "--out", "out_dir", default=None, help="Report folder (default: bench-model-<model name>).")
-def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, contenders, compile_ops,
+def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, contenders, quantize, compile_ops,
             compile_backend, no_profile, out_dir) -> None:  # fmt: skip
     """Build MODEL with random weights (nothing downloaded) and time, in one process and interleaved:
     stock Hugging Face, gemmtune.optimize(), torch.compile of stock and torch.compile of optimize(),
@@ -65,6 +70,7 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
     as OUT/report.md, report.json and report.png. On the CPU: eager decode, wall-clock timing. Example:
 
         gemmtune bench-model --model llama-3-8b --layers 4 -o results/llama
+        gemmtune bench-model --model llama-3-8b --layers 4 --quantize fp8 -o results/llama-fp8
     """
     import os
 
@@ -94,6 +100,7 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
             ctx=ctx or defaults["ctx"],
             reps=reps or defaults["reps"],
             contenders=tuple(c.strip() for c in contenders.split(",") if c.strip()),
+            quantize=quantize,
             compile_ops=ops,
             compile_backend=compile_backend,
             profile=not no_profile,

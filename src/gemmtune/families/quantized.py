@@ -10,7 +10,7 @@ The runnable ones (ops/quantized.py) hand runners one tuple:
 - a8w8 / a8w8_bpreshuffle: (xq [M, K], wq [N, K], x_scale, w_scale, bias [N] | None) with the scales
   fp32, per_tensor [1] x [1] or per_token [M, 1] x [1, N]; bias in the out dtype.
 - a8w8_blockscale(_bpreshuffle): (xq [M, K], wq [N, K], x_scale [M, K/128], w_scale [ceil(N/128),
-  K/128]), K % 128 == 0.
+  K/128]), K % 128 == 0; timing inputs in the model path's scale layouts (quant/layouts.py).
 The reference dequantizes (q * scale in fp32) and multiplies in fp32, so a runner's error against
 it is its accumulation and output rounding only. The roofline takes 8-bit tensor cores at twice the
 bf16 matmul rate.
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ..keys import dtype_name
-from ..quant import formats, quantize
+from ..quant import formats, layouts, quantize
 from .base import Column, Family, Roles, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
 
 FP8 = formats.FP8
@@ -233,19 +233,21 @@ class Blockscale(_ScaledQuantFamily):
         return super().make_inputs(key, device, sets, seed)
 
     def _quantized_set(self, key: BlockKey, device, gen, x, w) -> tuple:
+        # The layouts optimize(quantize="fp8-block") hands the op (quant/layouts.py): M-major activation
+        # scales from the dynamic quantizer, weight-scale rows padded to 4 once per weight.
         xq, xs = quantize.quantize_1x128(x, key.q_dtype_w)
         wq, ws = quantize.quantize_128x128(w, key.q_dtype_w)
-        return xq, wq, xs, ws
+        return xq, wq, layouts.m_major(xs), layouts.k_padded(ws)
 
     def reference(self, key: BlockKey, inputs):
         xq, wq, xs, ws = inputs
         return fp32_matmul(quantize.dequantize_1x128(xq, xs), quantize.dequantize_128x128(wq, ws).t())
 
     def check_variants(self, key: BlockKey, inputs):
-        # The activation scales column-major (M contiguous): the layout cuBLASLt's block-scaled GEMM
-        # and DeepSeek-style quantizers write; runners must take either.
+        # The plain row-major grids (as quantize_1x128 / quantize_128x128 and checkpoints give them):
+        # runners must take those too.
         xq, wq, xs, ws = inputs
-        return [("x_scale column-major", (xq, wq, xs.t().contiguous().t(), ws), (key.M, key.N))]
+        return [("row-major x_scale, packed w_scale", (xq, wq, xs.contiguous(), ws.contiguous()), (key.M, key.N))]
 
     def _side_bytes(self, key: BlockKey) -> int:
         kb = -(-key.K // formats.BLOCK)

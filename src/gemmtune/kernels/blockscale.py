@@ -5,7 +5,8 @@ xs is [M, K/128] (one scale per 1x128 activation group), ws [ceil(N/128), K/128]
 weight block); K must be a multiple of 128 (a group never straddles a K tile), N need not be. Each
 K step of BLOCK_K (dividing 128) stays inside one group: its partial product is scaled by that
 group's scales and added to the fp32 accumulator (scales vary along K, so unlike the per-row a8w8
-kernel they cannot wait for the epilogue). Split-K partials are already scaled; the shared reduce
+kernel they cannot wait for the epilogue); a tile no wider than 128 columns has one weight scale
+per group, folded into its row scales. Split-K partials are already scaled; the shared reduce
 kernel of kernels/a8w8.py sums them in a fixed order and casts.
 """
 
@@ -37,17 +38,30 @@ def _blockscale_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, p_ptr, M, N, K, iter
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k0 + offs_k)[None, :]
     w_ptrs = w_ptr + cols[None, :] * stride_wn + (k0 + offs_k)[:, None]
     xs_ptrs = xs_ptr + rows * stride_xsm
-    ws_ptrs = ws_ptr + (cols // 128) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k0, k_end, BLOCK_K):  # K % 128 == 0 and BLOCK_K | 128: never a ragged step
-        x = tl.load(x_ptrs)
-        w = tl.load(w_ptrs)
-        g = k // 128
-        xs = tl.load(xs_ptrs + g * stride_xsk)
-        ws = tl.load(ws_ptrs + g * stride_wsk)
-        acc += tl.dot(x, w).to(tl.float32) * xs[:, None] * ws[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if BLOCK_N <= 128:
+        # The tile lies in one 128-wide N block (BLOCK_N divides 128): its weight scale per K group is
+        # one number, folded into the row scales, so the tile takes one multiply-add per step.
+        ws_ptrs = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
+        for k in range(k0, k_end, BLOCK_K):  # K % 128 == 0 and BLOCK_K | 128: never a ragged step
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+            g = k // 128
+            s = tl.load(xs_ptrs + g * stride_xsk) * tl.load(ws_ptrs + g * stride_wsk)
+            acc += tl.dot(x, w).to(tl.float32) * s[:, None]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    else:
+        ws_ptrs = ws_ptr + (cols // 128) * stride_wsn
+        for k in range(k0, k_end, BLOCK_K):
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+            g = k // 128
+            xs = tl.load(xs_ptrs + g * stride_xsk)
+            ws = tl.load(ws_ptrs + g * stride_wsk)
+            acc += tl.dot(x, w).to(tl.float32) * xs[:, None] * ws[None, :]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT:
         tl.store(p_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
@@ -59,7 +73,8 @@ def blockscale_launch(cfg: TileConfig, xq, wq, xs, ws, y) -> torch.Tensor:
     """y[M, N] (preallocated) = block-scaled xq @ wq^T with one config; K % 128 == 0 (the op checks).
 
     xq [M, K], wq [N, K] with unit stride along K; xs [M, K/128] and ws [ceil(N/128), K/128] fp32,
-    any strides. Graph-safe: no host sync, no data-dependent allocation.
+    any strides (the M-major / row-padded layouts of quant/layouts.py included). Graph-safe: no host
+    sync, no data-dependent allocation.
     """
     plan = launch_plan(cfg, xq, wq, y)
     if plan is None:

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..quant.formats import SCALE_DTYPE, is_fp8, qmax
+from ..quant.layouts import m_major as m_major_view
 from ..quant.quantize import quantize_1x128, quantize_per_token
 
 
@@ -44,21 +45,43 @@ def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, IS_
 
 
 @triton.jit
-def _group_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm, QMAX: tl.constexpr, IS_INT: tl.constexpr,
-                  GROUP: tl.constexpr):  # fmt: skip
+def _group_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm, stride_sm, stride_sg, QMAX: tl.constexpr,
+                  IS_INT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
+    """GROUPS consecutive 128-wide groups of one row: a [GROUPS, GROUP] tile, one scale per tile row."""
     row = tl.program_id(0)
-    g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, GROUP)
-    ok = offs < K
+    gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = offs < K  # also masks groups past the last one
     x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
-    tl.store(s_ptr + row * n_groups + g, scale)
-    tl.store(q_ptr + row * K + offs, _to_q(x / scale, QMAX, IS_INT, q_ptr.dtype.element_ty), mask=ok)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / QMAX
+    tl.store(s_ptr + row * stride_sm + gs * stride_sg, scale, mask=gs < n_groups)
+    tl.store(q_ptr + row * K + offs, _to_q(x / scale[:, None], QMAX, IS_INT, q_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def launch_per_token(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+    """Fill q [M, K] and s [M, 1] from x2 [M, K] (unit stride along K)."""
+    m, k = x2.shape
+    if m:
+        block = min(4096, triton.next_power_of_2(max(k, 16)))
+        _per_token_kernel[(m,)](x2, q, s, k, x2.stride(0), QMAX=qmax(q.dtype), IS_INT=not is_fp8(q.dtype),
+                                BLOCK=block, num_warps=4 if block <= 2048 else 8)  # fmt: skip
+
+
+def launch_1x128(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+    """Fill q [M, K] and s [M, ceil(K/128)] (any strides: M-major or row-major) from x2 [M, K]."""
+    m, k = x2.shape
+    groups = s.shape[1]
+    if m:
+        per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program
+        _group_kernel[(m, triton.cdiv(groups, per))](
+            x2, q, s, k, groups, x2.stride(0), s.stride(0), s.stride(1), QMAX=qmax(q.dtype),
+            IS_INT=not is_fp8(q.dtype), GROUP=128, GROUPS=per, num_warps=4 if per >= 4 else 1,
+        )  # fmt: skip
 
 
 def quantize_per_token_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,26 +92,33 @@ def quantize_per_token_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     m, k = x2.shape
     q = torch.empty((m, k), device=x.device, dtype=dtype)
     s = torch.empty((m, 1), device=x.device, dtype=SCALE_DTYPE)
-    if m:
-        block = min(4096, triton.next_power_of_2(max(k, 16)))
-        _per_token_kernel[(m,)](x2, q, s, k, x2.stride(0), QMAX=qmax(dtype), IS_INT=not is_fp8(dtype),
-                                BLOCK=block, num_warps=4 if block <= 2048 else 8)  # fmt: skip
+    launch_per_token(x2, q, s)
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 
 
-def quantize_1x128_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [..., K], scale [..., ceil(K/128)] fp32): quantize_1x128 in one kernel (CUDA; CPU: the reference)."""
+def scales_1x128(m: int, k: int, device, m_major: bool) -> torch.Tensor:
+    """An empty fp32 [M, ceil(K/128)] scale grid, M-major (quant/layouts.py) or row-major."""
+    groups = triton.cdiv(k, 128)
+    if m_major:
+        return torch.empty((groups, m), device=device, dtype=SCALE_DTYPE).t()
+    return torch.empty((m, groups), device=device, dtype=SCALE_DTYPE)
+
+
+def quantize_1x128_triton(x: torch.Tensor, dtype: torch.dtype, m_major: bool = False):
+    """(q [..., K], scale [M, ceil(K/128)] fp32): quantize_1x128 in one kernel (CUDA; CPU: the reference).
+
+    m_major=True stores the scales M-major (what cuBLASLt's block-scaled GEMM reads) and returns them
+    as the 2-D [M, K/128] grid, M = the product of x's leading dims; otherwise [..., K/128] row-major.
+    """
     if x.device.type != "cuda":
-        return quantize_1x128(x, dtype)
+        q, s = quantize_1x128(x, dtype)
+        return (q, m_major_view(s.reshape(-1, s.shape[-1]))) if m_major else (q, s)
     x2 = _rows(x)
     m, k = x2.shape
-    groups = triton.cdiv(k, 128)
     q = torch.empty((m, k), device=x.device, dtype=dtype)
-    s = torch.empty((m, groups), device=x.device, dtype=SCALE_DTYPE)
-    if m:
-        _group_kernel[(m, groups)](x2, q, s, k, groups, x2.stride(0), QMAX=qmax(dtype), IS_INT=not is_fp8(dtype),
-                                   GROUP=128, num_warps=1)  # fmt: skip
-    return q.view(x.shape), s.view(*x.shape[:-1], groups)
+    s = scales_1x128(m, k, x.device, m_major)
+    launch_1x128(x2, q, s)
+    return q.view(x.shape), (s if m_major else s.view(*x.shape[:-1], s.shape[1]))
 
 
 quantize_per_token_ref = quantize_per_token

@@ -10,6 +10,7 @@ from .api import optimize, report_of, restore
 from .attention import ENV as ATTENTION_ENV
 from .attention import TIERS as ATTENTION_TIERS
 from .families import FAMILIES
+from .fp8_checkpoint import Fp8BlockLinear, load_fp8_checkpoint
 from .report import OptimizeReport
 from .version import check_transformers, supported_range
 
@@ -17,8 +18,10 @@ __all__ = [
     "ATTENTION_ENV",
     "ATTENTION_TIERS",
     "FAMILIES",
+    "Fp8BlockLinear",
     "OptimizeReport",
     "check_transformers",
+    "load_fp8_checkpoint",
     "optimize",
     "report_of",
     "restore",

@@ -198,6 +198,8 @@ class _Planner:
         for path, mod in self.model.named_modules():
             if not isinstance(mod, nn.Linear) or path in self.no_route:
                 continue
+            if hasattr(mod, "weight_scale_inv"):  # an fp8 checkpoint Linear: route_fp8_linears reports it
+                continue
             if any(path.startswith(p) for p in self.no_route_prefixes):
                 continue
             why = linear_skip_reason(mod)
@@ -223,7 +225,8 @@ class _Planner:
                 self.actions.insert(0, Action("config", "", {"tier": tier}))
                 self.report.change("attention", "", type(self.model).__name__,
                                    f"{attn_mod.NAMES[tier]} ({tier} tier) via AttentionInterface")  # fmt: skip
-        if self.opts["fused_ops"]:
+        if self.opts["fused_ops"] and not self.opts.get("quantize"):
+            # (the fused-epilogue MLP runs its own 16-bit GEMMs: with quantize it would bypass the 8-bit ones)
             epilogue_mlp.plan(self, self.model)
         self.linears()
         return self.actions
@@ -329,7 +332,8 @@ def optimize(
     fuse_qkv / fuse_gate_up: one GEMM for q/k/v and for gate/up. fused_ops: Triton RMSNorm,
     residual-add + RMSNorm and act*mul. attention: "auto", "flash", "sdpa", "eager" or None (leave
     as is); GEMMTUNE_ATTENTION forces a tier. m_threshold: calls with fewer rows keep F.linear.
-    split_bias: bias-free GEMM plus a separate add. route_linears: other nn.Linear via gemmtune.gemm.
+    split_bias: bias-free GEMM plus a separate add. route_linears: other nn.Linear via gemmtune.gemm,
+    and fp8 block-scaled checkpoint Linears (transformers' FP8Linear) via gemm_a8w8_blockscale.
     quantize: "fp8" / "int8" (per-channel weights, per-token activations) or "fp8-block" (128x128 /
     1x128) runs the linears through the 8-bit ops (models/quantize.py); lm_head only with
     quantize_lm_head.
@@ -395,6 +399,12 @@ def optimize(
             from .quantize import quantize_linears
 
             a = Action("quantize", "", {"undo": quantize_linears(model, quantize, report, bool(quantize_lm_head))})
+            actions.append(a)
+            done.append(a)
+        if route_linears:  # fp8 checkpoint Linears (transformers' FP8Linear) through gemm_a8w8_blockscale
+            from .fp8_checkpoint import route_fp8_linears
+
+            a = Action("quantize", "", {"undo": route_fp8_linears(model, report)})
             actions.append(a)
             done.append(a)
     except BaseException:

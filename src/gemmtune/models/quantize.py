@@ -15,9 +15,10 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..quant import formats, quantize
+from ..quant import formats, layouts, quantize
 
 MODES = {"fp8": ("a8w8", "fp8"), "int8": ("a8w8", "int8"), "fp8-block": ("blockscale", "fp8")}
 _STATE = "_gemmtune_quant"
@@ -51,16 +52,26 @@ def _skip_reason(mod: nn.Module, mode: str) -> str | None:
     return None
 
 
+def fp8_block_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None):
+    """y = x @ dequant(wq, ws)^T (+ bias) through gemm_a8w8_blockscale, x quantized per 1x128 group at
+    run time (M-major scales, no copy before cuBLASLt); ws in any layout (row-padded saves a copy)."""
+    from ..kernels.quant import quantize_1x128_triton
+    from ..ops.quantized import gemm_a8w8_blockscale
+
+    out = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+    xq, xs = quantize_1x128_triton(x, wq.dtype, m_major=True)
+    y = gemm_a8w8_blockscale(xq, wq, xs, ws, out)
+    return y if bias is None else y + bias.to(out)
+
+
 def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
-    from ..kernels.quant import quantize_1x128_triton, quantize_per_token_triton
-    from ..ops.quantized import gemm_a8w8, gemm_a8w8_blockscale
+    from ..kernels.quant import quantize_per_token_triton
+    from ..ops.quantized import gemm_a8w8
 
     st: QuantState = self.__dict__[_STATE]
-    out = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
     if st.mode == "fp8-block":
-        xq, xs = quantize_1x128_triton(x, st.wq.dtype)
-        y = gemm_a8w8_blockscale(xq, st.wq, xs, st.ws, out)
-        return y if st.bias is None else y + st.bias.to(out)
+        return fp8_block_linear(x, st.wq, st.ws, st.bias)
+    out = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
     xq, xs = quantize_per_token_triton(x, st.wq.dtype)
     bias = None if st.bias is None else st.bias.to(out)
     return gemm_a8w8(xq, st.wq, xs, st.ws, bias, out)
@@ -73,6 +84,7 @@ def _quantize_weight(w: torch.Tensor, mode: str, device) -> tuple[torch.Tensor, 
         if kind == "blockscale":
             wq, ws = quantize.quantize_128x128(w, dt)
             back = quantize.dequantize_128x128(wq, ws)
+            ws = layouts.k_padded(ws)  # the row stride cuBLASLt reads, laid out once per weight
         else:
             wq, ws = quantize.quantize_per_channel(w, dt)
             back = quantize.dequantize(wq, ws.reshape(-1, 1))
@@ -127,3 +139,32 @@ def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:
         scales = "128x128 blocks" if mode == "fp8-block" else "per channel"
         report.change("quantize", path, type(mod).__name__, f"{mod.weight.shape[0]}x{mod.weight.shape[1]}, "
                       f"{wq.dtype} {scales}, weight rel err {err:.1e}")  # fmt: skip
+
+
+def gemm_errors(model: nn.Module, run) -> list[tuple[str, str, float]]:
+    """Call run() once with every quantized linear of `model` watched: the relative error of its 8-bit
+    output against the 16-bit GEMM it replaced (F.linear with the kept weight) on the same input.
+    Returns [(module path, "NxK", ||y8 - y16|| / ||y16||)] in module order."""
+    found: dict[str, list[float]] = {}
+    handles = []
+
+    def watch(path, mod):
+        def hook(_mod, args, y):
+            with torch.no_grad():
+                ref = F.linear(args[0], mod.weight, mod.bias).float()
+                err = ((y.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+            found.setdefault(path, []).append(err)
+
+        return hook
+
+    shapes = {}
+    for path, mod in model.named_modules():
+        if _STATE in mod.__dict__:
+            shapes[path] = f"{mod.weight.shape[0]}x{mod.weight.shape[1]}"
+            handles.append(mod.register_forward_hook(watch(path, mod)))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return [(p, shapes[p], max(found[p])) for p in shapes if p in found]

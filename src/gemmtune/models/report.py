@@ -21,6 +21,7 @@ _SECTIONS = {
     "moe": "swapped",
     "epilogue_mlp": "fused",
     "quantize": "quantized",
+    "fp8": "quantized",
 }
 _ORDER = ("fused", "swapped", "quantized", "routed through gemmtune.gemm", "left alone")
 # What was not done, per kind of skip, so a reason reads as "q/k/v not fused: <why>".
@@ -35,6 +36,7 @@ _NOT_DONE = {
     "moe": "experts not swapped",
     "epilogue mlp": "MLP epilogue not fused",
     "quantize": "not quantized",
+    "fp8": "fp8 checkpoint weight not routed",
 }
 _MAX_PATHS = 3
 
@@ -47,9 +49,12 @@ class Entry:
     detail: str  # what was done, or why it was left alone
 
 
-def _fold(path: str) -> str:
+def fold_path(path: str) -> str:
     """model.layers.12.mlp -> model.layers.*.mlp: one pattern for a module of every layer."""
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path) or "(model)"
+
+
+_fold = fold_path
 
 
 @dataclass

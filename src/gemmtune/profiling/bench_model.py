@@ -2,7 +2,11 @@
 
 Contenders share one set of random weights: "stock" (the model as built), "optimize" (a deep copy
 after gemmtune.optimize), "compile" (torch.compile of stock) and "compile+optimize" (torch.compile of
-the optimized copy; one contender per compile-ops mode asked for, see kernels/compile_mode.py).
+the optimized copy; one contender per compile-ops mode asked for, see kernels/compile_mode.py); with
+`quantize` also "quantize" (a deep copy after optimize(quantize=...)) and "compile+quantize". For the
+quantized copy the report also says what was quantized, each 8-bit GEMM's relative error against
+the 16-bit GEMM it replaced (on the parity prefill's activations) and the logits' relative error
+against the stock model.
 Scenarios: prefill (batch x seq, last-token logits as generate() asks) and decode (one token per
 step on a static cache primed with `ctx` tokens, captured once in a CUDA graph and replayed).
 Timing follows docs/benchmarking.md: contenders interleaved round by round (order rotated, the
@@ -27,7 +31,8 @@ from .collect import profile
 from .report import Profile
 from .stock_attention import ignored_features
 
-CONTENDERS = ("stock", "optimize", "compile", "compile+optimize")
+CONTENDERS = ("stock", "optimize", "compile", "compile+optimize", "quantize", "compile+quantize")
+_QUANT = ("quantize", "compile+quantize")
 _SPACER_CYCLES = 2_000_000  # ~1 ms of GPU sleep: longer than queueing a round's first launches
 
 
@@ -42,7 +47,8 @@ class Settings:
     batches: tuple[int, ...] = (1, 8)
     ctx: int = 1024
     reps: int = 7
-    contenders: tuple[str, ...] = CONTENDERS
+    contenders: tuple[str, ...] = CONTENDERS[:4]
+    quantize: str | None = None  # "fp8" / "fp8-block" / "int8": adds the quantize contender(s)
     compile_ops: tuple[str, ...] = ("ref",)  # one compile+optimize contender per mode spec
     compile_backend: str | None = None  # default: inductor on a GPU, aot_eager on the CPU
     profile: bool = True
@@ -52,6 +58,15 @@ class Settings:
         bad = [c for c in self.contenders if c not in CONTENDERS]
         if bad or not self.contenders:
             raise ValueError(f"contenders {bad or '(none)'}: expected some of {', '.join(CONTENDERS)}")
+        if self.quantize is not None:
+            from ..models.quantize import check_mode
+
+            check_mode(self.quantize)
+            if not any(c in _QUANT for c in self.contenders):  # asked to quantize: the quantized copy runs too
+                extra = ("quantize", "compile+quantize") if "compile+optimize" in self.contenders else ("quantize",)
+                self.contenders = (*self.contenders, *extra)
+        elif any(c in _QUANT for c in self.contenders):
+            raise ValueError("the quantize contenders need a quantize mode (--quantize fp8 | fp8-block | int8)")
         if any(b < 1 for b in self.batches) or any(b < 1 or s < 1 for b, s in self.prefill) or self.ctx < 1:
             raise ValueError(f"batches {self.batches}, prefill {self.prefill} and ctx {self.ctx} must be positive")
         if self.reps < 1:
@@ -97,6 +112,7 @@ class Result:
     errors: list[str]
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # what the reader must know to compare (stock_attention)
+    quant: dict | None = None  # the quantized copy: mode, optimize summary, per-GEMM and logits errors
 
 
 def log(*a) -> None:
@@ -159,7 +175,7 @@ def raise_recompile_limits() -> None:
             setattr(dc, name, max(1024, getattr(dc, name)))
 
 
-def make_contenders(stock, opt, s: Settings, backend: str) -> list[Contender]:
+def make_contenders(stock, opt, s: Settings, backend: str, quant=None) -> list[Contender]:
     out = []
     for name in s.contenders:
         if name == "stock":
@@ -168,6 +184,10 @@ def make_contenders(stock, opt, s: Settings, backend: str) -> list[Contender]:
             out.append(Contender(name, opt, opt))
         elif name == "compile":
             out.append(Contender(name, stock, _compile(stock, backend)))
+        elif name == "quantize":
+            out.append(Contender(name, quant, quant))
+        elif name == "compile+quantize":
+            out.append(Contender(name, quant, _compile(quant, backend), s.compile_ops[0]))
         else:
             for ops in s.compile_ops:
                 label = name if len(s.compile_ops) == 1 else f"{name}[{ops}]"
@@ -230,8 +250,13 @@ class Decode:
 
 
 # ---- the run ------------------------------------------------------------------------------------
-def _parity(contenders: list[Contender], ids) -> dict[str, str]:
-    out, ref = {}, None
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def _parity(contenders: list[Contender], ids) -> tuple[dict[str, str], dict[str, float]]:
+    """Per contender: a line on its last-token logits vs the first contender's, and their relative error."""
+    out, rel, ref = {}, {}, None
     for c in contenders:
         try:
             logits = prefill_call(c, ids)().logits.float()
@@ -243,8 +268,22 @@ def _parity(contenders: list[Contender], ids) -> dict[str, str]:
             out[c.name] = f"reference (logits max |x| {ref.abs().max().item():.3g})"
             continue
         same = bool((logits.argmax(-1) == ref.argmax(-1)).all())
-        out[c.name] = f"max |diff| {(logits - ref).abs().max().item():.3g}, argmax {'equal' if same else 'DIFFERS'}"
-    return out
+        rel[c.name] = _rel(logits, ref)
+        out[c.name] = (f"max |diff| {(logits - ref).abs().max().item():.3g}, rel err {rel[c.name]:.3g}, "
+                       f"argmax {'equal' if same else 'DIFFERS'}")  # fmt: skip
+    return out, rel
+
+
+def _quant_info(model, report, mode: str, ids) -> dict:
+    """What the quantized copy runs 8-bit and each 8-bit GEMM's error vs the 16-bit GEMM it replaced."""
+    from ..models.quantize import gemm_errors
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    errs = gemm_errors(model, run)
+    return {"mode": mode, "summary": str(report), "gemm_errors": [list(e) for e in errs]}
 
 
 def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
@@ -259,6 +298,7 @@ def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "table": s.table or "none (default dispatch: vendor BLAS through torch)",
+        "quantize": s.quantize or "none",
         "compile_backend": backend,
         "compile_ops_default": describe(),
         "optimize_families": ", ".join(sorted(FAMILIES)) + " (other model types: plain Linear routing only)",
@@ -289,14 +329,27 @@ def run(s: Settings) -> Result:
     opt = copy.deepcopy(stock) if any(c in s.contenders for c in ("optimize", "compile+optimize")) else None
     summary = str(gemmtune.optimize(opt, config=s.table)) if opt is not None else "optimize() not run"
     log(summary)
-    contenders = make_contenders(stock, opt, s, backend)
+    quant, qreport = None, None
+    if any(c in s.contenders for c in _QUANT):
+        quant = copy.deepcopy(stock)
+        qreport = gemmtune.optimize(quant, config=s.table, quantize=s.quantize)
+        log(str(qreport))
+    contenders = make_contenders(stock, opt, s, backend, quant)
     meta = _meta(s, desc, backend, cuda)
     vocab = stock.config.vocab_size
     errors: list[str] = []
     b0, s0 = s.prefill[0]
-    parity = _parity(contenders, _ids(b0, s0, vocab, device, s.seed))
+    ids0 = _ids(b0, s0, vocab, device, s.seed)
+    parity, rel = _parity(contenders, ids0)
     for name, text in parity.items():
         log(f"parity {name}: {text}")
+    qinfo = None
+    if quant is not None:
+        qinfo = _quant_info(quant, qreport, s.quantize, ids0)
+        qinfo["logits_rel_err"] = rel.get("quantize", float("nan"))
+        qinfo["logits_ref"] = contenders[0].name
+        for path, shape, err in qinfo["gemm_errors"]:
+            log(f"quantize={s.quantize} GEMM {path} [{shape}]: rel err {err:.3g} vs the 16-bit GEMM")
     scenarios: list[Scenario] = []
     for b, seq in s.prefill:
         sc = Scenario(f"prefill {b}x{seq}", "prefill")
@@ -323,7 +376,7 @@ def run(s: Settings) -> Result:
         del decs
         if cuda:
             torch.cuda.empty_cache()
-    res = Result(s, meta, summary, parity, scenarios, errors, notes=notes)
+    res = Result(s, meta, summary, parity, scenarios, errors, notes=notes, quant=qinfo)
     res.seconds = time.perf_counter() - t0
     return res
 

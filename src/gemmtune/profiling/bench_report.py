@@ -6,6 +6,7 @@ import json
 import math
 import os
 
+from ..models.report import fold_path
 from .bench_model import Result
 from .categorize import CATEGORIES, label
 from .report import COLORS
@@ -36,6 +37,7 @@ def markdown(res: Result, command: str = "") -> str:
     lines += [f"- {k}: {v}" for k, v in m.items() if k != "model"]
     lines += [f"- run time: {res.seconds:.0f} s", ""]
     lines += ["## optimize()", "", "```", res.optimize_summary, "```", ""]
+    lines += _quant_section(res)
     lines += ["Parity (prefill, last-token logits vs the first contender):", ""]
     lines += [f"- {k}: {v}" for k, v in res.parity.items()] + [""]
     lines += [f"Note: {n}" for n in res.notes] + ([""] if res.notes else [])
@@ -80,13 +82,34 @@ def markdown(res: Result, command: str = "") -> str:
     return "\n".join(lines)
 
 
+def _quant_section(res: Result) -> list[str]:
+    q = res.quant
+    if not q:
+        return []
+    out = [f"## optimize(quantize={q['mode']!r}): what runs 8-bit", "", "```", q["summary"], "```", ""]
+    groups: dict[tuple[str, str], list[float]] = {}
+    for path, shape, err in q["gemm_errors"]:
+        groups.setdefault((fold_path(path), shape), []).append(err)
+    if groups:
+        out += ["Each 8-bit GEMM vs the 16-bit GEMM it replaced (same input: the parity prefill's activations), "
+                "relative error ||y8 - y16|| / ||y16||:", ""]  # fmt: skip
+        out += ["| GEMM | N x K | layers | median | max |", "|---|---|---|---|---|"]
+        for (path, shape), errs in groups.items():
+            errs = sorted(errs)
+            out.append(f"| {path} | {shape} | {len(errs)} | {errs[len(errs) // 2]:.2e} | {errs[-1]:.2e} |")
+        out.append("")
+    out += [f"Logits (prefill, last token) relative error vs {q.get('logits_ref', 'stock')}: "
+            f"{_f(q.get('logits_rel_err', float('nan')), 4)}", ""]  # fmt: skip
+    return out
+
+
 def _gemm_section(res: Result, names: list[str]) -> list[str]:
-    out = ["## GEMMs of each scenario (optimize() contenders: what the tables in effect run)", ""]
+    out = ["## GEMMs of each scenario (optimize() / quantize contenders: what the tables in effect run)", ""]
     for sc in res.scenarios:
         for n in names:
             c = sc.cells.get(n)
             p = c and (c.gemm_profile or c.profile)
-            if p is None or "optimize" not in n:
+            if p is None or not ("optimize" in n or "quantize" in n):
                 continue
             out.append(f"{sc.name}, {n}:")
             out.append("")
@@ -96,6 +119,13 @@ def _gemm_section(res: Result, names: list[str]) -> list[str]:
 
 def _num(v: float) -> float | None:
     return None if math.isnan(v) else v
+
+
+def _clean(d: dict | None) -> dict | None:
+    """NaN -> None (JSON has no NaN)."""
+    if d is None:
+        return None
+    return {k: _num(v) if isinstance(v, float) else v for k, v in d.items()}
 
 
 def to_dict(res: Result) -> dict:
@@ -128,10 +158,12 @@ def to_dict(res: Result) -> dict:
             "ctx": s.ctx,
             "reps": s.reps,
             "contenders": list(s.contenders),
+            "quantize": s.quantize,
             "compile_ops": list(s.compile_ops),
         },  # fmt: skip
         "optimize": res.optimize_summary,
         "parity": res.parity,
+        "quantize": _clean(res.quant),
         "notes": res.notes,
         "scenarios": scen,
         "errors": res.errors,
