@@ -67,6 +67,10 @@ FAKE_BACKEND = textwrap.dedent(
                     time.sleep(3600)
                 if k == "nograph":  # a host sync: runs eagerly, cannot be captured in a CUDA graph
                     x.sum().item()
+                if k == "strided" and (x.dim() != 2 or not x.is_contiguous()):  # wrong on padded rows only
+                    return torch.zeros((*x.shape[:-1], w.shape[0]), dtype=key.outdtype, device=x.device)
+                if k == "slowgood":
+                    time.sleep(0.001)
                 if k == "partial":  # leaves the last output column unwritten
                     out = torch.empty((*x.shape[:-1], w.shape[0]), dtype=key.outdtype, device=x.device)
                     out[..., :-1] = F.linear(x, w[:-1], None if b is None else b[:-1])
@@ -149,6 +153,44 @@ def test_check_calls_with_noncontiguous_batched_x():
 
 
 # ---- search -----------------------------------------------------------------------------------------
+def slow_torch_default(monkeypatch, seconds=0.01):
+    real = TorchBackend.make_runner
+
+    def make(self, sol, k, dev):
+        run = real(self, sol, k, dev)
+
+        def slow(x, w, b):
+            time.sleep(seconds)
+            return run(x, w, b)
+
+        return slow
+
+    monkeypatch.setattr(TorchBackend, "make_runner", make)
+
+
+@pytest.mark.parametrize("search", ["fast", "exhaustive"])
+def test_a_winner_wrong_on_another_call_form_never_wins(search, fake, monkeypatch):
+    """The fast search gives every candidate only the plain call before timing: the fastest one here
+    is wrong on padded rows, so the full check of the would-be winner must reject it and the next
+    finalist wins; the exhaustive search rejects it up front. Both end with the same winner."""
+    import fake_backend  # noqa: F401
+
+    monkeypatch.setenv("FAKE_KINDS", "strided,slowgood")
+    slow_torch_default(monkeypatch)
+    res = tune_shape(KEYS[1], CPU, TuneOptions(reps=7, screen_reps=5, search=search))
+    by = {c.name: c for c in res.candidates}
+    assert by["fake:strided"].status == "rejected" and "non-contiguous" in by["fake:strided"].reason
+    assert res.winner.name == "fake:slowgood" and not res.kept_default
+    assert {"check", "screen", "final", "confirm"} <= set(res.phases)  # where the time went, per phase
+    if search == "fast":  # timed before it was rejected: it was the would-be winner
+        assert by["fake:strided"].us == by["fake:strided"].us  # not NaN
+
+
+def test_unknown_search_is_refused():
+    with pytest.raises(ValueError, match="unknown search 'quick'"):
+        tune_shape(KEYS[0], CPU, TuneOptions(search="quick"))
+
+
 def test_bad_candidates_are_rejected_and_reported(fake, tmp_path):
     import fake_backend  # noqa: F401 - registers "fake"
 

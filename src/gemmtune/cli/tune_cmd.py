@@ -9,7 +9,7 @@ import click
 from ..device import parse_device
 from ..errors import GemmtuneError
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
-from ..tuner.search import TuneOptions
+from ..tuner.search import SEARCHES, TuneOptions
 from ..tuner.shapes import parse_nsets
 
 
@@ -106,6 +106,10 @@ def _log(msg: str) -> None:
 @click.option("--stage-limit", type=click.IntRange(min=1), default=None,
               help="Two-stage families (fmoe): time at most this many kernels per backend and stage, the ones "
               "nearest the backend's heuristic (default: all).")  # fmt: skip
+@click.option("--search", type=click.Choice(SEARCHES), default="fast", show_default=True,
+              help="fast: every candidate gets a quick check (its plain call) and is screened, the would-be "
+              "winner the full check (other call forms, graph replay); exhaustive: every candidate gets the "
+              "full check first (~4x slower, same winners up to timing noise: docs/tuner.md).")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Base seed (per shape derived).")
 @click.option(
     "--precompile/--no-precompile",
@@ -117,8 +121,8 @@ def _log(msg: str) -> None:
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
 @click.option("-v", "--verbose", is_flag=True, help="Per-shape and per-rejected-candidate lines.")
 def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, timeout, mp_workers, all_shapes,
-            profile_file, device, family, ms, verify_range, stage_limit, seed, precompile, plugin, progress,
-            verbose) -> None:  # fmt: skip
+            profile_file, device, family, ms, verify_range, stage_limit, search, seed, precompile, plugin,
+            progress, verbose) -> None:  # fmt: skip
     """Tune every shape of SHAPES (aiter's untuned CSV of any GEMM family, or a capture file) and write
     the winners into OUTPUT, a tuned table of the same family.
 
@@ -142,7 +146,7 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
     if err_ratio is not None and not err_ratio > 0:
         raise click.BadParameter("must be > 0", param_hint="--err-ratio")
     opts = TuneOptions(libtypes=libs, err_ratio=err_ratio, min_gain=min_gain, top=top, reps=reps, batch=batch,
-                       seed=seed, verify_range=verify_range, stage_limit=stage_limit)  # fmt: skip
+                       seed=seed, verify_range=verify_range, stage_limit=stage_limit, search=search)  # fmt: skip
     try:
         ladder = parse_nsets(ms) if ms else None
     except ValueError as exc:
