@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from test_m_ranges import slow_default
 
 from gemmtune import backends
 from gemmtune.backends.torch_backend import NATIVE, TorchBackend
@@ -153,21 +154,6 @@ def test_check_calls_with_noncontiguous_batched_x():
 
 
 # ---- search -----------------------------------------------------------------------------------------
-def slow_torch_default(monkeypatch, seconds=0.01):
-    real = TorchBackend.make_runner
-
-    def make(self, sol, k, dev):
-        run = real(self, sol, k, dev)
-
-        def slow(x, w, b):
-            time.sleep(seconds)
-            return run(x, w, b)
-
-        return slow
-
-    monkeypatch.setattr(TorchBackend, "make_runner", make)
-
-
 @pytest.mark.parametrize("search", ["fast", "exhaustive"])
 def test_a_winner_wrong_on_another_call_form_never_wins(search, fake, monkeypatch):
     """The fast search gives every candidate only the plain call before timing: the fastest one here
@@ -176,7 +162,7 @@ def test_a_winner_wrong_on_another_call_form_never_wins(search, fake, monkeypatc
     import fake_backend  # noqa: F401
 
     monkeypatch.setenv("FAKE_KINDS", "strided,slowgood")
-    slow_torch_default(monkeypatch)
+    slow_default(monkeypatch, seconds=0.01)
     res = tune_shape(KEYS[1], CPU, TuneOptions(reps=7, screen_reps=5, search=search))
     by = {c.name: c for c in res.candidates}
     assert by["fake:strided"].status == "rejected" and "non-contiguous" in by["fake:strided"].reason
