@@ -423,6 +423,8 @@ def tune_shape(
     """Tune `key` of `family` on `device`. `exclude` maps candidate names to (status, reason) decided
     elsewhere (a worker that crashed or hung on them); `isolate` screens one candidate at a time;
     `m_lo` is the lowest M the row should answer (default: its own M only)."""
+    if opts.search not in SEARCHES:
+        raise ValueError(f"unknown search {opts.search!r}; known: {', '.join(SEARCHES)}")
     t0 = time.perf_counter()
     phases: dict[str, float] = {}
     lap = _Lap(phases)
@@ -445,8 +447,6 @@ def tune_shape(
     default.err, default.status, default.reason = verdict.err, OK if verdict.ok else REJECTED, verdict.reason
     lap("inputs")
     fast = opts.search == "fast"
-    if opts.search not in SEARCHES:
-        raise ValueError(f"unknown search {opts.search!r}; known: {', '.join(SEARCHES)}")
     staged = None
     if fam.stages:
         from .stages import search_stages  # stages.py builds on this module
