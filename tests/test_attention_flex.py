@@ -235,11 +235,13 @@ def test_compiled_flex_block_sparsity_on_cpu(flex_on_cpu, monkeypatch):
 
 
 # ---- Gemma-2 through optimize() ------------------------------------------------------------------
-def gemma2_pair(device="cpu", dtype=torch.float32, softcap=SOFTCAP):
+def gemma2_pair(device="cpu", dtype=torch.float32, softcap=SOFTCAP, window=None):
     """Stock Gemma-2 on the eager attention implementation (the reference) and an optimized twin.
     q/k projections scaled up so that scores are O(10) and the softcap changes the logits."""
     cfg = tiny_config("gemma2")
     cfg.attn_logit_softcapping = softcap
+    if window is not None:
+        cfg.sliding_window = window
     torch.manual_seed(0)
     stock = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     stock = stock.to(device=device, dtype=dtype).eval()
@@ -412,28 +414,37 @@ def test_gemma2_flex_prefill_then_graph_decode_gpu(flex_gpu):
     """Prefill through flex, decode captured in a CUDA graph: replays give the eager steps' logits."""
     from transformers import StaticCache
 
-    _, opt, _ = gemma2_pair(flex_gpu, torch.bfloat16)
+    # A window past the prefill and the decode steps: once a sliding layer of transformers' StaticCache
+    # is full, its update makes a host tensor per step, which no CUDA graph (stock HF's either) captures.
+    _, opt, _ = gemma2_pair(flex_gpu, torch.bfloat16, window=48)
     ids, _ = long_batch(flex_gpu, b=2, pad=0)
+    n = ids.shape[1] - 3  # prefill n tokens, then decode the last 3
     caches = [StaticCache(config=opt.config, max_cache_len=64) for _ in range(2)]
-    tok = ids[:, :1].clone()
+    tok = ids[:, n : n + 1].clone()
+    pos = torch.tensor([n], device=flex_gpu)  # a static cache_position: a graph replays what it captured
     flex._warm.clear()
     with torch.no_grad():
         for c in caches:
-            opt(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=1)
+            opt(input_ids=ids[:, :n], past_key_values=c, use_cache=True, logits_to_keep=1)
         assert flex._warm, "prefill did not run through flex"
+
+        def step(cache):
+            return opt(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True, logits_to_keep=1)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up steps, the same on both caches
+        with torch.cuda.stream(side):  # warm-up steps at position n, rewritten by the steps below
             for c in caches:
                 for _ in range(2):
-                    opt(input_ids=tok, past_key_values=c, use_cache=True, logits_to_keep=1)
+                    step(c)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = opt(input_ids=tok, past_key_values=caches[1], use_cache=True, logits_to_keep=1).logits
+            out = step(caches[1]).logits
         for t in range(3):
-            tok.copy_(ids[:, t + 1 : t + 2])
-            want = opt(input_ids=tok, past_key_values=caches[0], use_cache=True, logits_to_keep=1).logits
+            tok.copy_(ids[:, n + t : n + t + 1])
+            pos.fill_(n + t)
+            want = step(caches[0]).logits
             graph.replay()
             torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
 
@@ -449,3 +460,18 @@ def test_flex_new_prefill_lengths_keep_flex_gpu(flex_gpu):
             opt(ids, use_cache=False)
     assert not flex._failed, flex._failed
     assert len({sig[0] for sig in flex._warm}) == 3
+
+
+def test_mod_functions_carry_their_constants_in_code_not_closures():
+    """torch.compile makes a closure's int/float symbolic once it saw two values (torch 2.11 then failed
+    to lower flex); the softcap and the window are written into each function's code instead."""
+    s, q, kv = torch.tensor([0.5, 30.0, -7.0]), torch.tensor([5, 5, 9]), torch.tensor([5, 1, 2])
+    for cap in (2.0, 50.0):
+        fn = flex.score_mod(cap)
+        assert fn.__closure__ is None and flex.score_mod(cap) is fn
+        torch.testing.assert_close(fn(s, 0, 0, q, kv), torch.tanh(s / cap) * cap)
+    for window in (3, 4096):
+        fn = flex.causal_mask_mod(window)
+        assert fn.__closure__ is None and flex.causal_mask_mod(window) is fn
+        assert fn(0, 0, q, kv).tolist() == ((q >= kv) & (q - kv < window)).tolist()
+    assert flex.causal_mask_mod(3) is not flex.causal_mask_mod(4)

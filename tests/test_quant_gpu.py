@@ -154,11 +154,16 @@ def llama3_4_layers():
     return model
 
 
-# Same bounds as the CPU test (tests/test_quant_models.py), by the same reasoning: one 8-bit GEMM's
-# error vs bf16 is what e4m3 (3 mantissa bits on both operands: ~3.5%) or int8 (~1%) rounding gives,
-# and 4 layers of residual stream do not compound it beyond ~3x at the logits.
-GEMM_BOUNDS = {"int8": 0.02, "fp8": 0.06, "fp8-block": 0.06}
-LOGIT_BOUNDS = {"int8": 0.04, "fp8": 0.12, "fp8-block": 0.12}
+# One 8-bit GEMM's error vs the bf16 GEMM is what the format's rounding gives: e4m3 keeps 3 mantissa
+# bits on both operands (measured 3.7% on every Llama-3-8B projection), int8 per token ~1.2%, 3.0% on
+# down_proj (its input, silu(gate) * up, has outlier rows). Through 4 layers of a random-weight model the
+# logits' error grows to ~7x the per-GEMM error (fp8: 0.25, int8: 0.11; H100), so the bound vs bf16 is
+# 10x the largest GEMM error. The kernels are held tighter per GEMM: against the plain-PyTorch quantized
+# linear (models.quantize.reference_forward) on the same input, where only the output's rounding and an
+# activation value quantized one step apart (kernel vs torch rounding of a tie) may differ. (At the
+# logits that comparison is loose again: one step apart in layer 0 grows like any other error.)
+GEMM_BOUNDS = {"int8": 0.05, "fp8": 0.06, "fp8-block": 0.06}
+REFERENCE_BOUND = 0.01
 
 
 @pytest.mark.parametrize("mode", ["fp8", "fp8-block", "int8"])
@@ -166,7 +171,7 @@ def test_llama3_8b_4_layers_quantized_errors_bounded(mode, llama3_4_layers):
     import copy
 
     import gemmtune
-    from gemmtune.models.quantize import gemm_errors
+    from gemmtune.models.quantize import gemm_errors, reference_forward
 
     stock = llama3_4_layers
     ids = torch.randint(0, stock.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
@@ -188,8 +193,11 @@ def test_llama3_8b_4_layers_quantized_errors_bounded(mode, llama3_4_layers):
         print(f"{mode} {path} [{shape}] rel err {err:.3e}")
         assert 0 < err < GEMM_BOUNDS[mode], (path, err)
     err = _rel(logits["q"], ref)
-    print(f"{mode} logits rel err {err:.3e}")
-    assert 0 < err < LOGIT_BOUNDS[mode]
+    print(f"{mode} logits rel err vs bf16 {err:.3e}")
+    assert 0 < err < 10 * max(e for _, _, e in errs)
+    for path, shape, err in gemm_errors(model, run, against=reference_forward):
+        print(f"{mode} {path} [{shape}] rel err vs the plain-PyTorch quantized reference {err:.3e}")
+        assert err < REFERENCE_BOUND, (path, err)
     gemmtune.restore(model)
     with torch.no_grad():
         torch.testing.assert_close(model(ids, use_cache=False).logits.float(), ref, rtol=1e-3, atol=1e-3)

@@ -71,3 +71,29 @@ def test_per_gemm_error_is_reported():
     report = gemmtune.optimize(_llama(), quantize="fp8")
     errs = [float(c.rsplit("weight rel err ", 1)[1].rstrip(")")) for c in report.changed if "weight rel err" in c]
     assert errs and all(0 < e < 0.06 for e in errs)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8", "fp8-block"])
+def test_reference_forward_is_the_quantized_linear_in_plain_pytorch(mode):
+    """reference_forward (what the GPU test holds the kernels to) against a hand-written dequantized matmul."""
+    from gemmtune.models.quantize import quantize_linears, reference_forward
+    from gemmtune.models.report import OptimizeReport
+    from gemmtune.quant import quantize as q
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 136, bias=True)
+    quantize_linears(torch.nn.Sequential(lin), mode, OptimizeReport("unknown", "none", "", {}))
+    x = torch.randn(3, 5, 256)
+    dt = torch.float8_e4m3fn if "fp8" in mode else torch.int8
+    if mode == "fp8-block":
+        wq, ws = q.quantize_128x128(lin.weight.detach(), dt)
+        xq, xs = q.quantize_1x128(x.reshape(-1, 256), dt)
+        want = q.dequantize_1x128(xq, xs) @ q.dequantize_128x128(wq, ws).t()
+    else:
+        wq, ws = q.quantize_per_channel(lin.weight.detach(), dt)
+        xq, xs = q.quantize_per_token(x.reshape(-1, 256), dt)
+        want = q.dequantize(xq, xs) @ q.dequantize(wq, ws.reshape(-1, 1)).t()
+    want = (want + lin.bias.detach()).view(3, 5, 136)
+    got = reference_forward(lin, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x), got, rtol=1e-4, atol=1e-4)  # on the CPU the module runs the reference too

@@ -335,3 +335,28 @@ def test_malformed_existing_output_is_an_error_not_overwritten(tmp_path):
     r = CliRunner().invoke(cli, ["tune", shapes, "-o", str(out), "--no-progress"])
     assert r.exit_code != 0 and "missing column" in r.output
     assert out.read_text() == "not,a,table\n1,2,3\n"
+
+
+def test_close_calls_get_a_second_round_and_clear_ones_do_not():
+    """Step 5: a gain near --min-gain, or a runner-up near the best, is timed again (both modes)."""
+    from gemmtune.tuner.search import OK, CandidateResult, _close_call, _Pool
+
+    def pool_of(times):
+        pool = _Pool()
+        for name, us in times.items():
+            pool.results[name] = CandidateResult("triton", name, 0, 1, status=OK, us=us)
+        return pool
+
+    opts = TuneOptions(min_gain=0.03)
+    default = CandidateResult("torch", "native", 0, 1, status=OK, us=100.0)
+    clear_win = pool_of({"a": 80.0, "b": 90.0})
+    assert _close_call(clear_win, ["a", "b"], default, 0.0, opts) == []
+    clear_loss = pool_of({"a": 99.5})
+    assert _close_call(clear_loss, ["a"], default, 0.0, opts) == []
+    near_line = pool_of({"a": 97.5, "b": 105.0})  # gain 2.6%: within MARGIN of 3%
+    assert _close_call(near_line, ["a", "b"], default, 0.0, opts) == ["a"]
+    assert _close_call(near_line, ["a", "b"], default, 0.06, opts) == []  # the noise moved the line to 6%
+    near_pair = pool_of({"b": 81.0, "a": 80.0, "c": 95.0})
+    assert _close_call(near_pair, ["b", "a", "c"], default, 0.0, opts) == ["a", "b"]
+    near_pair.results["a"].status = "rejected"
+    assert _close_call(near_pair, ["b", "a", "c"], default, 0.0, opts) == []

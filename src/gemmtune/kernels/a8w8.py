@@ -85,8 +85,8 @@ def _a8w8_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, ite
             w = tl.load(w_ptrs)
         else:
             k_ok = (k + offs_k) < K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0)
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         # Triton 3.6 asserts acc.dtype == out_dtype (fp32 unless given): int8 must say int32.
         acc = tl.dot(x, w, acc, out_dtype=acc.dtype)
         x_ptrs += BLOCK_K

@@ -67,17 +67,25 @@ _SCORE_MODS: dict = {}
 _CAUSAL_MODS: dict = {}
 
 
+def _baked(name: str, params: str, expr: str, value) -> object:
+    """A mod function with `value` written into its code, not captured in a closure: torch.compile
+    treats a closure's int/float as an input, and once two values of one closure were seen it makes
+    it symbolic; torch 2.11 then failed to lower flex ("unbacked_bindings", H100). A constant in the
+    code object is guarded by the function's identity instead: one compiled kernel per value."""
+    src = f"def {name}({params}):\n    return {expr}\n"
+    ns: dict = {"torch": torch}
+    exec(compile(src, f"<gemmtune.flex {name} {value!r}>", "exec"), ns)  # noqa: S102 - our own fixed text
+    return ns[name]
+
+
 def score_mod(softcap: float | None):
     """score -> softcap * tanh(score / softcap), the eager formula on the scaled scores; None for none."""
     if softcap is None:
         return None
     if softcap not in _SCORE_MODS:
         cap = float(softcap)
-
-        def capped(score, b, h, q_idx, kv_idx):
-            return torch.tanh(score / cap) * cap
-
-        _SCORE_MODS[softcap] = capped
+        expr = f"torch.tanh(score / {cap!r}) * {cap!r}"
+        _SCORE_MODS[softcap] = _baked("capped", "score, b, h, q_idx, kv_idx", expr, cap)
     return _SCORE_MODS[softcap]
 
 
@@ -89,10 +97,8 @@ def causal_mask_mod(window: int | None):
             def mod(b, h, q_idx, kv_idx):
                 return q_idx >= kv_idx
         else:
-
-            def mod(b, h, q_idx, kv_idx):
-                return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-
+            window = int(window)
+            mod = _baked("windowed", "b, h, q_idx, kv_idx", f"(q_idx >= kv_idx) & (q_idx - kv_idx < {window})", window)
         _CAUSAL_MODS[window] = mod
     return _CAUSAL_MODS[window]
 

@@ -77,6 +77,25 @@ def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
     return gemm_a8w8(xq, st.wq, xs, st.ws, bias, out)
 
 
+def reference_forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The plain-PyTorch reference of a quantized linear's forward: the same quantizers (quant/quantize.py)
+    on x, the dequantized operands multiplied in fp32, the output in x's dtype. What the 8-bit kernels
+    must match up to their accumulation order and output rounding."""
+    st: QuantState = mod.__dict__[_STATE]
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if st.mode == "fp8-block":
+        xq, xs = quantize.quantize_1x128(x2, st.wq.dtype)
+        xd, wd = quantize.dequantize_1x128(xq, xs), quantize.dequantize_128x128(st.wq, st.ws.contiguous())
+    else:
+        xq, xs = quantize.quantize_per_token(x2, st.wq.dtype)
+        xd, wd = quantize.dequantize(xq, xs), quantize.dequantize(st.wq, st.ws.reshape(-1, 1))
+    y = xd @ wd.t()
+    if st.bias is not None:
+        y = y + st.bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
 def _quantize_weight(w: torch.Tensor, mode: str, device) -> tuple[torch.Tensor, torch.Tensor, float]:
     kind, fmt = MODES[mode]
     dt = formats.native_fp8(device) if fmt == "fp8" else torch.int8
@@ -141,17 +160,18 @@ def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:
                       f"{wq.dtype} {scales}, weight rel err {err:.1e}")  # fmt: skip
 
 
-def gemm_errors(model: nn.Module, run) -> list[tuple[str, str, float]]:
+def gemm_errors(model: nn.Module, run, against=None) -> list[tuple[str, str, float]]:
     """Call run() once with every quantized linear of `model` watched: the relative error of its 8-bit
-    output against the 16-bit GEMM it replaced (F.linear with the kept weight) on the same input.
-    Returns [(module path, "NxK", ||y8 - y16|| / ||y16||)] in module order."""
+    output against the 16-bit GEMM it replaced (F.linear with the kept weight) on the same input, or
+    against `against(module, x)` (e.g. reference_forward). Returns [(module path, "NxK", ||y8 - ref|| /
+    ||ref||)] in module order, the largest over the calls."""
     found: dict[str, list[float]] = {}
     handles = []
 
     def watch(path, mod):
         def hook(_mod, args, y):
             with torch.no_grad():
-                ref = F.linear(args[0], mod.weight, mod.bias).float()
+                ref = (F.linear(args[0], mod.weight, mod.bias) if against is None else against(mod, args[0])).float()
                 err = ((y.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
             found.setdefault(path, []).append(err)
 
