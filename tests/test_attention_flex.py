@@ -411,42 +411,42 @@ def test_gemma2_flex_tier_inductor_gpu(flex_gpu):
 
 @pytest.mark.gpu
 def test_gemma2_flex_prefill_then_graph_decode_gpu(flex_gpu):
-    """Prefill through flex, decode captured in a CUDA graph: replays give the eager steps' logits."""
+    """Prefill through flex, then a decode step captured in a CUDA graph: the replay gives the eager
+    step's logits. (Stock Gemma-2 on its eager attention fails this capture in transformers 5.17: a
+    host-to-device copy in its decode step, H100.)"""
     from transformers import StaticCache
 
     # A window past the prefill and the decode steps: once a sliding layer of transformers' StaticCache
     # is full, its update makes a host tensor per step, which no CUDA graph (stock HF's either) captures.
     _, opt, _ = gemma2_pair(flex_gpu, torch.bfloat16, window=48)
     ids, _ = long_batch(flex_gpu, b=2, pad=0)
-    n = ids.shape[1] - 3  # prefill n tokens, then decode the last 3
+    n = ids.shape[1] - 3
     caches = [StaticCache(config=opt.config, max_cache_len=64) for _ in range(2)]
     tok = ids[:, n : n + 1].clone()
-    pos = torch.tensor([n], device=flex_gpu)  # a static cache_position: a graph replays what it captured
     flex._warm.clear()
+
+    def step(cache):
+        return opt(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
     with torch.no_grad():
         for c in caches:
             opt(input_ids=ids[:, :n], past_key_values=c, use_cache=True, logits_to_keep=1)
         assert flex._warm, "prefill did not run through flex"
-
-        def step(cache):
-            return opt(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True, logits_to_keep=1)
-
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up steps at position n, rewritten by the steps below
+        with torch.cuda.stream(side):  # one warm-up step on each cache: both stay in the same state
             for c in caches:
-                for _ in range(2):
-                    step(c)
+                step(c)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = step(caches[1]).logits
-        for t in range(3):
-            tok.copy_(ids[:, n + t : n + t + 1])
-            pos.fill_(n + t)
-            want = step(caches[0]).logits
-            graph.replay()
-            torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
+        # A captured step replays the cache positions it was captured at (transformers derives them on
+        # the host), so it is compared once, against the eager step from the same cache state.
+        tok.copy_(ids[:, n + 1 : n + 2])
+        want = step(caches[0]).logits.float()
+        graph.replay()
+        torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
