@@ -8,8 +8,9 @@ qwen3-32b (tp 1); decode M in 1, 8, 16; prefill M in 1024, 2048, 4096. Contender
 - torch: torch._scaled_mm (fp8 rowwise; fp8 blockwise where the probe of this torch/cuBLAS finds it
   right, see backends/blockwise.py, else the dequantize path, marked) or torch._int_mm + scales (int8;
   M <= 16 falls back to dequantize, marked);
-- tuned: the fastest of every gemmtune candidate (Triton configs and the torch solutions) on a screen
-  (8 repeats), re-timed against the others (20 repeats) on fresh inputs: what the tuner would pick;
+- tuned: the fastest of every gemmtune candidate (every available backend of the family: Triton tile
+  configs, the skinny split-K configs for M <= 16, the torch solutions) on a screen (8 repeats),
+  re-timed against the others (20 repeats) on fresh inputs: what the tuner would pick;
 - tuned+q: tuned plus the dynamic per-token (or 1x128) activation quantization kernel before it.
 Method (BENCHMARKING.md): CUDA-graph replay over rotating cold input sets > 2x L2, contenders
 interleaved in one process, median of repeats; ceilings (read bandwidth, bf16 matmul) measured in the
@@ -39,6 +40,7 @@ from gemmtune.backends import blockwise
 from gemmtune.families.quantized import FP8, BlockKey, QuantKey
 from gemmtune.kernels.quant import quantize_1x128_triton, quantize_per_token_triton
 from gemmtune.keys import GemmKey
+from gemmtune.tuner.search import TuneOptions, precompile_all
 from gemmtune.tuner.timing import MAX_SETS, l2_bytes, measure_ceilings, roof_us, time_graphs
 
 SUITE = [("llama-3-8b", 1), ("llama-3-70b", 8), ("qwen3-32b", 1)]
@@ -76,6 +78,17 @@ def _bf16_sets(key: GemmKey, dev, n_sets, seed):
         )
         for _ in range(n_sets)
     ]
+
+
+def precompile(fmts, shapes, ms, dev, workers: int) -> None:
+    """Compile the candidates that compile on their first call (skinny) in parallel processes first."""
+    t0 = time.time()
+    fails = []
+    for fmt in fmts:
+        fam_name, make_key, _ = FORMATS[fmt]
+        keys = [make_key(m, n, k) for _, _, n, k in shapes for m in ms]
+        fails += precompile_all(keys, dev, TuneOptions(), workers=workers, family=fam_name)
+    print(f"precompile: {time.time() - t0:.0f} s, {len(fails)} failed", *(f"\n  {f}" for f in fails[:10]))
 
 
 def bench_point(fmt, label, layer, m, n, k, dev, ceil, args, seed):
@@ -218,6 +231,7 @@ def main():
     ap.add_argument("--models-dir", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--screen-reps", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=16, help="precompile processes (0: compile on first call)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = pathlib.Path(args.out)
@@ -229,6 +243,8 @@ def main():
     shapes, sources = suite_shapes(find_models_dir(args.models_dir), SUITE)
     print("shapes from:", ", ".join(sources))
     ms = [int(v) for v in args.ms.split(",")] if args.ms else MS[args.suite]
+    if args.workers:
+        precompile(args.formats.split(","), shapes, ms, dev, args.workers)
     rows, t0 = [], time.time()
     for fmt in args.formats.split(","):
         for i, (label, layer, n, k) in enumerate(shapes):

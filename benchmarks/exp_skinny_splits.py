@@ -79,18 +79,19 @@ def _split_cfg(kind, bn, bk, sk, w, s, key):
 def skinny_variants(key: GemmKey, families) -> dict[str, ks.SkinnyConfig]:
     """{family:name: config} of the studied families, each config plain and with PDL (pdl2)."""
     sms, _, smem_sm = bs._device_limits("cuda", 0)
+    shape = bs.Shape.of(key)
     bm = ks.SkinnyConfig("gemv", 8, 16).block_m(key.M)
     fits = lambda bn, bk, w: bm * bn * bk <= 128 * 32 * w  # noqa: E731 - the gemv register bound
     cfgs = []  # (family, config)
     if "split" in families:
         cfgs += [("split", _split_cfg("dot", *t[:2], sk, *t[2:], key)) for t in bs._DOT_TILES for sk in SPLITS]
     if "tiles" in families:
-        cfgs += [("tiles", bs._config("dot", *t, key, sms, smem_sm)) for t in EXTRA_TILES]
+        cfgs += [("tiles", bs._config("dot", *t, shape, sms, smem_sm)) for t in EXTRA_TILES]
     if "stages" in families:
-        cfgs += [("stages", bs._config("dot", *t, key, sms, smem_sm)) for t in LOW_STAGE_TILES]
+        cfgs += [("stages", bs._config("dot", *t, shape, sms, smem_sm)) for t in LOW_STAGE_TILES]
     if "gemvstages" in families:
         cfgs += [
-            ("gemvstages", bs._config("gemv", bn, bk, w, st, key, sms, smem_sm))
+            ("gemvstages", bs._config("gemv", bn, bk, w, st, shape, sms, smem_sm))
             for bn, bk, w in GEMV_TILES
             if fits(bn, bk, w)
             for st in (2, 3, 4)

@@ -45,3 +45,16 @@ def nan_outputs(module):
         yield
     finally:
         module._empty = saved
+
+
+def assert_replays_bit_equal(run, args, eager: torch.Tensor, name: str, replays: int = 3) -> None:
+    """Capture run(*args) in a CUDA graph; every replay into the NaN-filled output must equal `eager`
+    bit for bit (split-K arrival counters re-armed, nothing left unwritten)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(*args)
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"{name}: graph replay differs from eager"

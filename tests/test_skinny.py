@@ -16,6 +16,7 @@ import zlib
 
 import pytest
 import torch
+from kernel_cases import assert_replays_bit_equal
 
 from gemmtune.keys import GemmKey
 
@@ -256,14 +257,7 @@ def test_gpu_graph_replay_bit_exact(gpu, M, N, K):
         with torch.cuda.stream(s):
             run(x, w, b)
         torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run(x, w, b)
-        for _ in range(3):  # the split-K arrival counters must be re-armed after every replay
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager), f"{sol.kernel_name}: graph replay differs from eager"
+        assert_replays_bit_equal(run, (x, w, b), eager, sol.kernel_name)
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ _BUILTIN = {
         "TritonBlockscaleBackend",
         "TritonBlockscaleBPreshuffleBackend",
     ),  # fmt: skip
+    "gemmtune.backends.skinny_quant": ("SkinnyA8W8Backend", "SkinnyA8W8BPreshuffleBackend"),
     "gemmtune.backends.moe": ("TorchMoeBackend", "TritonMoeBackend"),
     "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),
     "gemmtune.backends.blaslt_batched": ("BlasLtBatchedBackend",),

@@ -16,6 +16,7 @@ measured in benchmarks/results/skinny_h100.md. GEMMTUNE_PDL=0 runs every PDL row
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,26 +94,42 @@ def _pick_split(n_tiles: int, k_iters: int, slots: int) -> int:
     return best
 
 
-def _config(kind: str, bn: int, bk: int, w: int, s: int, key: GemmKey, sms: int, smem_sm: int):
+class Shape(NamedTuple):
+    """What the config choice reads of a key: the GEMM's M, N, K and the operands' element size."""
+
+    M: int
+    N: int
+    K: int
+    elem: int
+
+    @classmethod
+    def of(cls, key: GemmKey) -> Shape:
+        return cls(key.M, key.N, key.K, key.dtype.itemsize)
+
+
+def _config(kind: str, bn: int, bk: int, w: int, s: int, shape: Shape, sms: int, smem_sm: int):
     probe = SkinnyConfig(kind, bn, bk, 1, w, s)
-    slots = sms * _ctas_per_sm(probe, key.dtype.itemsize, smem_sm, key.M)
-    sk = _pick_split(triton.cdiv(key.N, bn), triton.cdiv(key.K, bk), slots)
+    slots = sms * _ctas_per_sm(probe, shape.elem, smem_sm, shape.M)
+    sk = _pick_split(triton.cdiv(shape.N, bn), triton.cdiv(shape.K, bk), slots)
     return SkinnyConfig(kind, bn, bk, sk, w, s, REDUCE_FIXUP if sk > 1 else REDUCE_NONE)
 
 
-def _configs(key: GemmKey, device: torch.device) -> list[SkinnyConfig]:
+def tile_configs(shape: Shape, device: torch.device, dot_tiles=_DOT_TILES, gemv_tiles=_GEMV_TILES,
+                 reduce_kernel: bool = True) -> list[SkinnyConfig]:  # fmt: skip
+    """The configs offered for `shape`: each tile that fits the shared memory, split to fill one wave
+    (and, with `reduce_kernel`, its partials + reduce-kernel twin), plus the PDL variants on sm90+."""
     sms, smem, smem_sm = _device_limits(device.type, device.index)
-    tiles = [("dot", bn, bk, w, s) for bn, bk, w, s in _DOT_TILES]
-    if key.M <= ks.GEMV_MAX_ROWS:
-        bm = SkinnyConfig("gemv", 8, 16).block_m(key.M)
+    tiles = [("dot", bn, bk, w, s) for bn, bk, w, s in dot_tiles]
+    if shape.M <= ks.GEMV_MAX_ROWS:
+        bm = SkinnyConfig("gemv", 8, 16).block_m(shape.M)
         # At most 128 fp32 accumulator registers a thread (more spills: seen with 8x1024 at M=4).
-        tiles += [("gemv", bn, bk, w, 1) for bn, bk, w in _GEMV_TILES if bm * bn * bk <= 128 * 32 * w]
+        tiles += [("gemv", bn, bk, w, 1) for bn, bk, w in gemv_tiles if bm * bn * bk <= 128 * 32 * w]
     out = []
     for kind, bn, bk, w, s in tiles:
-        if _smem_bytes(SkinnyConfig(kind, bn, bk, 1, w, s), key.dtype.itemsize) <= smem:
-            cfg = _config(kind, bn, bk, w, s, key, sms, smem_sm)
+        if _smem_bytes(SkinnyConfig(kind, bn, bk, 1, w, s), shape.elem) <= smem:
+            cfg = _config(kind, bn, bk, w, s, shape, sms, smem_sm)
             out.append(cfg)
-            if cfg.uses_dot and cfg.split_k > 1:  # partials + reduce kernel: measured within 2% of the fix-up
+            if reduce_kernel and cfg.uses_dot and cfg.split_k > 1:  # measured within 2% of the fix-up
                 out.append(dataclasses.replace(cfg, reduce=ks.REDUCE_KERNEL))
     if pdl_enabled(device):
         out += [dataclasses.replace(c, pdl=p) for c in out if c.reduce != ks.REDUCE_KERNEL for p in _PDL_VARIANTS]
@@ -151,7 +168,7 @@ class SkinnyBackend(Backend):
     def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
         if not self._key_ok(key):
             return []
-        return [_solution(c) for c in _configs(key, torch.device(device))]
+        return [_solution(c) for c in tile_configs(Shape.of(key), torch.device(device))]
 
     def default_solution(self, key: GemmKey, device: torch.device) -> Solution | None:
         """The config that won most decode shapes (M <= 16 only): gemv 8x512 at M=1, else the
@@ -163,7 +180,7 @@ class SkinnyBackend(Backend):
         tile = ("gemv", 8, 512, 4, 1) if key.M == 1 else ("dot", 64, 256, 4, 3)
         if _smem_bytes(SkinnyConfig(*tile[:3], 1, *tile[3:]), key.dtype.itemsize) > smem:
             tile = ("dot", 32, 128, 4, 2)  # small shared memory (ROCm LDS, older GPUs)
-        return _solution(_config(*tile, key, sms, smem_sm))
+        return _solution(_config(*tile, Shape.of(key), sms, smem_sm))
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
         cfg = SkinnyConfig.parse(kernel_name)

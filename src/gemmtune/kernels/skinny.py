@@ -1,4 +1,7 @@
 """Small-M ("skinny", decode-time) GEMM kernels: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), M <= 16.
+With 8-bit x and w (both fp8 e4m3 or both int8: kernels/skinny_a8w8.py) the same kernel applies the
+scales in the epilogue, y = (x @ w^T) * x_scale[m] * w_scale[n] (+ bias); the int8 tensor-core dot
+accumulates int32 (exact) and converts to fp32 after the K loop; split-K partials stay unscaled.
 
 At M <= 16 the time is the time to stream w from HBM once, so the kernels are built around that
 stream: split-K so that (N / BLOCK_N) * SPLIT_K programs fill every SM, full-width (16-byte)
@@ -70,9 +73,29 @@ def _overlap_prologue(w_ptr, rows, stride_wn, k0, K, BLOCK_K: tl.constexpr, PDL:
 
 
 @triton.jit
-def _epilogue(acc, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
-    """acc is [BLOCK_N, BLOCK_M] fp32: add the bias, cast to y's dtype, store the valid part."""
+def _apply_scales(acc, xs_ptr, ws_ptr, m, n, m_ok, n_ok, SCALES: tl.constexpr):
+    """8-bit operands (SCALES > 0): acc * x_scale[m] * w_scale[n]. SCALES is a bit set: 1 scaled,
+    2 one x scale per row (else one for all), 4 one w scale per column (else one for all)."""
+    if SCALES & 2:
+        acc = acc * tl.load(xs_ptr + m, mask=m_ok, other=0.0)
+    else:
+        acc = acc * tl.load(xs_ptr)
+    if SCALES & 4:
+        acc = acc * tl.load(ws_ptr + n, mask=n_ok, other=0.0)
+    else:
+        acc = acc * tl.load(ws_ptr)
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, xs_ptr, ws_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+              SCALES: tl.constexpr):  # fmt: skip
+    """acc is [BLOCK_N, BLOCK_M] fp32: scale (8-bit operands), add the bias, cast to y's dtype, store
+    the valid part."""
     n_ok = offs_n < N
+    if SCALES:
+        acc = _apply_scales(acc, xs_ptr, ws_ptr, offs_m[None, :], offs_n[:, None], (offs_m < M)[None, :],
+                            n_ok[:, None], SCALES)  # fmt: skip
     if HAS_BIAS:
         b = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         acc = acc + b[:, None]
@@ -84,6 +107,8 @@ def _epilogue(acc, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.c
 def _reduce_splits(
     acc,
     b_ptr,
+    xs_ptr,
+    ws_ptr,
     y_ptr,
     p_ptr,
     c_ptr,
@@ -94,14 +119,19 @@ def _reduce_splits(
     stride_ym,
     HAS_BIAS: tl.constexpr,
     REDUCE: tl.constexpr,
+    SCALES: tl.constexpr,
 ):
-    """Everything after the K loop: store y, or hand the partial to the chosen split-K reduction."""
+    """Everything after the K loop: store y, or hand the partial to the chosen split-K reduction.
+    Partials are unscaled fp32; 8-bit scales are applied once, to the sum (ATOMIC: to each partial)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     if REDUCE == 0:
-        _epilogue(acc, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+        _epilogue(acc, b_ptr, xs_ptr, ws_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, SCALES)
     elif REDUCE == 3:
+        if SCALES:
+            acc = _apply_scales(acc, xs_ptr, ws_ptr, offs_m[None, :], offs_n[:, None], (offs_m < M)[None, :],
+                                (offs_n < N)[:, None], SCALES)  # fmt: skip
         if HAS_BIAS:
             if pid_k == 0:
                 acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
@@ -122,7 +152,7 @@ def _reduce_splits(
                 for s in range(0, split_k):  # fixed order: deterministic result
                     total += tl.load(p_ptr + s * M * N + p_offs, mask=mask, other=0.0, volatile=True)
                 tl.atomic_xchg(c_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-arm for the next launch
-                _epilogue(total, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+                _epilogue(total, b_ptr, xs_ptr, ws_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, SCALES)
 
 
 @triton.jit(do_not_specialize=["M", "iters_per_split"])
@@ -133,6 +163,8 @@ def _skinny_kernel(
     y_ptr,
     p_ptr,
     c_ptr,
+    xs_ptr,
+    ws_ptr,
     M,
     N,
     K,
@@ -150,6 +182,8 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     PDL: tl.constexpr = 0,
+    SCALES: tl.constexpr = 0,  # 8-bit operands: see _apply_scales
+    ACC_INT: tl.constexpr = False,  # int8 operands: the tensor-core dot accumulates int32 (exact)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -166,7 +200,10 @@ def _skinny_kernel(
         x_k = offs_k[:, None]
         x_ok = offs_m[None, :] < M
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + x_k) * stride_xk
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if ACC_INT:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:  # x tile [BLOCK_M, BLOCK_K]; sum over K only once, after the loop (no cross-thread work in it)
         x_k = offs_k[None, :]
         x_ok = offs_m[:, None] < M
@@ -181,19 +218,24 @@ def _skinny_kernel(
             w = tl.load(w_ptrs, mask=(k + offs_k)[None, :] < K, other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=x_ok & ((k + x_k) < K), other=0.0, eviction_policy="evict_last")
         if USE_DOT:
-            acc = tl.dot(w, x, acc, input_precision=DOT_PREC)
+            # Triton 3.6 asserts acc.dtype == out_dtype (fp32 unless given): int8 must say int32.
+            acc = tl.dot(w, x, acc, input_precision=DOT_PREC, out_dtype=acc.dtype)
         else:
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
     if not USE_DOT:
         acc = tl.trans(tl.sum(acc, axis=2))  # [BLOCK_N, BLOCK_M], the layout the epilogue takes
-    _reduce_splits(acc, b_ptr, y_ptr, p_ptr, c_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, REDUCE)
+    elif ACC_INT:
+        acc = acc.to(tl.float32)
+    _reduce_splits(acc, b_ptr, xs_ptr, ws_ptr, y_ptr, p_ptr, c_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, REDUCE,
+                   SCALES)  # fmt: skip
 
 
 @triton.jit
-def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, split_k, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """y = sum_s partials[s] (+ bias), cast; partials are [split_k, M, N] fp32, summed in order."""
+def _splitk_reduce_kernel(p_ptr, b_ptr, xs_ptr, ws_ptr, y_ptr, M, N, split_k, stride_ym, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr, SCALES: tl.constexpr = 0):  # fmt: skip
+    """y = sum_s partials[s] (* scales) (+ bias), cast; partials are [split_k, M, N] fp32, summed in order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mn = M * N
     ok = offs < mn
@@ -202,6 +244,8 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, split_k, stride_ym, HAS_BIA
         acc += tl.load(p_ptr + s * mn + offs, mask=ok, other=0.0)
     m = offs // N
     n = offs % N
+    if SCALES:
+        acc = _apply_scales(acc, xs_ptr, ws_ptr, m, n, ok, ok, SCALES)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -312,7 +356,16 @@ class LaunchPlan(NamedTuple):
     constexprs: dict
 
 
-def make_plan(cfg: SkinnyConfig, m: int, n: int, k: int, dtype: torch.dtype) -> LaunchPlan:
+def scale_code(scales: tuple[torch.Tensor, torch.Tensor] | None) -> int:
+    """The kernel's SCALES bits for 8-bit operands' (x_scale, w_scale): 0 without scales, else 1, plus
+    2 for one x scale per row, plus 4 for one w scale per column (a 1-element scale is broadcast)."""
+    if scales is None:
+        return 0
+    xs, ws = scales
+    return 1 + 2 * (xs.numel() > 1) + 4 * (ws.numel() > 1)
+
+
+def make_plan(cfg: SkinnyConfig, m: int, n: int, k: int, dtype: torch.dtype, scales: int = 0) -> LaunchPlan:
     split, per = cfg.effective_split(k)
     reduce = cfg.reduce if split > 1 else REDUCE_NONE
     block_m = cfg.block_m(m)
@@ -328,6 +381,8 @@ def make_plan(cfg: SkinnyConfig, m: int, n: int, k: int, dtype: torch.dtype) -> 
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if scales:  # 8-bit operands (only then: the float kernels keep their exact launch)
+        consts.update(SCALES=scales, ACC_INT=dtype == torch.int8)
     if cfg.pdl:
         if not HAS_PDL:
             raise ValueError(f"skinny {cfg.name}: this Triton has no programmatic dependent launch")
@@ -343,18 +398,22 @@ def launch(
     y: torch.Tensor,
     counters: torch.Tensor | None = None,
     plan: LaunchPlan | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Compute y[M, N] = x2[M, K] @ w[N, K]^T (+ bias) into y (any float dtype) with one config.
 
     x2 may be strided; w must have unit stride along K (callers make it so). `counters` must come
     from new_counters() with max_rows >= M for the FIXUP reduction. No host sync, no memset (except
     for the measurement-only ATOMIC reduction), so it can be captured in a CUDA graph.
+    8-bit x2 and w (both fp8 e4m3 or both int8) take `scales` = (x_scale, w_scale), fp32 and
+    contiguous: [M, 1] or 1 element, [1, N] or 1 element; y = (x2 @ w^T) * x_scale * w_scale (+ bias).
+    A given `plan` must have been made with scale_code(scales).
     """
     m, k = x2.shape
     n = w.shape[0]
     if m == 0 or n == 0:
         return y
-    plan = plan or make_plan(cfg, m, n, k, x2.dtype)
+    plan = plan or make_plan(cfg, m, n, k, x2.dtype, scale_code(scales))
     reduce = plan.reduce
     has_bias = bias is not None
     out = y
@@ -371,6 +430,7 @@ def launch(
         out,
         p,
         counters if counters is not None else p,
+        *(scales or (p, p)),
         m,
         n,
         k,
@@ -386,6 +446,7 @@ def launch(
         _splitk_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
             p,
             bias if has_bias else y,
+            *(scales or (p, p)),
             y,
             m,
             n,
@@ -393,6 +454,7 @@ def launch(
             y.stride(0),
             HAS_BIAS=has_bias,
             BLOCK=_REDUCE_BLOCK,
+            SCALES=plan.constexprs.get("SCALES", 0),
             num_warps=4,
         )
     elif out is not y:

@@ -1,0 +1,138 @@
+"""Skinny (small-M, decode-time) 8-bit GEMMs for the a8w8 families: the kernel configs of
+kernels/skinny.py run on fp8 e4m3 / int8 operands, scales in the epilogue (kernels/skinny_a8w8.py).
+
+libtype "skinny"; a solution's kernel_name is `a8w8_` + the skinny config string
+(a8w8_skinny_dot_bn64_bk512_sk2_w4_s3_fx_pdl2), its solidx the crc of that name. Offered for
+M <= MAX_TUNE_M. The tiles are backends/skinny.py's, each as measured for bf16 and with twice its
+block_k (1-byte elements: the same bytes per tile as the bf16 tile), split to fill one wave with the
+in-kernel FIXUP reduction, plus the PDL variants on sm90+. The partials + reduce-kernel twin is not
+offered (measured within 2% of the fix-up for bf16); its rows still parse and run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..kernels import skinny as ks
+from ..kernels import skinny_a8w8 as k8
+from ..kernels._common import HAS_TRITON, pdl_enabled
+from .base import Backend, Runner, Solution, stable_solidx
+from .quantized import _OUT_DTYPES, _native_a8w8, _tensor_core_fp8
+from .skinny import _DOT_TILES, _GEMV_TILES, MAX_ROWS, Shape, _device_limits, _smem_bytes, tile_configs
+
+MAX_TUNE_M = 16
+PREFIX = "a8w8_"
+_DOT_TILES_8BIT = tuple(dict.fromkeys(t for bn, bk, w, s in _DOT_TILES for t in ((bn, bk, w, s), (bn, 2 * bk, w, s))))
+_GEMV_TILES_8BIT = tuple(dict.fromkeys(t for bn, bk, w in _GEMV_TILES for t in ((bn, bk, w), (bn, 2 * bk, w))))
+
+
+def configs(key, device: torch.device) -> list[ks.SkinnyConfig]:
+    """The skinny configs offered for an a8w8 key (QuantKey)."""
+    shape = Shape(key.M, key.N, key.K, 1)
+    return tile_configs(shape, device, _DOT_TILES_8BIT, _GEMV_TILES_8BIT, reduce_kernel=False)
+
+
+def parse(kernel_name: str) -> ks.SkinnyConfig | None:
+    """The config an `a8w8_skinny_...` name spells; None for anything else (or a config an 8-bit
+    GEMM must not run: the non-deterministic atomic reduction, a dot step shallower than 32)."""
+    if not kernel_name.startswith(PREFIX):
+        return None
+    cfg = ks.SkinnyConfig.parse(kernel_name[len(PREFIX) :])
+    if cfg is None or cfg.reduce == ks.REDUCE_ATOMIC or (cfg.uses_dot and cfg.block_k < k8.DOT_MIN_BLOCK_K):
+        return None
+    return cfg
+
+
+def solution(cfg: ks.SkinnyConfig) -> Solution:
+    name = PREFIX + cfg.name
+    return Solution("skinny", name, stable_solidx(name), cfg.split_k)
+
+
+class SkinnyA8W8Backend(Backend):
+    name = "skinny"
+    family = "a8w8"
+    compiles_on_first_call = True  # launch plans (and so the kernels) are made on the first call
+
+    def is_available(self, device: torch.device) -> bool:
+        return HAS_TRITON and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+    def unavailable_reason(self, device: torch.device) -> str:
+        if not HAS_TRITON:
+            return "triton is not installed"
+        return "" if self.is_available(device) else "the skinny (Triton) 8-bit GEMMs need a CUDA or ROCm GPU"
+
+    def _key_ok(self, key) -> bool:
+        q_ok = key.q_dtype_w == torch.int8 or _tensor_core_fp8(key.q_dtype_w)
+        return q_ok and key.outdtype in _OUT_DTYPES and 0 < key.M <= MAX_TUNE_M and key.N > 0 and 0 < key.K and (
+            key.N * key.K < 2**31)  # fmt: skip
+
+    def runner_scope(self, solution: Solution, key) -> tuple:
+        return self.m_agnostic_scope(key)  # launch plans are made per M inside the runner
+
+    def candidates(self, key, device: torch.device) -> list[Solution]:
+        if not self._key_ok(key):
+            return []
+        return [solution(c) for c in configs(key, torch.device(device))]
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        cfg = parse(kernel_name)
+        return None if cfg is None else solution(cfg)
+
+    def supports(self, solution: Solution, key, device: torch.device) -> bool:
+        if solution.libtype != self.name or not self._key_ok(key):
+            return False
+        cfg = parse(solution.kernel_name)
+        if cfg is None:
+            return False
+        device = torch.device(device)
+        return _smem_bytes(cfg, 1) <= _device_limits(device.type, device.index)[1]
+
+    def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
+        cfg = parse(solution.kernel_name)
+        if cfg is None or not self.supports(solution, key, device):
+            raise ValueError(f"skinny a8w8: solution {solution.describe()} cannot run {key.describe()} on {device}")
+        return _make_runner(cfg, key, torch.device(device))
+
+    def precompile(self, jobs: list, device: torch.device, workers: int = 8) -> list:
+        """Compile every (config, key) in `workers` processes by running each once; they fill
+        Triton's on-disk cache, so the tuner then loads them."""
+        from .triton_gemm import compile_in_workers
+
+        uniq = {(sol.kernel_name, key): None for sol, key in jobs}
+        return compile_in_workers(type(self), list(uniq), device, workers)
+
+
+class SkinnyA8W8BPreshuffleBackend(SkinnyA8W8Backend):
+    family = "a8w8_bpreshuffle"  # on NVIDIA the pre-shuffled weight is the plain [N, K] one
+
+
+def _make_runner(cfg: ks.SkinnyConfig, key, device: torch.device) -> Runner:
+    if cfg.pdl and not pdl_enabled(device):
+        cfg = dataclasses.replace(cfg, pdl=0)  # same kernel, plain launch
+    n, k, out_dtype = key.N, key.K, key.outdtype
+    # The FIXUP counters live as long as the runner (back at 0 after every launch): one runner must
+    # not run on two streams at the same time.
+    counters = ks.new_counters(cfg, n, MAX_ROWS, device)
+    plans: dict[tuple, ks.LaunchPlan] = {}
+    large: dict[int, Runner] = {}  # past MAX_ROWS rows this is no decode GEMM: what an untuned key runs
+
+    def run(xq, wq, xs, ws, bias):
+        m = xq.shape[0]
+        if wq.shape != (n, k) or xq.shape[1] != k:
+            raise ValueError(f"skinny a8w8 runner for N={n} K={k} called with xq {tuple(xq.shape)}, "
+                             f"wq {tuple(wq.shape)}")  # fmt: skip
+        if m > MAX_ROWS:
+            if m not in large:
+                large[m] = _native_a8w8(key._replace(M=m), device)
+            return large[m](xq, wq, xs, ws, bias)
+        code = ks.scale_code((xs, ws))
+        plan = plans.get((m, code, xq.dtype))
+        if plan is None:
+            k8.check_operands(xq, wq, xs, ws, bias, cfg)
+            plan = plans[(m, code, xq.dtype)] = ks.make_plan(cfg, m, n, k, xq.dtype, code)
+        y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+        return ks.launch(cfg, xq, wq, bias, y, counters, plan, (xs, ws))
+
+    return run
