@@ -36,6 +36,22 @@ def compare(y, y_ref, y32, shape, dtype, scale: float) -> dict:
     }
 
 
+# Relative error bounds of an 8-bit GEMM against its dequantized fp32 reference, by output dtype: fp32,
+# the accumulation order only; fp16 / bf16, the output rounding (unit roundoff 2^-11 / 2^-8).
+REL_ERR = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 6e-3}
+
+
+def rel_outcome(y: torch.Tensor, ref: torch.Tensor, shape, dtype) -> dict:
+    """An output against its fp32 reference: NaN count, relative (Frobenius) error, shape and dtype ok."""
+    err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    return {"nan": int(torch.isnan(y).sum()), "err": err, "ok": tuple(y.shape) == tuple(shape) and y.dtype == dtype}
+
+
+def assert_rel_outcome(r: dict, out: str) -> None:
+    assert r["nan"] == 0 and r["ok"], r
+    assert r["err"] < REL_ERR[out], r
+
+
 @contextlib.contextmanager
 def nan_outputs(module):
     """Make `module._empty` hand out NaN-filled outputs, so an element a kernel skips fails the check."""
@@ -58,3 +74,61 @@ def assert_replays_bit_equal(run, args, eager: torch.Tensor, name: str, replays:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager), f"{name}: graph replay differs from eager"
+
+
+def check_every_candidate(be, fam, key, device) -> list:
+    """Every candidate `be` offers for `key` passes the tuner's check of family `fam` (its layout
+    variants included) and replays bit-equal to eager in a CUDA graph. Returns the candidates."""
+    from gemmtune.tuner.check import check_runner
+
+    sols = be.candidates(key, device)
+    be.precompile([(s, key) for s in sols], device, workers=8)  # compile in parallel, then load each
+    inputs = fam.make_inputs(key, device, 1, seed=key.M)[0]
+    ref = fam.reference(key, inputs)
+    for sol in sols:
+        run = be.make_runner(sol, key, device)
+        verdict = check_runner(run, key, inputs, ref, family=fam)
+        assert verdict.ok, (sol.kernel_name, verdict.reason)
+        assert_replays_bit_equal(run, inputs, run(*inputs).clone(), sol.kernel_name, replays=2)
+    return sols
+
+
+def check_past_max_rows_and_dispatch(be, fam, key, device, dispatcher, op) -> None:
+    """A skinny runner called past MAX_ROWS hands off to the untuned default, and a tuned row of `be`'s
+    first candidate runs through `op(*inputs)` (gemmtune's custom op) within the family's threshold."""
+    from gemmtune.backends.skinny import MAX_ROWS
+    from gemmtune.configs.schema import TunedRow
+    from gemmtune.configs.table import ConfigTable
+    from gemmtune.device import identity
+    from gemmtune.dispatch import resolve
+
+    def assert_close(run, k, seed):
+        inputs = fam.make_inputs(k, device, 1, seed=seed)[0]
+        y, ref = run(*inputs), fam.reference(k, inputs)
+        assert ((y.float() - ref).norm() / ref.norm()).item() < fam.error_threshold(key), k
+
+    sol = be.candidates(key, device)[0]
+    assert_close(be.make_runner(sol, key, device), key._replace(M=MAX_ROWS + 5), 3)
+    ident = identity(device)
+    row = TunedRow(ident.gfx, ident.cu_num, key, "skinny", sol.solidx, sol.splitk, 5.0, sol.kernel_name, family=fam)
+    dispatcher.set_config(ConfigTable([row], family=fam.name))
+    assert resolve(key, device, family=fam.name).solution == sol
+    assert_close(op, key, 4)
+
+
+def skinny_candidate_kinds(be, key, prefix: str) -> set:
+    """Check a skinny 8-bit backend's candidates for `key` on the CPU (none run): named `prefix`skinny_...,
+    solidx the crc of the name, no reduce-kernel twins, each parsed back from its row and supported, none
+    past M=16. Returns the kernel kinds offered."""
+    from gemmtune.backends.base import stable_solidx
+
+    cpu = torch.device("cpu")
+    sols = be.candidates(key, cpu)
+    assert len(sols) >= 8
+    for sol in sols:
+        assert sol.libtype == "skinny" and sol.kernel_name.startswith(prefix + "skinny_")
+        assert sol.solidx == stable_solidx(sol.kernel_name) and not sol.kernel_name.endswith("_rk")
+        assert be.solution_from_row(sol.solidx, sol.kernel_name, sol.splitk) == sol
+        assert be.supports(sol, key, cpu)
+    assert be.candidates(key._replace(M=17), cpu) == []
+    return {sol.kernel_name.split("_")[2] for sol in sols}

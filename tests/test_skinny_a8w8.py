@@ -16,7 +16,15 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import assert_replays_bit_equal, kernel_results, nan_outputs
+from kernel_cases import (
+    assert_rel_outcome,
+    check_every_candidate,
+    check_past_max_rows_and_dispatch,
+    kernel_results,
+    nan_outputs,
+    rel_outcome,
+    skinny_candidate_kinds,
+)
 
 from gemmtune.families.quantized import FP8, QuantKey
 
@@ -66,9 +74,7 @@ def run_case(case, device: str) -> dict:
     args = [t.to(device) if t is not None else None for t in (xq, wq, xs, ws, b)]
     with nan_outputs(k8):
         y = k8.skinny_a8w8(*args, out_dtype=_DT[out], cfg=SkinnyConfig.parse(cfg_name))
-    ref = k8.skinny_a8w8_ref(*args).double()
-    err = ((y.double() - ref).norm() / ref.norm()).item()
-    return {"nan": int(torch.isnan(y).sum()), "err": err, "ok": tuple(y.shape) == (m, n) and y.dtype == _DT[out]}
+    return rel_outcome(y, k8.skinny_a8w8_ref(*args), (m, n), _DT[out])
 
 
 def run_cases(cases, device):
@@ -82,10 +88,7 @@ def results():
 
 @pytest.mark.parametrize("case", ALL, ids=_name)
 def test_kernel_matches_reference(case, results):
-    r = results[_name(case)]
-    assert r["nan"] == 0 and r["ok"], r
-    # fp32 out: accumulation order only; fp16 / bf16: the output rounding (unit roundoff 2^-11 / 2^-8).
-    assert r["err"] < {"fp32": 1e-5, "fp16": 1e-3, "bf16": 6e-3}[case[7]], r
+    assert_rel_outcome(results[_name(case)], case[7])
 
 
 # ---- solutions (no kernels run) -----------------------------------------------------------------
@@ -93,7 +96,6 @@ def test_kernel_matches_reference(case, results):
 
 def test_candidates_round_trip_and_stay_decode_only():
     from gemmtune import backends
-    from gemmtune.backends.base import stable_solidx
 
     cpu = torch.device("cpu")
     for fam in ("a8w8", "a8w8_bpreshuffle"):
@@ -102,15 +104,7 @@ def test_candidates_round_trip_and_stay_decode_only():
         seen = set()
         for m, n, k, dt in [(1, 1280, 8192, FP8), (4, 77, 203, torch.int8), (16, 8192, 1024, FP8)]:
             key = QuantKey(m, n, k, dt, "per_token", m == 4, torch.float16 if m == 4 else torch.bfloat16)
-            sols = be.candidates(key, cpu)
-            assert len(sols) >= 8
-            for sol in sols:
-                assert sol.libtype == "skinny" and sol.kernel_name.startswith("a8w8_skinny_")
-                assert sol.solidx == stable_solidx(sol.kernel_name) and not sol.kernel_name.endswith("_rk")
-                assert be.solution_from_row(sol.solidx, sol.kernel_name, sol.splitk) == sol
-                assert be.supports(sol, key, cpu)
-                seen.add(sol.kernel_name.split("_")[2])
-            assert be.candidates(key._replace(M=17), cpu) == []
+            seen |= skinny_candidate_kinds(be, key, "a8w8_")
             assert be.candidates(key._replace(outdtype=torch.float64), cpu) == []
         assert seen == {"dot", "gemv"}
 
@@ -154,19 +148,9 @@ _GPU_KEYS = [QuantKey(1, 1000, 1030, dt, "per_token", True, torch.bfloat16) for 
 @pytest.mark.parametrize("key", _GPU_KEYS, ids=lambda k: k.describe().replace(" ", "_"))
 def test_gpu_every_candidate_passes_the_family_check_and_replays_bit_equal(gpu, key):
     from gemmtune import backends, families
-    from gemmtune.tuner.check import check_runner
 
-    fam, be = families.get("a8w8"), backends.get("skinny", "a8w8")
-    sols = be.candidates(key, gpu)
+    sols = check_every_candidate(backends.get("skinny", "a8w8"), families.get("a8w8"), key, gpu)
     assert any("_fx" in s.kernel_name for s in sols)
-    be.precompile([(s, key) for s in sols], gpu, workers=8)  # compile in parallel, then load each
-    inputs = fam.make_inputs(key, gpu, 1, seed=key.M)[0]
-    ref = fam.reference(key, inputs)
-    for sol in sols:
-        run = be.make_runner(sol, key, gpu)
-        verdict = check_runner(run, key, inputs, ref, family=fam)
-        assert verdict.ok, (sol.kernel_name, verdict.reason)
-        assert_replays_bit_equal(run, inputs, run(*inputs).clone(), sol.kernel_name, replays=2)
 
 
 @pytest.mark.gpu
@@ -174,30 +158,11 @@ def test_gpu_runner_past_max_rows_and_op_dispatch(gpu, clean_dispatch):
     """A runner called past MAX_ROWS hands off to the untuned default; a tuned row with libtype
     skinny runs through gemmtune's gemm_a8w8 op."""
     from gemmtune import backends, families
-    from gemmtune.backends.skinny import MAX_ROWS
-    from gemmtune.configs.schema import TunedRow
-    from gemmtune.configs.table import ConfigTable
-    from gemmtune.device import identity
-    from gemmtune.dispatch import resolve
     from gemmtune.ops import quantized as qops
 
     fam, be = families.get("a8w8"), backends.get("skinny", "a8w8")
     key = QuantKey(4, 1280, 8192, FP8, "per_token", False, torch.bfloat16)
-    sol = be.candidates(key, gpu)[0]
-    big = key._replace(M=MAX_ROWS + 5)
-    inputs = fam.make_inputs(big, gpu, 1, seed=3)[0]
-    y = be.make_runner(sol, key, gpu)(*inputs)
-    ref = fam.reference(big, inputs)
-    assert ((y.float() - ref).norm() / ref.norm()).item() < fam.error_threshold(key)
-
-    ident = identity(gpu)
-    row = TunedRow(ident.gfx, ident.cu_num, key, "skinny", sol.solidx, sol.splitk, 5.0, sol.kernel_name, family=fam)
-    clean_dispatch.set_config(ConfigTable([row], family="a8w8"))
-    assert resolve(key, gpu, family="a8w8").solution == sol
-    xq, wq, xs, ws, _ = fam.make_inputs(key, gpu, 1, seed=4)[0]
-    y = qops.gemm_a8w8(xq, wq, xs, ws, None, torch.bfloat16)
-    ref = fam.reference(key, (xq, wq, xs, ws, None))
-    assert ((y.float() - ref).norm() / ref.norm()).item() < fam.error_threshold(key)
+    check_past_max_rows_and_dispatch(be, fam, key, gpu, clean_dispatch, lambda *a: qops.gemm_a8w8(*a, torch.bfloat16))
 
 
 if __name__ == "__main__":  # the interpreter subprocess

@@ -32,6 +32,7 @@ _BUILTIN = {
         "TritonBlockscaleBPreshuffleBackend",
     ),  # fmt: skip
     "gemmtune.backends.skinny_quant": ("SkinnyA8W8Backend", "SkinnyA8W8BPreshuffleBackend"),
+    "gemmtune.backends.skinny_blockscale": ("SkinnyBlockscaleBackend", "SkinnyBlockscaleBPreshuffleBackend"),
     "gemmtune.backends.moe": ("TorchMoeBackend", "TritonMoeBackend"),
     "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),
     "gemmtune.backends.blaslt_batched": ("BlasLtBatchedBackend",),

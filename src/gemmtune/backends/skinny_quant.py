@@ -34,19 +34,21 @@ def configs(key, device: torch.device) -> list[ks.SkinnyConfig]:
     return tile_configs(shape, device, _DOT_TILES_8BIT, _GEMV_TILES_8BIT, reduce_kernel=False)
 
 
-def parse(kernel_name: str) -> ks.SkinnyConfig | None:
-    """The config an `a8w8_skinny_...` name spells; None for anything else (or a config an 8-bit
-    GEMM must not run: the non-deterministic atomic reduction, a dot step shallower than 32)."""
-    if not kernel_name.startswith(PREFIX):
-        return None
-    cfg = ks.SkinnyConfig.parse(kernel_name[len(PREFIX) :])
-    if cfg is None or cfg.reduce == ks.REDUCE_ATOMIC or (cfg.uses_dot and cfg.block_k < k8.DOT_MIN_BLOCK_K):
-        return None
-    return cfg
+def _config_ok(cfg: ks.SkinnyConfig) -> bool:
+    """Not a config an 8-bit GEMM must run: the non-deterministic atomic reduction, a dot step shallower than 32."""
+    return cfg.reduce != ks.REDUCE_ATOMIC and not (cfg.uses_dot and cfg.block_k < k8.DOT_MIN_BLOCK_K)
 
 
-def solution(cfg: ks.SkinnyConfig) -> Solution:
-    name = PREFIX + cfg.name
+def parse(kernel_name: str, prefix: str = PREFIX, ok=_config_ok) -> ks.SkinnyConfig | None:
+    """The config a `<prefix>skinny_...` name spells; None for anything else or a config `ok` refuses."""
+    if not kernel_name.startswith(prefix):
+        return None
+    cfg = ks.SkinnyConfig.parse(kernel_name[len(prefix) :])
+    return cfg if cfg is not None and ok(cfg) else None
+
+
+def solution(cfg: ks.SkinnyConfig, prefix: str = PREFIX) -> Solution:
+    name = prefix + cfg.name
     return Solution("skinny", name, stable_solidx(name), cfg.split_k)
 
 
@@ -54,6 +56,15 @@ class SkinnyA8W8Backend(Backend):
     name = "skinny"
     family = "a8w8"
     compiles_on_first_call = True  # launch plans (and so the kernels) are made on the first call
+    prefix = PREFIX  # a subclass for another scale scheme overrides prefix, _config_ok, _configs, _runner
+    _config_ok = staticmethod(_config_ok)
+    _configs = staticmethod(configs)
+
+    def _parse(self, kernel_name: str) -> ks.SkinnyConfig | None:
+        return parse(kernel_name, self.prefix, self._config_ok)
+
+    def _runner(self, cfg: ks.SkinnyConfig, key, device: torch.device) -> Runner:
+        return make_runner(cfg, key, device, k8.check_operands, ks.scale_code, lambda k: _native_a8w8(k, device))
 
     def is_available(self, device: torch.device) -> bool:
         return HAS_TRITON and torch.device(device).type == "cuda" and torch.cuda.is_available()
@@ -74,26 +85,27 @@ class SkinnyA8W8Backend(Backend):
     def candidates(self, key, device: torch.device) -> list[Solution]:
         if not self._key_ok(key):
             return []
-        return [solution(c) for c in configs(key, torch.device(device))]
+        return [solution(c, self.prefix) for c in self._configs(key, torch.device(device))]
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        cfg = parse(kernel_name)
-        return None if cfg is None else solution(cfg)
+        cfg = self._parse(kernel_name)
+        return None if cfg is None else solution(cfg, self.prefix)
 
     def supports(self, solution: Solution, key, device: torch.device) -> bool:
         if solution.libtype != self.name or not self._key_ok(key):
             return False
-        cfg = parse(solution.kernel_name)
+        cfg = self._parse(solution.kernel_name)
         if cfg is None:
             return False
         device = torch.device(device)
         return _smem_bytes(cfg, 1) <= _device_limits(device.type, device.index)[1]
 
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
-        cfg = parse(solution.kernel_name)
+        cfg = self._parse(solution.kernel_name)
         if cfg is None or not self.supports(solution, key, device):
-            raise ValueError(f"skinny a8w8: solution {solution.describe()} cannot run {key.describe()} on {device}")
-        return _make_runner(cfg, key, torch.device(device))
+            raise ValueError(f"skinny {self.family}: solution {solution.describe()} cannot run {key.describe()} on "
+                             f"{device}")  # fmt: skip
+        return self._runner(cfg, key, torch.device(device))
 
     def precompile(self, jobs: list, device: torch.device, workers: int = 8) -> list:
         """Compile every (config, key) in `workers` processes by running each once; they fill
@@ -108,7 +120,10 @@ class SkinnyA8W8BPreshuffleBackend(SkinnyA8W8Backend):
     family = "a8w8_bpreshuffle"  # on NVIDIA the pre-shuffled weight is the plain [N, K] one
 
 
-def _make_runner(cfg: ks.SkinnyConfig, key, device: torch.device) -> Runner:
+def make_runner(cfg: ks.SkinnyConfig, key, device: torch.device, check, code_of, fallback) -> Runner:
+    """A runner of `cfg` for `key`'s N and K, any M: run(xq, wq, xs, ws[, bias]). check(xq, wq, xs, ws,
+    [bias,] cfg) validates a new M's operands, code_of((xs, ws)) gives its scale code (ks.scale_code),
+    fallback(key at M) the runner past MAX_ROWS rows."""
     if cfg.pdl and not pdl_enabled(device):
         cfg = dataclasses.replace(cfg, pdl=0)  # same kernel, plain launch
     n, k, out_dtype = key.N, key.K, key.outdtype
@@ -118,21 +133,21 @@ def _make_runner(cfg: ks.SkinnyConfig, key, device: torch.device) -> Runner:
     plans: dict[tuple, ks.LaunchPlan] = {}
     large: dict[int, Runner] = {}  # past MAX_ROWS rows this is no decode GEMM: what an untuned key runs
 
-    def run(xq, wq, xs, ws, bias):
+    def run(xq, wq, xs, ws, *bias):
         m = xq.shape[0]
         if wq.shape != (n, k) or xq.shape[1] != k:
-            raise ValueError(f"skinny a8w8 runner for N={n} K={k} called with xq {tuple(xq.shape)}, "
+            raise ValueError(f"skinny {cfg.name} runner for N={n} K={k} called with xq {tuple(xq.shape)}, "
                              f"wq {tuple(wq.shape)}")  # fmt: skip
         if m > MAX_ROWS:
             if m not in large:
-                large[m] = _native_a8w8(key._replace(M=m), device)
-            return large[m](xq, wq, xs, ws, bias)
-        code = ks.scale_code((xs, ws))
+                large[m] = fallback(key._replace(M=m))
+            return large[m](xq, wq, xs, ws, *bias)
+        code = code_of((xs, ws))
         plan = plans.get((m, code, xq.dtype))
         if plan is None:
-            k8.check_operands(xq, wq, xs, ws, bias, cfg)
+            check(xq, wq, xs, ws, *bias, cfg)
             plan = plans[(m, code, xq.dtype)] = ks.make_plan(cfg, m, n, k, xq.dtype, code)
         y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-        return ks.launch(cfg, xq, wq, bias, y, counters, plan, (xs, ws))
+        return ks.launch(cfg, xq, wq, bias[0] if bias else None, y, counters, plan, (xs, ws), code == ks.SCALE_BLOCKS)
 
     return run

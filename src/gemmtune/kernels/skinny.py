@@ -2,6 +2,11 @@
 With 8-bit x and w (both fp8 e4m3 or both int8: kernels/skinny_a8w8.py) the same kernel applies the
 scales in the epilogue, y = (x @ w^T) * x_scale[m] * w_scale[n] (+ bias); the int8 tensor-core dot
 accumulates int32 (exact) and converts to fp32 after the K loop; split-K partials stay unscaled.
+With fp8 block scales (kernels/skinny_blockscale.py: x_scale per 1x128 group, w_scale per 128x128
+block, any strides) the scales vary along K, so they cannot wait for the epilogue: each BLOCK_K step
+(BLOCK_K divides 128, BLOCK_N <= 128, so a step lies in one K group and a tile in one N block) scales
+its partial product by x_scale[m, g] * w_scale[n // 128, g] before adding it to the fp32 accumulator;
+split-K partials are then already scaled and the reductions only sum them.
 
 At M <= 16 the time is the time to stream w from HBM once, so the kernels are built around that
 stream: split-K so that (N / BLOCK_N) * SPLIT_K programs fill every SM, full-width (16-byte)
@@ -88,6 +93,14 @@ def _apply_scales(acc, xs_ptr, ws_ptr, m, n, m_ok, n_ok, SCALES: tl.constexpr):
 
 
 @triton.jit
+def _group_scales(xs_ptr, ws_ptr, offs_m, M, n_block, g, stride_xsm, stride_xsk, stride_wsn, stride_wsk):
+    """Block scales of K group g for a tile in one 128-row N block: x_scale[m, g] * w_scale[n_block, g]
+    per row m ([BLOCK_M] fp32; 0 past M, where x is 0 too)."""
+    xs = tl.load(xs_ptr + offs_m * stride_xsm + g * stride_xsk, mask=offs_m < M, other=0.0)
+    return xs * tl.load(ws_ptr + n_block * stride_wsn + g * stride_wsk)
+
+
+@triton.jit
 def _epilogue(acc, b_ptr, xs_ptr, ws_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr,
               SCALES: tl.constexpr):  # fmt: skip
     """acc is [BLOCK_N, BLOCK_M] fp32: scale (8-bit operands), add the bias, cast to y's dtype, store
@@ -155,7 +168,8 @@ def _reduce_splits(
                 _epilogue(total, b_ptr, xs_ptr, ws_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, SCALES)
 
 
-@triton.jit(do_not_specialize=["M", "iters_per_split"])
+# The scale strides follow M (M-major x_scale) or a weight's padding: no recompile per M or layout.
+@triton.jit(do_not_specialize=["M", "iters_per_split", "stride_xsm", "stride_xsk", "stride_wsn", "stride_wsk"])
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -173,6 +187,10 @@ def _skinny_kernel(
     stride_xk,
     stride_wn,
     stride_ym,
+    stride_xsm,
+    stride_xsk,
+    stride_wsn,
+    stride_wsk,
     HAS_BIAS: tl.constexpr,
     REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -184,6 +202,7 @@ def _skinny_kernel(
     PDL: tl.constexpr = 0,
     SCALES: tl.constexpr = 0,  # 8-bit operands: see _apply_scales
     ACC_INT: tl.constexpr = False,  # int8 operands: the tensor-core dot accumulates int32 (exact)
+    BLOCK_SCALES: tl.constexpr = False,  # fp8 block scales, applied per BLOCK_K step (module doc)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -217,7 +236,14 @@ def _skinny_kernel(
         else:
             w = tl.load(w_ptrs, mask=(k + offs_k)[None, :] < K, other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=x_ok & ((k + x_k) < K), other=0.0, eviction_policy="evict_last")
-        if USE_DOT:
+        if BLOCK_SCALES:
+            s = _group_scales(xs_ptr, ws_ptr, offs_m, M, pid_n * BLOCK_N // 128, k // 128, stride_xsm, stride_xsk,
+                              stride_wsn, stride_wsk)  # fmt: skip
+            if USE_DOT:
+                acc += tl.dot(w, x, input_precision=DOT_PREC, out_dtype=tl.float32) * s[None, :]
+            else:  # the scale folds into the x row: no extra multiply per weight element
+                acc += (x.to(tl.float32) * s[:, None])[:, None, :] * w.to(tl.float32)[None, :, :]
+        elif USE_DOT:
             # Triton 3.6 asserts acc.dtype == out_dtype (fp32 unless given): int8 must say int32.
             acc = tl.dot(w, x, acc, input_precision=DOT_PREC, out_dtype=acc.dtype)
         else:
@@ -356,6 +382,9 @@ class LaunchPlan(NamedTuple):
     constexprs: dict
 
 
+SCALE_BLOCKS = 8  # the scale code of fp8 block scales (in the K loop; the epilogue's SCALES stay 0)
+
+
 def scale_code(scales: tuple[torch.Tensor, torch.Tensor] | None) -> int:
     """The kernel's SCALES bits for 8-bit operands' (x_scale, w_scale): 0 without scales, else 1, plus
     2 for one x scale per row, plus 4 for one w scale per column (a 1-element scale is broadcast)."""
@@ -381,7 +410,11 @@ def make_plan(cfg: SkinnyConfig, m: int, n: int, k: int, dtype: torch.dtype, sca
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if scales:  # 8-bit operands (only then: the float kernels keep their exact launch)
+    if scales == SCALE_BLOCKS:
+        if cfg.block_n > 128 or 128 % cfg.block_k or k % 128:
+            raise ValueError(f"skinny {cfg.name}: block scales need block_n <= 128, block_k | 128, K={k} % 128 == 0")
+        consts.update(BLOCK_SCALES=True)
+    elif scales:  # 8-bit operands (only then: the float kernels keep their exact launch)
         consts.update(SCALES=scales, ACC_INT=dtype == torch.int8)
     if cfg.pdl:
         if not HAS_PDL:
@@ -399,6 +432,7 @@ def launch(
     counters: torch.Tensor | None = None,
     plan: LaunchPlan | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_scales: bool = False,
 ) -> torch.Tensor:
     """Compute y[M, N] = x2[M, K] @ w[N, K]^T (+ bias) into y (any float dtype) with one config.
 
@@ -407,13 +441,16 @@ def launch(
     for the measurement-only ATOMIC reduction), so it can be captured in a CUDA graph.
     8-bit x2 and w (both fp8 e4m3 or both int8) take `scales` = (x_scale, w_scale), fp32 and
     contiguous: [M, 1] or 1 element, [1, N] or 1 element; y = (x2 @ w^T) * x_scale * w_scale (+ bias).
-    A given `plan` must have been made with scale_code(scales).
+    With `block_scales`, `scales` are fp8 block scales instead: x_scale [M, K/128], w_scale
+    [ceil(N/128), K/128], any strides. A given `plan` must have been made with scale_code(scales)
+    (block scales: SCALE_BLOCKS).
     """
     m, k = x2.shape
     n = w.shape[0]
     if m == 0 or n == 0:
         return y
-    plan = plan or make_plan(cfg, m, n, k, x2.dtype, scale_code(scales))
+    plan = plan or make_plan(cfg, m, n, k, x2.dtype, SCALE_BLOCKS if block_scales else scale_code(scales))
+    scale_strides = (*scales[0].stride(), *scales[1].stride()) if plan.constexprs.get("BLOCK_SCALES") else (0,) * 4
     reduce = plan.reduce
     has_bias = bias is not None
     out = y
@@ -439,6 +476,7 @@ def launch(
         x2.stride(1),
         w.stride(0),
         out.stride(0),
+        *scale_strides,
         HAS_BIAS=has_bias,
         **plan.constexprs,
     )
