@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -39,6 +40,44 @@ def compare(y, y_ref, y32, shape, dtype, scale: float) -> dict:
 # Relative error bounds of an 8-bit GEMM against its dequantized fp32 reference, by output dtype: fp32,
 # the accumulation order only; fp16 / bf16, the output rounding (unit roundoff 2^-11 / 2^-8).
 REL_ERR = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 6e-3}
+
+
+def quantized_operands(m, n, k, scales, dt, g):
+    """8-bit xq [M, K], wq [N, K] and their fp32 scales from random x, w (unit-variance output): scales
+    per_tensor, per_token (x per row, w per channel), mixed (one x scale, w per channel) or mixed_w
+    (x per row, one w scale)."""
+    from gemmtune.quant import quantize as Q
+
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    x_rows, w_cols = scales in ("per_token", "mixed_w"), scales in ("per_token", "mixed")
+    xq, xs = (Q.quantize_per_token if x_rows else Q.quantize_per_tensor)(x, dt)
+    wq, ws = (Q.quantize_per_channel if w_cols else Q.quantize_per_tensor)(w, dt)
+    return xq, wq, xs, ws
+
+
+def quantized_args(seed_key, m, n, k, scales, dt, out, bias: bool, device) -> list:
+    """[xq, wq, xs, ws, bias or None] on `device` (quantized_operands, then a bias in `out`), drawn from a
+    generator seeded by repr(seed_key)."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr(seed_key).encode()))
+    xq, wq, xs, ws = quantized_operands(m, n, k, scales, dt, g)
+    b = torch.randn(n, generator=g).to(out) if bias else None
+    return [t.to(device) if t is not None else None for t in (xq, wq, xs, ws, b)]
+
+
+def assert_bad_operands_raise(entry, who: str) -> None:
+    """entry(xq, wq, xs, ws[, bias]), an 8-bit GEMM's checked entry, names what is wrong (after `who`)."""
+    xq, wq = torch.zeros(2, 64, dtype=torch.int8), torch.zeros(4, 64, dtype=torch.int8)
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match=f"{who}: xq"):
+        entry(xq, wq[:, :63], one, one)
+    with pytest.raises(ValueError, match="8-bit"):
+        entry(xq.float(), wq.float(), one, one)
+    with pytest.raises(ValueError, match="x_scale"):
+        entry(xq, wq, torch.ones(3, 1), one)
+    with pytest.raises(ValueError, match="w_scale"):
+        entry(xq, wq, one, torch.ones(1, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bias"):
+        entry(xq, wq, one, one, torch.zeros(5))
 
 
 def rel_outcome(y: torch.Tensor, ref: torch.Tensor, shape, dtype) -> dict:
@@ -76,12 +115,12 @@ def assert_replays_bit_equal(run, args, eager: torch.Tensor, name: str, replays:
         assert torch.equal(out, eager), f"{name}: graph replay differs from eager"
 
 
-def check_every_candidate(be, fam, key, device) -> list:
-    """Every candidate `be` offers for `key` passes the tuner's check of family `fam` (its layout
-    variants included) and replays bit-equal to eager in a CUDA graph. Returns the candidates."""
+def check_every_candidate(be, fam, key, device, prefix: str = "") -> list:
+    """Every candidate `be` offers for `key` (named `prefix`...) passes the tuner's check of family
+    `fam` (its layout variants included) and replays bit-equal to eager in a CUDA graph. Returns them."""
     from gemmtune.tuner.check import check_runner
 
-    sols = be.candidates(key, device)
+    sols = [s for s in be.candidates(key, device) if s.kernel_name.startswith(prefix)]
     be.precompile([(s, key) for s in sols], device, workers=8)  # compile in parallel, then load each
     inputs = fam.make_inputs(key, device, 1, seed=key.M)[0]
     ref = fam.reference(key, inputs)

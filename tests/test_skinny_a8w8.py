@@ -12,16 +12,17 @@ tuner's a8w8 check (strided rows, CUDA-graph replay) and replays bit-equal to ea
 from __future__ import annotations
 
 import json
-import zlib
 
 import pytest
 import torch
 from kernel_cases import (
+    assert_bad_operands_raise,
     assert_rel_outcome,
     check_every_candidate,
     check_past_max_rows_and_dispatch,
     kernel_results,
     nan_outputs,
+    quantized_args,
     rel_outcome,
     skinny_candidate_kinds,
 )
@@ -52,26 +53,12 @@ GPU_CASES = [(cfg, dt, 16, 1000, 4099, "per_token", True, "bf16") for cfg in _CF
 ALL = CASES + (GPU_CASES if HAS_GPU else [])
 
 
-def _quantized(m, n, k, scales, dt, g):
-    from gemmtune.quant import quantize as Q
-
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
-    xq, xs = (Q.quantize_per_tensor if scales == "per_tensor" else Q.quantize_per_token)(x, dt)
-    wq, ws = (Q.quantize_per_channel if scales != "per_tensor" else Q.quantize_per_tensor)(w, dt)
-    if scales == "mixed":  # one x scale, per-channel w scales
-        xq, xs = Q.quantize_per_tensor(x, dt)
-    return xq, wq, xs, ws
-
-
 def run_case(case, device: str) -> dict:
     from gemmtune.kernels import skinny_a8w8 as k8
     from gemmtune.kernels.skinny import SkinnyConfig
 
     cfg_name, dt, m, n, k, scales, bias, out = case
-    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
-    xq, wq, xs, ws = _quantized(m, n, k, scales, _DT[dt], g)
-    b = torch.randn(n, generator=g).to(_DT[out]) if bias else None
-    args = [t.to(device) if t is not None else None for t in (xq, wq, xs, ws, b)]
+    args = quantized_args(case, m, n, k, scales, _DT[dt], _DT[out], bias, device)
     with nan_outputs(k8):
         y = k8.skinny_a8w8(*args, out_dtype=_DT[out], cfg=SkinnyConfig.parse(cfg_name))
     return rel_outcome(y, k8.skinny_a8w8_ref(*args), (m, n), _DT[out])
@@ -123,18 +110,7 @@ def test_other_names_give_none(name):
 def test_bad_operands_raise_value_error():
     from gemmtune.kernels.skinny_a8w8 import skinny_a8w8
 
-    xq, wq = torch.zeros(2, 8, dtype=torch.int8), torch.zeros(4, 8, dtype=torch.int8)
-    one = torch.ones(1)
-    with pytest.raises(ValueError, match="K"):
-        skinny_a8w8(xq, wq[:, :7], one, one)
-    with pytest.raises(ValueError, match="8-bit"):
-        skinny_a8w8(xq.float(), wq.float(), one, one)
-    with pytest.raises(ValueError, match="x_scale"):
-        skinny_a8w8(xq, wq, torch.ones(3, 1), one)
-    with pytest.raises(ValueError, match="w_scale"):
-        skinny_a8w8(xq, wq, one, torch.ones(1, 4, dtype=torch.float16))
-    with pytest.raises(ValueError, match="bias"):
-        skinny_a8w8(xq, wq, one, one, torch.zeros(5))
+    assert_bad_operands_raise(skinny_a8w8, "skinny a8w8")
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

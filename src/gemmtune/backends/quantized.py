@@ -12,7 +12,8 @@ torch (the default, libtype "torch"):
 (scaled_mm, scaled_mm_blockwise), else on a CUDA GPU the Triton kernel's heuristic config
 (quant_configs.default_config), else int_mm, else dequant.
 
-triton: kernels/a8w8.py and kernels/blockscale.py configs (kernelName = the config string, solidx its crc).
+triton: kernels/a8w8.py and kernels/blockscale.py configs (kernelName = the config string, solidx its crc);
+a8w8 above M = 32 also the Triton GEMM kernel's 8-bit configs (`a8w8_tg_...`, backends/a8w8_tg.py).
 """
 
 from __future__ import annotations
@@ -299,13 +300,47 @@ class _TritonQuantBackend(Backend):
         return cfg is not None and cfg.kind == self.kind and self.is_available(device) and self._key_ok(key, device)
 
 
+def _tg():
+    """backends/a8w8_tg.py, imported on use (it needs Triton; the torch backends here do not)."""
+    from . import a8w8_tg
+
+    return a8w8_tg
+
+
+def _is_tg(solution: Solution) -> bool:
+    return solution.kernel_name.startswith("a8w8_tg_") and _tg().parse_config(solution.kernel_name) is not None
+
+
 class TritonA8W8Backend(_TritonQuantBackend):
     family = "a8w8"
     kind = "a8w8"
 
+    def candidates(self, key, device: torch.device) -> list[Solution]:
+        sols = super().candidates(key, device)
+        return (sols + _tg().candidates(key, torch.device(device))) if sols else sols
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        if kernel_name.startswith("a8w8_tg_"):
+            return _tg().solution_from_row(solidx, kernel_name)
+        return super().solution_from_row(solidx, kernel_name, splitk)
+
+    def supports(self, solution: Solution, key, device: torch.device) -> bool:
+        if not _is_tg(solution):
+            return super().supports(solution, key, device)
+        ok = self.is_available(device) and self._key_ok(key, device)
+        return ok and _tg().supports(solution.kernel_name, key, torch.device(device))
+
+    def precompile(self, jobs: list, device: torch.device, workers: int = 8) -> list:
+        """Compile the a8w8_tg_ candidates ahead (the a8w8_ tiles compile on their first call)."""
+        return _tg().precompile(type(self), jobs, device, workers)
+
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
         from ..kernels.a8w8 import TileConfig, a8w8_launch
 
+        if _is_tg(solution):
+            if not self.supports(solution, key, device):
+                raise ValueError(f"triton a8w8: {solution.kernel_name} cannot run {key} on {device}")
+            return _tg().make_runner(solution.kernel_name, key, torch.device(device))
         cfg = TileConfig.parse(solution.kernel_name)
         out = key.outdtype
 

@@ -81,6 +81,11 @@ _COMPUTE_TILES = [
     (128, 64, 64, 4, 4),
     (64, 128, 64, 4, 4),
 ]
+# 8-bit operands (a8w8 on this kernel, backends/a8w8_tg.py; offered above M = 32): 128-deep K steps
+# (128 bytes, the bf16 tiles' 64) on the large tiles; 64-row tiles beside them up to M = 128.
+_8BIT_TILES = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 128, 8, 4),
+               (256, 128, 128, 8, 3)]  # fmt: skip
+_8BIT_SHORT_TILES = [(64, 128, 128, 4, 4), (64, 256, 128, 8, 3)]
 _SPLITS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 SPLIT_MODES = ("f", "r")  # in-kernel fixup, separate reduce kernel
 SMEM_MARGIN = 4 * 1024  # barriers and the epilogue's scratch
@@ -91,6 +96,8 @@ PDL_MAX_M = 256
 
 def _tiles_for(key: GemmKey) -> list[tuple[int, int, int, int, int]]:
     M = key.M
+    if key.dtype.itemsize == 1:
+        return _8BIT_TILES + (_8BIT_SHORT_TILES if M <= 128 else [])
     if M <= 64:  # weight streaming: one row-tile as tall as M
         bm = max(16, _next_pow2(M))
         tiles = [(bm, *t) for t in _STREAM_TILES]
@@ -122,12 +129,13 @@ def split_factors(tiles: int, k_tiles: int, sms: int) -> list[int]:
     return sorted({min(one) if one else max(ok), *([min(two)] if two else [])})
 
 
-def config_space(key: GemmKey, hw: Hardware) -> list[TGConfig]:
-    """The configs worth timing for `key` on hardware `hw` (see the module docstring for the pruning)."""
+def config_space(key: GemmKey, hw: Hardware, cls: type[TGConfig] = TGConfig) -> list[TGConfig]:
+    """The configs worth timing for `key` on hardware `hw` (see the module docstring for the pruning), as
+    `cls` (a TGConfig subclass names another family's configs: 8-bit ones take key.dtype int8)."""
     out: list[TGConfig] = []
     tma_ok = hw.tma and (key.K * key.dtype.itemsize) % 16 == 0
     for bm, bn, bk, warps, stages in _tiles_for(key):
-        base = TGConfig(bm, bn, bk, 8, warps, stages)
+        base = cls(bm, bn, bk, 8, warps, stages)
         if not _fits(base, key, hw):
             continue
         tiles = _cdiv(key.M, bm) * _cdiv(key.N, bn)
@@ -136,15 +144,15 @@ def config_space(key: GemmKey, hw: Hardware) -> list[TGConfig]:
         if tiles >= hw.sms // 2:  # enough programs to keep most SMs busy without splitting K
             variants.append(base)
         if tiles > hw.sms:  # several waves: a persistent grid saves launch and tail cost
-            variants.append(TGConfig(bm, bn, bk, 8, warps, stages, persistent=True))
+            variants.append(cls(bm, bn, bk, 8, warps, stages, persistent=True))
         for split in splits:
-            variants += [TGConfig(bm, bn, bk, 8, warps, stages, split, mode) for mode in SPLIT_MODES]
+            variants += [cls(bm, bn, bk, 8, warps, stages, split, mode) for mode in SPLIT_MODES]
         for cfg in variants:
             out.append(cfg)
             if tma_ok:
-                out.append(TGConfig(**{**cfg.__dict__, "tma": True}))
+                out.append(cls(**{**cfg.__dict__, "tma": True}))
     if hw.pdl and key.M <= PDL_MAX_M:
-        out += [TGConfig(**{**c.__dict__, "pdl": 1 if c.tma else 2}) for c in out]
+        out += [cls(**{**c.__dict__, "pdl": 1 if c.tma else 2}) for c in out]
     return out
 
 

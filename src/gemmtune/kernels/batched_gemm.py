@@ -58,6 +58,12 @@ def parse_config(name: str) -> BmmConfig | None:
 
 
 # M and the split-K factor are runtime values so one compiled kernel serves every M and split.
+@triton.jit
+def _store(acc, y, M, N, sym, syn, pid_m, pid_n, BM: tl.constexpr, BN: tl.constexpr):
+    """The plain epilogue: cast and store the tile (no bias, scales or activation)."""
+    _epilogue(acc, y, y, M, N, sym, syn, pid_m, pid_n, BM, BN, False, y, 0, 0, 1.0, 0.0, False, False, 0, y, y, 0, 0)
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _bmm_kernel(
     a, b, c, part, lock, M, N, K,
@@ -79,10 +85,10 @@ def _bmm_kernel(
     # The a16w16 main loop computes x[M, K] @ w[N, K]^T from w's (N, K) strides: b's (K, N) swapped.
     acc = _mainloop(
         a, b, M, N, K, sam, sak, sbn, sbk, pid_m, pid_n, kt0, kt1,
-        BM, BN, BK, EVEN_K, False, INPUT_PREC, STAGES,
+        BM, BN, BK, EVEN_K, False, INPUT_PREC, STAGES, False,
     )  # fmt: skip
     if not IS_SPLIT:
-        _epilogue(acc, c, c, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
+        _store(acc, c, M, N, scm, scn, pid_m, pid_n, BM, BN)
     else:
         pid_k = tl.program_id(2)
         # Partials live per (batch, tile) as [split_k, BM, BN] fp32 blocks: contiguous, no masks.
@@ -93,7 +99,7 @@ def _bmm_kernel(
             arrived = _store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM, BN)
             if arrived == split_k - 1:  # the last split adds all partials (its own included)
                 acc = _sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
-                _epilogue(acc, c, c, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
+                _store(acc, c, M, N, scm, scn, pid_m, pid_n, BM, BN)
                 tl.atomic_xchg(lock + slot, 0, sem="relaxed", scope="gpu")  # ready for the next call
         else:
             tl.store(tile_part + pid_k * (BM * BN) + offs, acc)
@@ -115,7 +121,7 @@ def _bmm_reduce(
     acc = _sum_partials(
         tile_part, offs, split_k, BM, BN, ""
     )  # a default constexpr str reaches Triton 3.6 as a bare str
-    _epilogue(acc, c, c + batch * scb, M, N, scm, scn, pid_m, pid_n, BM, BN, False, c, 0, 0, 1.0, 0.0, False, False, 0)
+    _store(acc, c + batch * scb, M, N, scm, scn, pid_m, pid_n, BM, BN)
 
 
 class BmmKernel:

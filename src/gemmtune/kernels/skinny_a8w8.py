@@ -21,25 +21,25 @@ from .gemm_ref import gemm_ref
 DOT_MIN_BLOCK_K = 32  # an 8-bit MMA step is 32 deep
 
 
-def check_operands(xq, wq, xs, ws, bias, cfg: ks.SkinnyConfig | None = None) -> None:
-    """ValueError naming the shapes/dtypes when (xq, wq, xs, ws, bias) is not an 8-bit skinny GEMM."""
+def check_operands(xq, wq, xs, ws, bias, cfg: ks.SkinnyConfig | None = None, who: str = "skinny a8w8") -> None:
+    """ValueError naming the shapes/dtypes when (xq, wq, xs, ws, bias) is not an 8-bit GEMM (`who` runs it)."""
     if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
-        raise ValueError(f"skinny a8w8: xq {tuple(xq.shape)} and wq {tuple(wq.shape)} need xq[M, K], wq[N, K]")
+        raise ValueError(f"{who}: xq {tuple(xq.shape)} and wq {tuple(wq.shape)} need xq[M, K], wq[N, K]")
     if xq.dtype != wq.dtype or xq.dtype not in QUANT_DTYPES:
-        raise ValueError(f"skinny a8w8: xq {xq.dtype} and wq {wq.dtype} must be one 8-bit dtype (fp8 e4m3 or int8)")
+        raise ValueError(f"{who}: xq {xq.dtype} and wq {wq.dtype} must be one 8-bit dtype (fp8 e4m3 or int8)")
     m, n = xq.shape[0], wq.shape[0]
     for name, s, rows in (("x_scale", xs, m), ("w_scale", ws, n)):
         if s.dtype != SCALE_DTYPE or not s.is_contiguous() or s.numel() not in (1, rows):
-            raise ValueError(f"skinny a8w8: {name} {tuple(s.shape)} {s.dtype} must be contiguous float32 with "
+            raise ValueError(f"{who}: {name} {tuple(s.shape)} {s.dtype} must be contiguous float32 with "
                              f"1 or {rows} elements")  # fmt: skip
     if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"skinny a8w8: bias {tuple(bias.shape)} must be [N={n}]")
+        raise ValueError(f"{who}: bias {tuple(bias.shape)} must be [N={n}]")
     if wq.stride(1) != 1:
-        raise ValueError(f"skinny a8w8: wq strides {wq.stride()} need unit stride along K")
+        raise ValueError(f"{who}: wq strides {wq.stride()} need unit stride along K")
     if n * xq.shape[1] >= 2**31:
-        raise ValueError(f"skinny a8w8: wq {tuple(wq.shape)} too large for 32-bit offsets")
+        raise ValueError(f"{who}: wq {tuple(wq.shape)} too large for 32-bit offsets")
     if cfg is not None and cfg.uses_dot and cfg.block_k < DOT_MIN_BLOCK_K:
-        raise ValueError(f"skinny a8w8: {cfg.name} needs block_k >= {DOT_MIN_BLOCK_K} for an 8-bit dot")
+        raise ValueError(f"{who}: {cfg.name} needs block_k >= {DOT_MIN_BLOCK_K} for an 8-bit dot")
 
 
 def _empty(shape, like: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ One kernel body covers every config the `triton` backend offers:
   x; `_pdl2`: also pull the first weight tile into L2 before waiting; see kernels/skinny.py).
 The epilogue applies, in fp32 registers before the one store: alpha scaling, beta * C (C may broadcast
 through zero strides), the bias and an activation (relu, gelu erf, gelu tanh), then the output dtype;
-its constexprs default to off, so the plain GEMM compiles as before. `triton_gemm_ref` /
-`triton_epilogue_ref` are the plain-PyTorch references.
+its constexprs default to off, so the plain GEMM compiles as before. 8-bit operands (int8 with an int32
+accumulator, or fp8 e4m3) take their fp32 scales first in that epilogue (kernels/a8w8_tg.py).
+`triton_gemm_ref` / `triton_epilogue_ref` are the plain-PyTorch references.
 """
 
 from __future__ import annotations
@@ -161,13 +162,17 @@ def _mainloop(
     USE_TMA: tl.constexpr,
     INPUT_PREC: tl.constexpr,
     STAGES: tl.constexpr,
+    ACC_INT: tl.constexpr,
 ):
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if ACC_INT:  # int8 operands: exact int32 sums, one conversion to fp32 after the loop
+        acc = tl.zeros((BM, BN), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     if USE_TMA:
         for kt in tl.range(kt0, kt1, num_stages=STAGES):
             a = x.load([pid_m * BM, kt * BK])
             b = w.load([pid_n * BN, kt * BK])
-            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PREC)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PREC, out_dtype=acc.dtype)
     else:
         # Rows past M / N wrap onto valid rows (their results are masked at the store), so the
         # main loop needs no M or N mask; only a ragged K needs one.
@@ -184,10 +189,11 @@ def _mainloop(
                 k_left = K - kt * BK
                 a = tl.load(a_ptrs, mask=tl.arange(0, BK)[None, :] < k_left, other=0.0)
                 b = tl.load(b_ptrs, mask=tl.arange(0, BK)[:, None] < k_left, other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PREC)
+            # Triton 3.6 asserts out_dtype == the acc dtype (its default is fp32 even for int8).
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PREC, out_dtype=acc.dtype)
             a_ptrs += BK * sxk
             b_ptrs += BK * swk
-    return acc
+    return acc.to(tl.float32)
 
 
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -195,12 +201,22 @@ ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
 
 @triton.jit
 def _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
-              c, scm, scn, alpha, beta, HAS_ALPHA: tl.constexpr, HAS_C: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
-    """y = act(alpha * acc + beta * c + bias), in fp32 registers, one rounding at the store. C's strides
-    may be zero (a row, a column or a scalar broadcast over the tile). The defaults add only the bias."""
+              c, scm, scn, alpha, beta, HAS_ALPHA: tl.constexpr, HAS_C: tl.constexpr, ACT: tl.constexpr,
+              xs, ws, XS: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+    """y = act(alpha * acc * xs * ws + beta * c + bias), in fp32 registers, one rounding at the store. C's
+    strides may be zero (a row, a column or a scalar broadcast over the tile). The 8-bit scales (XS, WS:
+    0 none, 1 one for all, 2 per row of x / per column of y) come first, on the whole (split) sum."""
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if XS == 1:
+        acc = acc * tl.load(xs)
+    elif XS == 2:
+        acc = acc * tl.load(xs + offs_m, mask=offs_m < M, other=0.0)[:, None]
+    if WS == 1:
+        acc = acc * tl.load(ws)
+    elif WS == 2:
+        acc = acc * tl.load(ws + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if HAS_ALPHA:
         acc = acc * alpha
     if HAS_C:
@@ -241,6 +257,8 @@ def _tg_kernel(
     scn,
     alpha,
     beta,
+    xs,
+    ws,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -258,6 +276,9 @@ def _tg_kernel(
     HAS_ALPHA: tl.constexpr = False,
     HAS_C: tl.constexpr = False,
     ACT: tl.constexpr = 0,
+    XS: tl.constexpr = 0,
+    WS: tl.constexpr = 0,
+    ACC_INT: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -271,21 +292,21 @@ def _tg_kernel(
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _mainloop(
                 x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, 0, k_tiles,
-                BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES,
+                BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES, ACC_INT,
             )  # fmt: skip
             _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
-                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
+                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT, xs, ws, XS, WS)  # fmt: skip
     else:
         tile = tl.program_id(0)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         kt0, kt1 = _split_k_range(k_tiles, split_k, 1, IS_SPLIT)
         acc = _mainloop(
             x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, kt0, kt1,
-            BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES,
+            BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES, ACC_INT,
         )  # fmt: skip
         if not IS_SPLIT:
             _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
-                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
+                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT, xs, ws, XS, WS)  # fmt: skip
         else:
             pid_k = tl.program_id(1)
             # Partials live per tile as [split_k, BM, BN] blocks: contiguous, no M/N masks needed.
@@ -296,7 +317,7 @@ def _tg_kernel(
                 if arrived == split_k - 1:  # the last split adds all partials (its own included)
                     acc = _sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
                     _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
-                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
+                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT, xs, ws, XS, WS)  # fmt: skip
                     tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
             else:
                 tl.store(tile_part + pid_k * (BM * BN) + offs, acc)
@@ -317,6 +338,8 @@ def _tg_reduce(
     scn,
     alpha,
     beta,
+    xs,
+    ws,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -324,6 +347,8 @@ def _tg_reduce(
     HAS_ALPHA: tl.constexpr = False,
     HAS_C: tl.constexpr = False,
     ACT: tl.constexpr = 0,
+    XS: tl.constexpr = 0,
+    WS: tl.constexpr = 0,
 ):
     # One program per output tile: sums its split_k partial blocks, adds bias, casts, stores.
     tile = tl.program_id(0)
@@ -336,7 +361,7 @@ def _tg_reduce(
         tile_part, offs, split_k, BM, BN, ""
     )  # a default constexpr str reaches Triton 3.6 as a bare str
     _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
-                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT)  # fmt: skip
+                      c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT, xs, ws, XS, WS)  # fmt: skip
 
 
 _TL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -389,9 +414,12 @@ class TGKernel:
         alpha: float = 1.0,
         beta: float = 0.0,
         act: str = "none",
+        xs: torch.Tensor | None = None,
+        ws: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y = act(alpha * x @ w^T + beta * c + bias); c is an (M, N) view (zero strides broadcast)
-        or None. The defaults compile to the plain GEMM + bias kernel."""
+        or None. The defaults compile to the plain GEMM + bias kernel. 8-bit x, w (int8 or fp8) take
+        their fp32 scales xs ([M, 1] or one element) and ws ([1, N] or one element), both contiguous."""
         cfg = self.cfg
         M, K = x.shape
         N = w.shape[0]
@@ -424,6 +452,10 @@ class TGKernel:
         b = bias if has_bias else y
         has_c = c is not None and beta != 0.0
         epi = {"HAS_ALPHA": alpha != 1.0, "HAS_C": has_c, "ACT": ACT_CODES[act]}  # all off: the plain GEMM
+        if xs is not None:  # 8-bit operands: scales in the epilogue (after any split-K sum)
+            epi.update(XS=1 if xs.numel() == 1 else 2, WS=1 if ws.numel() == 1 else 2)
+        quant = {"ACC_INT": x.dtype == torch.int8} if xs is not None else {}
+        xs, ws = (xs, ws) if xs is not None else (y, y)
         cv, scm, scn = (c, c.stride(0), c.stride(1)) if has_c else (y, 0, 0)
         _tg_kernel[grid](
             xa,
@@ -447,6 +479,8 @@ class TGKernel:
             scn,
             float(alpha),
             float(beta),
+            xs,
+            ws,
             HAS_BIAS=has_bias,
             BM=cfg.bm,
             BN=cfg.bn,
@@ -464,6 +498,7 @@ class TGKernel:
             num_stages=cfg.stages,
             **self._pdl,
             **epi,
+            **quant,
         )
         if cfg.split_k > 1 and cfg.sk_mode == "r":
             _tg_reduce[(tiles,)](
@@ -480,6 +515,8 @@ class TGKernel:
                 scn,
                 float(alpha),
                 float(beta),
+                xs,
+                ws,
                 HAS_BIAS=has_bias,
                 BM=cfg.bm,
                 BN=cfg.bn,
