@@ -367,3 +367,25 @@ def test_gpu_tuning_times_triton_and_grouped_mm_stages_apart(monkeypatch, gpu):
     pairs = {c.kernel_name for c in res.candidates if "|" in c.kernel_name}
     assert {join_name(n1, n2) for n1 in top[1] for n2 in top[2]} <= pairs  # mixed ones too, if grouped_mm is fast
     assert math.isfinite(res.us) and float(res.extra["us1"]) > 0 and float(res.extra["us2"]) > 0
+
+
+def test_untuned_keys_with_many_tokens_per_expert_prefer_the_grouped_mm_pair():
+    # H100 data (backends/moe.py): grouped_mm won every key with >= 1024 slots and >= 64 per expert.
+    assert bmoe.prefers_grouped_mm(MoeKey(1024, 4096, 14336, 8, 2))  # Mixtral: 2048 slots, 256 per expert
+    assert bmoe.prefers_grouped_mm(MoeKey(1024, 2048, 768, 128, 8))  # Qwen3-30B-A3B: 8192 slots, 64 per expert
+    assert not bmoe.prefers_grouped_mm(MoeKey(256, 4096, 14336, 8, 2))  # 512 slots
+    assert not bmoe.prefers_grouped_mm(MoeKey(256, 2048, 768, 128, 8))  # 16 per expert
+    assert not bmoe.prefers_grouped_mm(MoeKey(16, 4096, 14336, 8, 2))
+    # the CPU default is unchanged by it (grouped_mm where it fits, else the loop)
+    key = MoeKey(1024, 40, 28, 5, 2, dtype=torch.float32, q_dtype_a=torch.float32, q_dtype_w=torch.float32)
+    assert bmoe.TorchMoeBackend().default_solution(key, CPU) == bmoe.GROUPED_MM
+
+
+@pytest.mark.gpu
+def test_untuned_gpu_default_is_grouped_mm_for_prefill_and_triton_for_decode():
+    gpu = torch.device("cuda")
+    tor = bmoe.TorchMoeBackend()
+    if not bmoe.grouped_mm_fits(MoeKey(4096, 4096, 14336, 8, 2), gpu):
+        pytest.skip("torch._grouped_mm does not run capturably on this GPU")
+    assert tor.default_solution(MoeKey(4096, 4096, 14336, 8, 2), gpu) == bmoe.GROUPED_MM
+    assert tor.default_solution(MoeKey(4, 4096, 14336, 8, 2), gpu).libtype == "triton"

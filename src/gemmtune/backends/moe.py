@@ -22,8 +22,9 @@ stage takes only keys whose hidden and intermediate sizes are multiples of 16 / 
 multiplies are gathered into fresh (aligned) buffers, and rows past the last expert's group (slots
 with no local expert, sorted last) are never written by it and never read after it.
 
-An untuned key resolves to the torch backend's default_solution: the Triton heuristic pair where
-Triton runs (CUDA/ROCm, 16-bit), else grouped_mm where it runs, else the loop (CPU) or dense.
+An untuned key resolves to the torch backend's default_solution: on a CUDA GPU in 16-bit the grouped_mm
+pair for many tokens per expert (prefers_grouped_mm) and the Triton heuristic pair otherwise, else
+grouped_mm where it runs, else the loop (CPU) or dense.
 """
 
 from __future__ import annotations
@@ -78,6 +79,21 @@ def grouped_mm_usable(dtype: torch.dtype, device: torch.device) -> bool:
 def _torch_at_least(major: int, minor: int) -> bool:
     v = torch.__version__.split("+")[0].split(".")
     return (int(v[0]), int(v[1])) >= (major, minor)
+
+
+# Untuned keys with many tokens per expert run the grouped_mm pair (with the Triton glue): measured on
+# an H100 (benchmarks/results/h100/moe/op_mixtral_s7, op_qwen3), the tuner picked it for every key with
+# >= 64 slots per expert hit and >= 1024 slots (Mixtral-8x7B tp1/tp2 and Qwen3-30B-A3B, T 1024 and
+# 4096: 1.07-1.49x over the Triton heuristic pair). Below that the Triton pair won or tied, except on
+# Mixtral tp2 at T 64 and 256 (grouped_mm 1.05-1.16x): tuning finds those.
+GM_MIN_SLOTS, GM_MIN_PER_EXPERT = 1024, 64
+
+
+def prefers_grouped_mm(key: MoeKey) -> bool:
+    """Does an untuned `key` run the grouped_mm pair rather than the Triton heuristic pair (on a GPU
+    where both run)?"""
+    slots = key.token * (key.topk + key.shared_expert)
+    return slots >= GM_MIN_SLOTS and slots / max(1, min(key.expert, slots)) >= GM_MIN_PER_EXPERT
 
 
 def grouped_mm_fits(key: MoeKey, device: torch.device) -> bool:
@@ -297,6 +313,8 @@ class TorchMoeBackend(Backend):
     def default_solution(self, key: MoeKey, device: torch.device) -> Solution:
         tri = TritonMoeBackend()
         if tri.is_available(device) and device.type == "cuda" and key.dtype in (torch.float16, torch.bfloat16):
+            if prefers_grouped_mm(key) and self.supports(GROUPED_MM, key, device):
+                return GROUPED_MM
             return tri.default_solution(key, device)
         if self.supports(GROUPED_MM, key, device):
             return GROUPED_MM
