@@ -35,7 +35,8 @@ _PLAIN = [
     "a8w8_tg_bm32_bn32_bk64_g2_w4_s2_sk2r",
     "a8w8_tg_bm32_bn32_bk32_g2_w4_s2_sk1_p",
 ]
-_TMA = ["a8w8_tg_bm64_bn64_bk128_g8_w4_s3_sk1_p_tma", "a8w8_tg_bm32_bn32_bk128_g8_w4_s3_sk2f_tma"]
+_TMA = ["a8w8_tg_bm64_bn64_bk128_g8_w4_s3_sk1_p_tma", "a8w8_tg_bm32_bn32_bk128_g8_w4_s3_sk2f_tma",
+        "a8w8_tg_bm32_bn32_bk64_g2_w4_s3_sk1_pf_tma"]  # fmt: skip
 # (M, N, K, scales, bias, out): every dim ragged against every block; K 100 and 300 not multiples of 16.
 _SHAPES = [(37, 70, 208, "per_token", True, "fp32"), (5, 33, 100, "per_tensor", False, "fp16"),
            (130, 77, 336, "mixed", True, "fp16"), (70, 45, 300, "mixed_w", False, "fp32")]  # fmt: skip
@@ -51,7 +52,8 @@ CASES = [(cfg, dt, *s, "") for cfg in _PLAIN + _TMA for dt in ("int8", "fp8") fo
 DROPPED = [(_PLAIN[1], dt, *_SHAPES[0], drop) for dt in ("int8", "fp8") for drop in ("xs", "ws")]
 GPU_CASES = [(cfg, dt, 300, 1000, 4096, "per_token", True, "bf16", "") for cfg in (
     "a8w8_tg_bm128_bn128_bk128_g8_w8_s3_sk1_tma", "a8w8_tg_bm128_bn256_bk128_g8_w8_s3_sk2r",
-    "a8w8_tg_bm256_bn128_bk128_g8_w8_s3_sk1_p_tma") for dt in ("int8", "fp8")]  # fmt: skip
+    "a8w8_tg_bm256_bn128_bk128_g8_w8_s3_sk1_p_tma", "a8w8_tg_bm128_bn128_bk128_g8_w8_s3_sk1_pf_tma",
+    "a8w8_tg_bm128_bn256_bk256_g8_w8_s2_sk3f_tma") for dt in ("int8", "fp8")]  # fmt: skip
 ALL = CASES + (GPU_CASES if HAS_GPU else [])
 
 

@@ -4,7 +4,9 @@ TritonA8W8Backend asks this module for them and hands it their rows).
 
 The candidate space is backends/triton_gemm.py's `config_space` for a 1-byte key (its 8-bit tiles:
 128-deep K steps, 128x128 / 128x256 / 256x128, plain, persistent, split-K and TMA variants, PDL up to
-M = 256). `make_runner` compiles the config before returning (on stand-in operands that specialize
+M = 256; for 8-bit keys only also split-K where a grid of several waves ends in a poor one, the
+flattened persistent grid `_pf`, and for int8 256-deep TMA tiles). `DEFAULT` is what an untuned int8
+key above M = 32 runs. `make_runner` compiles the config before returning (on stand-in operands that specialize
 like the real ones), so a runner can be captured in a CUDA graph at once; `precompile` does that for
 many configs in parallel processes.
 """
@@ -35,8 +37,8 @@ MIN_M = 33  # decode sizes stay with the a8w8_ tiles and the skinny kernels
 
 
 def _gemm_key(key) -> GemmKey:
-    """The a16w16 key config_space prunes by: 1-byte operands pick its 8-bit tiles."""
-    return GemmKey(key.M, key.N, key.K, key.bias, torch.int8, key.outdtype)
+    """The a16w16 key config_space prunes by: 1-byte operands pick its 8-bit tiles (int8 a few more)."""
+    return GemmKey(key.M, key.N, key.K, key.bias, key.q_dtype_w, key.outdtype)
 
 
 def candidates(key, device: torch.device) -> list[Solution]:
@@ -57,8 +59,8 @@ def supports(kernel_name: str, key, device: torch.device) -> bool:
     return cfg.smem_bytes(1) + SMEM_MARGIN <= hw.smem and (not cfg.tma or (hw.tma and key.K % 16 == 0))
 
 
-def _standins(key, device: torch.device) -> tuple:
-    """Operands that specialize the kernel like key's (M, N twins; K, dtypes, scale kind, bias)."""
+def standins(key, device: torch.device) -> tuple:
+    """Operands that specialize a kernel like key's (M, N twins; K, dtypes, scale kind, bias), and y."""
     m, n = _twin(max(key.M, 1)), _twin(key.N)
     per_tensor = key.scale == "per_tensor"
     xq = torch.randn(m, key.K, device=device).to(key.q_dtype_w)
@@ -87,8 +89,27 @@ def make_runner(kernel_name: str, key, device: torch.device) -> Runner:
 
     # Compile now, unless a CUDA graph is being captured (a launch there would be recorded).
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        a8w8_tg_launch(kern, *_standins(key, device))
+        a8w8_tg_launch(kern, *standins(key, device))
     return run
+
+
+# What an untuned 8-bit key above M = 32 runs (backends/quantized.py's native, int8; fp8 keeps cuBLASLt):
+# the config that won 22 of the 36 int8 prefill points on an H100 (M 1024-4096, Llama-3-8B /
+# Llama-3-70B tp8 / Qwen3-32B shapes; its non-TMA twin 2 more, the 128x256 4-stage tile 9:
+# benchmarks/results/h100/quant/s6/prefill_tg8/quant_prefill.md), as that twin where TMA cannot run
+# (K % 16 != 0, pre-Hopper).
+DEFAULT = A8W8TGConfig(128, 128, 128, 8, 8, 3, tma=True)
+
+
+def default_name(key, device: torch.device) -> str | None:
+    """DEFAULT's name for `key`, its non-TMA twin where TMA cannot run; None below MIN_M or where
+    neither fits this device."""
+    if key.M < MIN_M:
+        return None
+    for cfg in (DEFAULT, dataclasses.replace(DEFAULT, tma=False)):
+        if supports(cfg.name, key, device):
+            return cfg.name
+    return None
 
 
 def precompile(backend_cls, jobs: list, device: torch.device, workers: int = 8) -> list:

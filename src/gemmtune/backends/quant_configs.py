@@ -69,7 +69,9 @@ def tile_configs(kind: str, key, device: torch.device) -> list[TileConfig]:
 
 
 # The tiles an untuned key runs above M = 32 (the measured H100 winners at M >= 1024); decode keys
-# take the first small tile with its split.
+# take the first small tile with its split. On CUDA GPUs these now serve only what the better defaults
+# leave (backends/quantized.py `_native_a8w8`): int8 at 16 < M <= 32, fp8 keys cuBLASLt cannot run
+# (fp32 / fp16 out with per-token scales, K or N % 16 != 0), and the block-scale family.
 _DEFAULT_LARGE = {"a8w8": (128, 256, 128, 8, 3), "blockscale": (64, 128, 128, 4, 4)}
 _DEFAULT_MID = (64, 128, 128, 4, 4)
 

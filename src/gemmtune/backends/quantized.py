@@ -8,9 +8,11 @@ torch (the default, libtype "torch"):
   expression), `dequant` (q * scale in fp32 or bf16, then a float matmul: any device, any shape).
 - a8w8_blockscale: `scaled_mm_blockwise` (torch._scaled_mm with 1x128 / 128x128 scales, where the
   probe of this torch and GPU finds it right: backends/blockwise.py) and `dequant`.
-`native` (aiter's torch spelling, solidx 0, what an untuned key runs) is cuBLASLt where it applies
-(scaled_mm, scaled_mm_blockwise), else on a CUDA GPU the Triton kernel's heuristic config
-(quant_configs.default_config), else int_mm, else dequant.
+`native` (aiter's torch spelling, solidx 0, what an untuned key runs; `native_a8w8_choice` names it):
+for a8w8 on a CUDA GPU the 8-bit skinny kernel at M <= 16 (fp8 and int8), cuBLASLt fp8 (scaled_mm)
+above, int8 from M = 33 the Triton GEMM kernel's 8-bit config (`a8w8_tg_...`), as measured on an H100
+(see `_native_a8w8`); block-scale: scaled_mm_blockwise where it applies; else the Triton kernel's
+heuristic config (quant_configs.default_config), else int_mm, else dequant.
 
 triton: kernels/a8w8.py and kernels/blockscale.py configs (kernelName = the config string, solidx its crc);
 a8w8 above M = 32 also the Triton GEMM kernel's 8-bit configs (`a8w8_tg_...`, backends/a8w8_tg.py).
@@ -114,28 +116,74 @@ def _dequant_runner(key, device) -> Runner:
     return run
 
 
-def _triton_default(kind: str, key, device) -> Runner | None:
-    """The Triton kernel's heuristic config for an untuned key (quant_configs.default_config), or None
-    where the Triton backend cannot run it."""
+def _triton_default_config(kind: str, key, device):
+    """The Triton 8-bit kernel's heuristic TileConfig for an untuned key (quant_configs.default_config),
+    or None where the Triton backend cannot run it."""
     be = TritonBlockscaleBackend() if kind == "blockscale" else TritonA8W8Backend()
     if not (be.is_available(device) and be._key_ok(key, device)):
         return None
     from .quant_configs import default_config
 
-    cfg = default_config(kind, key, torch.device(device))
-    return None if cfg is None else be.make_runner(be._solution(cfg), key, device)
+    return default_config(kind, key, torch.device(device))
+
+
+def _triton_default(kind: str, key, device) -> Runner | None:
+    """A runner of _triton_default_config's config, or None."""
+    cfg = _triton_default_config(kind, key, device)
+    if cfg is None:
+        return None
+    be = TritonBlockscaleBackend() if kind == "blockscale" else TritonA8W8Backend()
+    return be.make_runner(be._solution(cfg), key, device)
+
+
+SKINNY_MAX_M = 16  # the decode rows an untuned key runs on the 8-bit skinny kernels
+
+
+def native_a8w8_choice(key, device) -> tuple[str, str]:
+    """(libtype, kernel name) of what an untuned a8w8 key runs on `device` (see `_native_a8w8`)."""
+    device = torch.device(device)
+    nvidia = _cuda(device) and HAS_TRITON and not torch.version.hip
+    if nvidia and key.M <= SKINNY_MAX_M:
+        from . import skinny_quant
+
+        cfg = skinny_quant.default_config(key, device)
+        if cfg is not None:
+            return "skinny", skinny_quant.PREFIX + cfg.name
+    if _scaled_mm_ok(key, device):
+        return "torch", SCALED_MM.kernel_name
+    if nvidia and key.q_dtype_w == torch.int8 and TritonA8W8Backend()._key_ok(key, device):
+        name = _tg().default_name(key, device)  # None below M = 33
+        if name is not None:
+            return "triton", name
+    if nvidia:
+        cfg = _triton_default_config("a8w8", key, device)
+        if cfg is not None:
+            return "triton", cfg.name
+    return "torch", (INT_MM if _int_mm_ok(key, device) else DEQUANT).kernel_name
 
 
 def _native_a8w8(key, device) -> Runner:
-    """What an untuned a8w8 key runs: cuBLASLt fp8 where it applies, else the Triton kernel's heuristic
-    config on a CUDA GPU (measured on an H100: cuBLAS int8 via _int_mm ran at 0.5x of bf16, the Triton
-    int8 kernel above bf16), else _int_mm, else dequantize."""
-    if _scaled_mm_ok(key, device):
+    """What an untuned a8w8 key runs (CUDA; measured on an H100, benchmarks/results/h100/quant/s6/):
+    - M <= 16, fp8 and int8: the 8-bit skinny kernel's default tile (skinny_quant.DEFAULT_TILE: the
+      skinny kernels won all 72 decode points, 1.6x over torch._scaled_mm, decode_skinny8/);
+    - fp8 above that: cuBLASLt (torch._scaled_mm) where it applies;
+    - int8 from M = 33: the Triton GEMM kernel's 8-bit config that won most prefill points
+      (a8w8_tg.DEFAULT, 1.47x over bf16 at M >= 1024 tuned, prefill_tg8/; cuBLAS int8 via _int_mm ran at
+      0.5x of bf16);
+    - else the older Triton 8-bit kernel's heuristic config (quant_configs.default_config), else
+      _int_mm, else dequantize. ROCm: scaled_mm where it applies, else _int_mm, else dequantize.
+    Every runner is compiled before it is returned (none compiles during a CUDA graph capture)."""
+    lib, name = native_a8w8_choice(key, device)
+    if lib == "skinny":
+        from . import skinny_quant
+
+        return skinny_quant.default_runner(key, torch.device(device))
+    if lib == "triton":
+        be = TritonA8W8Backend()
+        return be.make_runner(be.solution_from_row(0, name, 0), key, device)
+    if name == SCALED_MM.kernel_name:
         return _scaled_mm_runner(key)
-    tri = None if torch.version.hip else _triton_default("a8w8", key, device)
-    if tri is not None:
-        return tri
-    return _int_mm_runner(key) if _int_mm_ok(key, device) else _dequant_runner(key, device)
+    return _int_mm_runner(key) if name == INT_MM.kernel_name else _dequant_runner(key, device)
 
 
 class TorchA8W8Backend(Backend):

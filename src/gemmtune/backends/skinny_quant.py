@@ -21,6 +21,7 @@ from ..kernels._common import HAS_TRITON, pdl_enabled
 from .base import Backend, Runner, Solution, stable_solidx
 from .quantized import _OUT_DTYPES, _native_a8w8, _tensor_core_fp8
 from .skinny import _DOT_TILES, _GEMV_TILES, MAX_ROWS, Shape, _device_limits, _smem_bytes, tile_configs
+from .skinny import _config as _tile_config
 
 MAX_TUNE_M = 16
 PREFIX = "a8w8_"
@@ -52,6 +53,48 @@ def solution(cfg: ks.SkinnyConfig, prefix: str = PREFIX) -> Solution:
     return Solution("skinny", name, stable_solidx(name), cfg.split_k)
 
 
+# What an untuned 8-bit key at M <= MAX_TUNE_M runs on a CUDA GPU (backends/quantized.py's native). On
+# an H100 the 8-bit skinny kernels won all 72 decode points (fp8 and int8, 12 shapes x M 1, 8, 16:
+# benchmarks/results/h100/quant/s6/decode_skinny8/quant_decode.md), 1.6x over torch._scaled_mm; the
+# 64-wide, 512-deep dot tile (4 warps; 3 stages won 31, 4 stages 16) won 47 of them, each with the
+# split backends/skinny.py's one-wave rule picks (1 where N / 64 tiles fill most SMs, 2 for N 4096 x
+# K 14336, 6 for N 1280). PDL variants won 51 of 72; pdl2 runs plain where PDL is off.
+DEFAULT_TILE = ("dot", 64, 512, 4, 3)
+DEFAULT_PDL = 2
+
+
+def default_config(key, device: torch.device) -> ks.SkinnyConfig | None:
+    """The DEFAULT_TILE config for `key` (None outside the skinny rows or when it does not fit)."""
+    if not (_key_ok(key) and _config_ok(ks.SkinnyConfig(*DEFAULT_TILE[:3], 1, *DEFAULT_TILE[3:]))):
+        return None
+    sms, smem, smem_sm = _device_limits(device.type, device.index)
+    cfg = dataclasses.replace(_tile_config(*DEFAULT_TILE, Shape(key.M, key.N, key.K, 1), sms, smem_sm), pdl=DEFAULT_PDL)
+    return cfg if _smem_bytes(cfg, 1) <= smem else None
+
+
+def default_runner(key, device: torch.device) -> Runner | None:
+    """DEFAULT_TILE's runner for `key`, compiled before it returns (one launch on stand-in operands with
+    key's M and K), or None where default_config has none."""
+    cfg = default_config(key, device)
+    if cfg is None:
+        return None
+    run = make_runner(cfg, key, device, k8.check_operands, ks.scale_code, lambda k: _native_a8w8(k, device))
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        from .a8w8_tg import standins
+
+        xq, wq, xs, ws, bias, y = standins(key, device)  # M itself (<= 16), N's 16/17-row twin
+        if cfg.pdl and not pdl_enabled(device):
+            cfg = dataclasses.replace(cfg, pdl=0)  # as make_runner runs it
+        ks.launch(cfg, xq, wq, bias, y, ks.new_counters(cfg, wq.shape[0], xq.shape[0], device), scales=(xs, ws))
+    return run
+
+
+def _key_ok(key) -> bool:
+    q_ok = key.q_dtype_w == torch.int8 or _tensor_core_fp8(key.q_dtype_w)
+    return q_ok and key.outdtype in _OUT_DTYPES and 0 < key.M <= MAX_TUNE_M and key.N > 0 and 0 < key.K and (
+        key.N * key.K < 2**31)  # fmt: skip
+
+
 class SkinnyA8W8Backend(Backend):
     name = "skinny"
     family = "a8w8"
@@ -75,9 +118,7 @@ class SkinnyA8W8Backend(Backend):
         return "" if self.is_available(device) else "the skinny (Triton) 8-bit GEMMs need a CUDA or ROCm GPU"
 
     def _key_ok(self, key) -> bool:
-        q_ok = key.q_dtype_w == torch.int8 or _tensor_core_fp8(key.q_dtype_w)
-        return q_ok and key.outdtype in _OUT_DTYPES and 0 < key.M <= MAX_TUNE_M and key.N > 0 and 0 < key.K and (
-            key.N * key.K < 2**31)  # fmt: skip
+        return _key_ok(key)
 
     def runner_scope(self, solution: Solution, key) -> tuple:
         return self.m_agnostic_scope(key)  # launch plans are made per M inside the runner

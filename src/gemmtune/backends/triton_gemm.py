@@ -86,6 +86,10 @@ _COMPUTE_TILES = [
 _8BIT_TILES = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 128, 8, 4),
                (256, 128, 128, 8, 3)]  # fmt: skip
 _8BIT_SHORT_TILES = [(64, 128, 128, 4, 4), (64, 256, 128, 8, 3)]
+# int8 only: Triton (3.9 checked, sm_90 PTX) keeps an int32-accumulating wgmma synchronous (a wait for
+# it after every K step; fp32 accumulators stay one step in flight), so each step idles the tensor
+# cores once. 256-deep steps halve those waits per MAC (TMA variants only, to keep the space small).
+_INT8_DEEP_TILES = [(128, 128, 256, 8, 3), (128, 256, 256, 8, 2)]
 _SPLITS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 SPLIT_MODES = ("f", "r")  # in-kernel fixup, separate reduce kernel
 SMEM_MARGIN = 4 * 1024  # barriers and the epilogue's scratch
@@ -97,7 +101,8 @@ PDL_MAX_M = 256
 def _tiles_for(key: GemmKey) -> list[tuple[int, int, int, int, int]]:
     M = key.M
     if key.dtype.itemsize == 1:
-        return _8BIT_TILES + (_8BIT_SHORT_TILES if M <= 128 else [])
+        deep = _INT8_DEEP_TILES if key.dtype == torch.int8 and M > 128 else []
+        return _8BIT_TILES + (_8BIT_SHORT_TILES if M <= 128 else []) + deep
     if M <= 64:  # weight streaming: one row-tile as tall as M
         bm = max(16, _next_pow2(M))
         tiles = [(bm, *t) for t in _STREAM_TILES]
@@ -129,6 +134,29 @@ def split_factors(tiles: int, k_tiles: int, sms: int) -> list[int]:
     return sorted({min(one) if one else max(ok), *([min(two)] if two else [])})
 
 
+def wave_efficiency(programs: int, sms: int) -> float:
+    """Busy fraction of the SMs over the waves `programs` equal programs take (1.0: a full last wave)."""
+    return programs / (_cdiv(programs, sms) * sms)
+
+
+WAVE_GAIN = 0.1  # how much a split must lift the wave efficiency to be worth timing
+WAVE_NEAR = 0.05  # a split this close to the best one's efficiency is as good (and splits less)
+WAVE_MIN_K_TILES = 8  # K tiles each split keeps: its partial store and sum stay small beside them
+
+
+def wave_split_factors(tiles: int, k_tiles: int, sms: int, most: int = 2) -> list[int]:
+    """For a grid of several waves whose last one is poor: up to `most` split-K factors, smallest
+    first, that raise the wave efficiency by >= WAVE_GAIN to within WAVE_NEAR of the best any split
+    reaches (a larger split only adds partial sums), each split keeping >= WAVE_MIN_K_TILES K-tiles."""
+    if tiles < sms:
+        return []
+    base = wave_efficiency(tiles, sms)
+    ok = [s for s in _SPLITS if k_tiles // s >= WAVE_MIN_K_TILES]
+    gain = [s for s in ok if wave_efficiency(tiles * s, sms) >= base + WAVE_GAIN]
+    best = max((wave_efficiency(tiles * s, sms) for s in gain), default=0.0)
+    return [s for s in gain if wave_efficiency(tiles * s, sms) >= best - WAVE_NEAR][:most]
+
+
 def config_space(key: GemmKey, hw: Hardware, cls: type[TGConfig] = TGConfig) -> list[TGConfig]:
     """The configs worth timing for `key` on hardware `hw` (see the module docstring for the pruning), as
     `cls` (a TGConfig subclass names another family's configs: 8-bit ones take key.dtype int8)."""
@@ -147,13 +175,32 @@ def config_space(key: GemmKey, hw: Hardware, cls: type[TGConfig] = TGConfig) -> 
             variants.append(cls(bm, bn, bk, 8, warps, stages, persistent=True))
         for split in splits:
             variants += [cls(bm, bn, bk, 8, warps, stages, split, mode) for mode in SPLIT_MODES]
+        deep = key.dtype == torch.int8 and (bm, bn, bk, warps, stages) in _INT8_DEEP_TILES  # TMA only
+        if deep and not tma_ok:
+            continue
         for cfg in variants:
-            out.append(cfg)
+            if not deep:
+                out.append(cfg)
             if tma_ok:
                 out.append(cls(**{**cfg.__dict__, "tma": True}))
+        if key.dtype.itemsize == 1:  # 8-bit keys only, so the bf16 tuning time stays as it is
+            out += _8bit_extras(cls(bm, bn, bk, 8, warps, stages, tma=tma_ok), tiles, key, hw)
     if hw.pdl and key.M <= PDL_MAX_M:
         out += [cls(**{**c.__dict__, "pdl": 1 if c.tma else 2}) for c in out]
     return out
+
+
+def _8bit_extras(base: TGConfig, tiles: int, key: GemmKey, hw: Hardware) -> list[TGConfig]:
+    """An 8-bit tile's extra variants: split-K by the best wave_split_factors factor (in-kernel fixup,
+    TMA where usable) where a grid of several waves ends in a poor one, and the flattened persistent
+    grid (TMA, 3-stage tiles)."""
+    cls = type(base)
+    fields = {**base.__dict__, "sk_mode": "f"}
+    splits = wave_split_factors(tiles, _cdiv(key.K, base.bk), hw.sms, most=1)
+    extras = [cls(**{**fields, "split_k": s}) for s in splits]
+    if tiles > hw.sms and base.tma and base.stages == 3:  # one pipeline depth: flattening adds a buffer
+        extras.append(cls(**{**base.__dict__, "persistent": True, "flatten": True}))
+    return [c for c in extras if _fits(c, key, hw)]
 
 
 def _twin(n: int) -> int:

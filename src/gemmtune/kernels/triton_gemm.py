@@ -6,7 +6,8 @@ One kernel body covers every config the `triton` backend offers:
   the bias and casts) or fixed up in the same launch (mode 'f': each split stores its partial and bumps a
   per-tile counter; the last one to arrive adds all partials in a fixed order, runs the epilogue and
   resets the counter). Both are deterministic;
-- a persistent grid (one program per SM walking the tiles);
+- a persistent grid (one program per SM walking the tiles); `_pf` flattens its tile and K loops into one
+  that Triton pipelines across tiles (the next tile's loads overlap this tile's epilogue);
 - TMA tensor descriptors on Hopper (out-of-bounds rows and columns are zero-filled by the copy engine);
 - programmatic dependent launch (`_pdl1`: start while the previous kernel finishes, wait before reading
   x; `_pdl2`: also pull the first weight tile into L2 before waiting; see kernels/skinny.py).
@@ -38,6 +39,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 
 triton_gemm_ref = gemm_ref  # the plain-PyTorch reference this kernel is checked against
+FLATTEN_SMEM = 32 * 1024
 
 
 def triton_epilogue_ref(x, w, bias, c, alpha: float, beta: float, act: str, out_dtype: torch.dtype) -> torch.Tensor:
@@ -52,24 +54,32 @@ class TGConfig(GemmTileConfig):
     """One explicit kernel config; `name` is the stable id stored in tables."""
 
     PREFIX: ClassVar[str] = "tg"
-    TAIL_PATTERN: ClassVar[str] = r"(_p)?(_tma)?(?:_pdl(\d))?"
+    TAIL_PATTERN: ClassVar[str] = r"(_pf?)?(_tma)?(?:_pdl(\d))?"
 
     persistent: bool = False
     tma: bool = False
     pdl: int = 0  # 0 plain launch, 1 programmatic dependent launch, 2 that plus a weight-tile prefetch
+    flatten: bool = False  # persistent only (`_pf`): the tile loop and the K loop pipelined as one
 
     def name_tail(self) -> str:
         pdl = f"_pdl{self.pdl}" if self.pdl else ""
-        return ("_p" if self.persistent else "") + ("_tma" if self.tma else "") + pdl
+        persistent = ("_pf" if self.flatten else "_p") if self.persistent else ""
+        return persistent + ("_tma" if self.tma else "") + pdl
 
     @classmethod
     def tail_fields(cls, groups: tuple) -> tuple:
         persistent, tma, pdl = groups
-        return bool(persistent), bool(tma), int(pdl or 0)
+        return bool(persistent), bool(tma), int(pdl or 0), persistent == "_pf"
+
+    def smem_bytes(self, elem_bytes: int) -> int:
+        # Flattened, Triton 3.9 also keeps a 32 KiB epilogue buffer beside the stages (sm_90 builds).
+        return super().smem_bytes(elem_bytes) + (FLATTEN_SMEM if self.flatten else 0)
 
     def validate_own(self) -> None:
         if self.persistent and self.split_k > 1:
             raise ValueError(f"{self.name}: the persistent variant does not split K")
+        if self.flatten and not self.persistent:
+            raise ValueError(f"{self.name}: only the persistent variant flattens its loops")
         if self.pdl not in (0, 1, 2) or (self.pdl == 2 and self.tma):
             raise ValueError(f"{self.name}: pdl must be 0, 1 or 2 (2 only without TMA)")
 
@@ -279,6 +289,7 @@ def _tg_kernel(
     XS: tl.constexpr = 0,
     WS: tl.constexpr = 0,
     ACC_INT: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -288,7 +299,9 @@ def _tg_kernel(
         first_kt = tl.program_id(1) * tl.cdiv(k_tiles, split_k) if IS_SPLIT else 0
         _pdl_prologue(w, first_n, first_kt, N, K, swn, swk, BN, BK, USE_TMA, PDL)
     if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+        # FLATTEN lets the pipeliner fold the K loop into the tile loop, so the next tile's first loads
+        # are in flight during this tile's epilogue (off by default: the loop compiles as before).
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _mainloop(
                 x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, 0, k_tiles,
@@ -455,6 +468,8 @@ class TGKernel:
         if xs is not None:  # 8-bit operands: scales in the epilogue (after any split-K sum)
             epi.update(XS=1 if xs.numel() == 1 else 2, WS=1 if ws.numel() == 1 else 2)
         quant = {"ACC_INT": x.dtype == torch.int8} if xs is not None else {}
+        if cfg.flatten:
+            quant["FLATTEN"] = True
         xs, ws = (xs, ws) if xs is not None else (y, y)
         cv, scm, scn = (c, c.stride(0), c.stride(1)) if has_c else (y, 0, 0)
         _tg_kernel[grid](
