@@ -86,7 +86,8 @@ def sort_inputs(case, device):
     if extra == "ep":  # global ids 1, 4, 6, 9, 11 are this rank's experts 0..4
         emap = torch.full((n_routed,), -1, dtype=torch.int32)
         emap[torch.tensor([1, 4, 6, 9, 11])] = torch.arange(5, dtype=torch.int32)
-    routing_ = kmoe.Routing(ids.to(device=device, dtype=torch.int32), topk, shared, n_routed, E,
+    id_dtype = torch.int64 if T % 2 else torch.int32  # (the HF routers' ids are int64)
+    routing_ = kmoe.Routing(ids.to(device=device, dtype=id_dtype), topk, shared, n_routed, E,
                             None if emap is None else emap.to(device))  # fmt: skip
     return routing_, E + shared
 
