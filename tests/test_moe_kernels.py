@@ -70,6 +70,8 @@ GPU_MIX_CASES = [
     (GPU_CASES[5], "gm", "gm"),
     (GPU_CASES[6], "gm", "tri"),
     (("bf16", 1000, 1024, 384, 60, 4, "random", False, 64, 1, "shared"), "tri", "gm"),
+    (("bf16", 2048, 512, 256, 128, 8, "random", False, 64, 1, ""), "gm", "gm"),  # Qwen3-30B-A3B routing
+    (("bf16", 700, 512, 256, 60, 4, "random", False, 64, 1, "shared"), "gm", "gm"),
 ]
 
 
@@ -173,7 +175,8 @@ def test_gpu_mixed_stages_match_fp32_reference(mix, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,s1,s2", [(GPU_CASES[1], "tri", "tri"), (GPU_CASES[2], "tri", "tri"),
                                         (GPU_CASES[4], "tri", "tri"), (GPU_CASES[2], "gm", "tri"),
-                                        (GPU_CASES[3], "tri", "gm"), (GPU_CASES[6], "gm", "gm")],
+                                        (GPU_CASES[3], "tri", "gm"), (GPU_CASES[6], "gm", "gm"),
+                                        (GPU_MIX_CASES[5][0], "gm", "gm")],
                          ids=lambda v: v if isinstance(v, str) else _case_id(v))  # fmt: skip
 def test_gpu_graph_replay_equals_eager(case, s1, s2, gpu):
     from gemmtune.backends.moe import GM, grouped_mm_usable, pair_runner

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 
 from ..device import facts
 from ..families.fmoe import MoeKey, StageOut, act_name, join_name, split_name
 from ..kernels import fused_moe as kmoe
+from ..kernels import moe_route
 from ..kernels.activations import ACTIVATIONS as ACT_MUL_ACTS
 from ..kernels.activations import act_mul
 from ..kernels.moe_align import moe_align
@@ -104,21 +104,7 @@ def grouped_mm_fits(key: MoeKey, device: torch.device) -> bool:
     return all(d * key.dtype.itemsize % 16 == 0 for d in (key.model_dim, key.inter_dim))
 
 
-def expert_offsets(ids_flat: torch.Tensor, num_experts: int):
-    """Slots sorted by expert on the device: (perm, live_sorted (S, 1), offs (E,) int32 cumulative ends).
-    Slots with no local expert sort last, past offs[-1], where torch._grouped_mm writes nothing."""
-    e = torch.where(ids_flat >= 0, ids_flat.long(), num_experts)
-    sorted_e, perm = torch.sort(e, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=e.device)
-    counts.scatter_add_(0, e, torch.ones_like(e, dtype=torch.int32))
-    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
-    return perm, (sorted_e < num_experts).unsqueeze(-1), offs
-
-
-class _Sorted(NamedTuple):
-    perm: torch.Tensor  # (S,) slot at each sorted row
-    offs: torch.Tensor  # (E,) int32 end of each expert's rows
-    inv: torch.Tensor  # (S,) sorted row of each slot
+expert_offsets = moe_route.expert_offsets  # (ops/moe.py's grouped_gemm uses it too)
 
 
 # ---- one call, two stages -----------------------------------------------------------------------
@@ -127,11 +113,13 @@ class _Call:
     call's two stages."""
 
     def __init__(self, key: MoeKey, hidden, w1, w2, topk_weights, topk_ids, expert_map=None,
-                 triton_glue: bool | None = None):  # fmt: skip
+                 triton_glue: bool | None = None, sort_plan: dict | None = None):  # fmt: skip
         self.key, self.hidden, self.w1, self.w2, self.topk_weights = key, hidden, w1, w2, topk_weights
         self.r = _routing(key, topk_ids, expert_map)
-        # Triton kernels for what runs around torch._grouped_mm (gated activation, combine)
+        # Triton kernels for what runs around torch._grouped_mm (the sort by expert, gated activation,
+        # combine): they read the router's ids themselves, so the local-id tensor is never built
         self.triton_glue = _triton_runs_on(hidden) if triton_glue is None else triton_glue
+        self.sort_plan = sort_plan
         self._ids = self._weights = self._sorted = None
         self._blocks: dict[int, tuple] = {}
 
@@ -151,11 +139,13 @@ class _Call:
         return self._weights
 
     @property
-    def sorted(self) -> _Sorted:
+    def sorted(self) -> moe_route.SortedSlots:
+        """The slots sorted by expert (one Triton launch with triton_glue, else torch ops)."""
         if self._sorted is None:
-            perm, _, offs = expert_offsets(self.ids.reshape(-1), self.w1.shape[0])
-            inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-            self._sorted = _Sorted(perm, offs, inv)
+            if self.triton_glue:
+                self._sorted = moe_route.expert_sort(self.r, self.w1.shape[0], self.sort_plan)
+            else:
+                self._sorted = moe_route.expert_sort_torch(self.ids, self.w1.shape[0])
         return self._sorted
 
     def blocks(self, block_m: int):
@@ -177,7 +167,7 @@ def _gate(key: MoeKey, gu: torch.Tensor, triton: bool) -> torch.Tensor:
 def _stage1(key: MoeKey, s1: Stage, call: _Call) -> StageOut:
     if s1 == GM:
         srt = call.sorted
-        gu = torch._grouped_mm(call.hidden[srt.perm // call.r.tk], call.w1.transpose(1, 2), offs=srt.offs)
+        gu = torch._grouped_mm(call.hidden[srt.tok], call.w1.transpose(1, 2), offs=srt.offs)
         h = _gate(key, gu, call.triton_glue)
         if key.doweight_stage1:
             h = h * call.weights.reshape(-1)[srt.perm].unsqueeze(-1).to(h.dtype)
@@ -217,8 +207,11 @@ def pair_runner(key: MoeKey, s1: Stage, s2: Stage, triton_glue: bool | None = No
     """The whole call: stage s1, then stage s2 (Triton configs or GM). triton_glue False keeps the
     grouped_mm stages in plain torch ops (default: Triton's activation and combine where Triton runs)."""
 
+    # launch constants of the Triton sort, fixed by the key (tokens, topk, experts)
+    plan = moe_route.sort_plan(key.token * (key.topk + key.shared_expert), key.expert) if kmoe.HAS_TRITON else None
+
     def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
-        call = _Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map, triton_glue)
+        call = _Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map, triton_glue, plan)
         return _stage2(key, s2, call, _stage1(key, s1, call))
 
     return run

@@ -23,9 +23,13 @@ _is_compiling = torch.compiler.is_compiling
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def _halves(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_even(gu: torch.Tensor) -> None:
     if gu.shape[-1] % 2:
         raise ValueError(f"act_mul: last dim of the fused gate_up output must be even, got {tuple(gu.shape)}")
+
+
+def _halves(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_even(gu)
     return gu.chunk(2, dim=-1)
 
 
@@ -95,7 +99,7 @@ def act_mul(gu: torch.Tensor, act: str, *, impl: str = "auto") -> torch.Tensor:
     """act(gu[..., :I]) * gu[..., I:] for act in ACTIVATIONS."""
     if act not in _REFS:
         raise ValueError(f"act_mul: unknown activation {act!r} (expected one of {ACTIVATIONS})")
-    _halves(gu)
+    _check_even(gu)  # (a shape check only: splitting would be one more op per call)
     if impl == "auto" and _is_compiling():
         return _traced(gu, act)
     ok = HAS_TRITON and gu.dtype in _KERNEL_DTYPES

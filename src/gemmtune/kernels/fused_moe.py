@@ -107,6 +107,9 @@ def local_expert_ids(topk_ids: torch.Tensor, num_routed: int, expert_map: torch.
     topk_ids hold router ids in [0, num_routed); expert_map (num_routed,) maps them to local ids
     (-1: another rank's expert). Shared experts follow the local routed ones in the weight tensors.
     """
+    if expert_map is None and not shared:  # the common case in fewer ops: ids are local ids
+        ok = (topk_ids >= 0) & (topk_ids < num_routed)
+        return torch.where(ok, topk_ids, BAD_ID).to(torch.int32)
     ids = topk_ids.to(torch.int64)
     ok = (ids >= 0) & (ids < num_routed)
     safe = torch.where(ok, ids, 0)

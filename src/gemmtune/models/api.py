@@ -124,6 +124,14 @@ class _Planner:
             else:
                 detail = f"experts -> gemmtune.fused_moe ({spec.describe()})"
                 self.add("moe", _join(path, "experts"), mlp.experts, detail, spec=spec)
+            router = getattr(mlp, "gate", None)
+            if fused_ops and isinstance(router, nn.Module):
+                rspec = moe_mod.plan_router(router)
+                if isinstance(rspec, str):
+                    self.skip("router", _join(path, "gate"), router, rspec)
+                else:
+                    detail = f"softmax/top-k in one kernel ({rspec.describe()})"
+                    self.add("router", _join(path, "gate"), router, detail, spec=rspec)
             return
         act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"
         act_fn = getattr(mlp, act_attr, None)
@@ -266,6 +274,8 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
         route_linear(mod, a.data["opts"])
     elif a.kind == "moe":
         moe_mod.apply(mod, a.data["spec"])
+    elif a.kind == "router":
+        moe_mod.apply_router(mod, a.data["spec"])
     elif a.kind == "epilogue_mlp":
         epilogue_mlp.apply(mod, a.data["spec"])
     else:
@@ -278,6 +288,7 @@ _ATTRS = {
     "norm": ("forward", "_gemmtune_norm"),
     "layer": ("forward",),
     "moe": ("forward", "_gemmtune_moe"),
+    "router": ("forward", "_gemmtune_router"),
     "epilogue_mlp": epilogue_mlp.UNDO_ATTRS,
 }
 

@@ -5,6 +5,10 @@ Mixtral, Qwen3-MoE and DeepSeek-V3 blocks in transformers 5.x route with their o
 gate_up_proj (E, 2I, H) (gate rows first) and down_proj (E, H, I): fused_moe's own layout, so no
 weight is copied. The router, the shared expert (DeepSeek) and everything else stay as they are.
 
+The top-k router (Qwen3-MoE's / Mixtral's: linear, softmax, top k, optional renormalization) keeps
+its linear and does the rest in one Triton kernel (kernels/moe_route.py) where Triton runs; whether it
+renormalizes and the dtype of its weights are read off a probe of its own forward.
+
 An experts module is taken only if its layout is the one above (checked per instance), its
 activation is one fused_moe computes (probed), and fused_moe matches the module's own forward on a
 probe routing (run on the module's device and dtype) within the dtype's tolerance.
@@ -15,8 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..backends.moe import _triton_runs_on
+from ..kernels.moe_route import router_topk
 from ..ops.moe import fused_moe
 from .families import detect_act
 
@@ -103,3 +110,88 @@ def apply(experts: nn.Module, spec: MoeSpec) -> None:
 def undo(experts: nn.Module) -> None:
     for attr in ("forward", "_gemmtune_moe"):
         experts.__dict__.pop(attr, None)
+
+
+# ---- the top-k router -----------------------------------------------------------------------------
+ROUTERS = ("Qwen3MoeTopKRouter", "MixtralTopKRouter")  # linear -> softmax -> top k (-> renorm) routers
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    hidden: int
+    top_k: int
+    renorm: bool
+    out_dtype: torch.dtype
+
+    def describe(self) -> str:
+        return f"top {self.top_k}{' renormalized' if self.renorm else ''} -> {str(self.out_dtype).split('.')[-1]}"
+
+
+def _router_forward(self, hidden_states: torch.Tensor):
+    spec = self._gemmtune_router
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
+        return type(self).forward(self, hidden_states)  # the kernel has no backward
+    logits = F.linear(hidden_states.reshape(-1, spec.hidden), self.weight)
+    scores, ids = router_topk(logits, spec.top_k, spec.renorm, spec.out_dtype)
+    return logits, scores, ids
+
+
+def _router_reason(router: nn.Module) -> str | None:
+    if type(router).__name__ not in ROUTERS:
+        return f"{type(router).__name__} is not a softmax top-k router ({', '.join(ROUTERS)})"
+    w = getattr(router, "weight", None)
+    k = getattr(router, "top_k", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not isinstance(k, int) or not 1 <= k <= w.shape[0]:
+        return "no (experts, hidden) weight / top_k"
+    if "forward" in router.__dict__:
+        return "its forward is already overridden on the instance"
+    if w.device.type == "meta":
+        return "weights are not materialized (meta device)"
+    if not _triton_runs_on(w):
+        return f"the Triton top-k kernel does not run on {w.device.type}"
+    if w.dtype not in _TOL:
+        return f"router weight is {w.dtype}"
+    return None
+
+
+def _distinct_rows(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows whose k + 1 largest probabilities all differ: their top k does not depend on tie order."""
+    top = torch.topk(torch.softmax(logits.float(), -1), min(k + 1, logits.shape[1]), dim=-1).values
+    return (top[:, :-1] > top[:, 1:]).all(1)
+
+
+def plan_router(router: nn.Module) -> RouterSpec | str:
+    """A RouterSpec when the top-k kernel reproduces `router` (probed: same ids and dtypes, weights
+    within the dtype's tolerance, on the probe tokens without ties), else the reason it cannot."""
+    why = _router_reason(router)
+    if why is not None:
+        return why
+    w = router.weight
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    x = torch.randn(4, 16, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            want = type(router).forward(router, x)
+        except Exception as exc:  # noqa: BLE001 - a router the probe cannot run is left alone
+            return f"probe failed: {type(exc).__name__}: {exc}"
+        T, E, k = 64, w.shape[0], router.top_k
+        ok = isinstance(want, tuple) and len(want) == 3 and want[0].shape == (T, E) and want[1].shape == (T, k)
+        if not ok or want[2].shape != (T, k) or want[2].dtype != torch.int64:
+            return "its forward does not return (logits (T, E), weights (T, k), ids (T, k) int64)"
+        rows = _distinct_rows(want[0], k)
+        if not bool(rows.any()):
+            return "every probe token has tied router probabilities"
+        first = bool(getattr(router, "norm_topk_prob", True))
+        for renorm in (first, not first):  # the attribute first; Mixtral renormalizes without one
+            spec = RouterSpec(w.shape[1], k, renorm, want[1].dtype)
+            scores, ids = router_topk(want[0], k, renorm, spec.out_dtype)
+            if not torch.equal(ids[rows], want[2][rows]) or scores.dtype != want[1].dtype:
+                continue
+            if torch.allclose(scores[rows].float(), want[1][rows].float(), rtol=_TOL[w.dtype], atol=1e-6):
+                return spec
+    return "the top-k kernel differs from its forward on a probe"
+
+
+def apply_router(router: nn.Module, spec: RouterSpec) -> None:
+    router._gemmtune_router = spec
+    router.forward = _router_forward.__get__(router)

@@ -1,0 +1,327 @@
+"""Routing glue in Triton (kernels/moe_route.py): the sort of slots by expert and the top-k router,
+against their torch references, plus the host work of the grouped_mm path (aten ops, Triton launches)
+and optimize() swapping the Qwen3-MoE / Mixtral routers.
+
+Without a GPU the kernels run under Triton's interpreter (fp32/fp16) in a subprocess (kernel_cases.py);
+with one, in-process, bf16 included, plus CUDA-graph replay equal to eager and torch.topk's own order
+of tied values. Every output starts poisoned (NaN, or -7777 for ints), so a skipped element fails.
+
+Sort cases: E not a power of two, experts with no slots, every slot on one expert, topk 1/2/8, T 1..300
+(several programs), 128 experts (256 bins), out-of-range ids, expert parallelism, a shared expert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import zlib
+
+import pytest
+import torch
+from kernel_cases import kernel_results
+
+from gemmtune.kernels import fused_moe as kmoe
+from gemmtune.kernels import moe_route
+
+HAS_GPU = torch.cuda.is_available()
+
+# (T, topk, E, routing, extra): routing "random", "one" (all slots on expert E-1), "low" (only experts
+# 0..topk), extra "", "bad" (some ids out of range), "ep" (12 global ids, this rank holds E), "shared".
+SORT_CASES = [
+    (1, 1, 3, "random", ""),
+    (7, 2, 5, "random", ""),
+    (33, 8, 11, "random", ""),
+    (300, 2, 13, "random", ""),
+    (64, 8, 128, "random", ""),
+    (29, 2, 6, "one", ""),
+    (40, 2, 9, "low", ""),
+    (50, 4, 7, "random", "bad"),
+    (45, 2, 5, "random", "ep"),
+    (37, 2, 5, "random", "shared"),
+]
+GPU_SORT_CASES = [(2048, 8, 128, "random", ""), (4096, 2, 60, "low", "bad"), (1000, 4, 60, "random", "shared")]
+# (T, E, k, renorm, logits dtype, weights dtype)
+ROUTER_CASES = [
+    (1, 3, 1, True, "float32", "float32"),
+    (7, 13, 2, True, "float32", "float32"),
+    (300, 60, 8, False, "float32", "float32"),
+    (37, 128, 8, True, "float16", "float16"),
+    (5, 8, 2, True, "float16", "float32"),
+    (19, 4, 4, False, "float16", "float16"),
+]
+GPU_ROUTER_CASES = [(2048, 128, 8, True, "bfloat16", "bfloat16"), (77, 8, 2, True, "bfloat16", "float32")]
+
+
+@contextlib.contextmanager
+def poisoned():
+    """moe_route's outputs start NaN (floats) or -7777 (ints)."""
+    saved = moe_route._alloc
+
+    def alloc(shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7777, dtype=dtype, device=device)
+
+    moe_route._alloc = alloc
+    try:
+        yield
+    finally:
+        moe_route._alloc = saved
+
+
+def sort_inputs(case, device):
+    T, topk, E, routing, extra = case
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    shared = 1 if extra == "shared" else 0
+    n_routed = 12 if extra == "ep" else E
+    ids = torch.stack([torch.randperm(n_routed, generator=g)[:topk] for _ in range(T)])
+    if routing == "one":
+        ids[:, 0] = n_routed - 1
+        ids[:, 1:] = torch.arange(topk - 1).expand(T, topk - 1)
+    elif routing == "low":
+        ids = torch.stack([torch.randperm(topk + 1, generator=g)[:topk] for _ in range(T)])
+    if extra == "bad":
+        ids[::7, 0] = E + 2
+        ids[3::11, -1] = -4
+    emap = None
+    if extra == "ep":  # global ids 1, 4, 6, 9, 11 are this rank's experts 0..4
+        emap = torch.full((n_routed,), -1, dtype=torch.int32)
+        emap[torch.tensor([1, 4, 6, 9, 11])] = torch.arange(5, dtype=torch.int32)
+    id_dtype = torch.int64 if T % 2 else torch.int32  # (the HF routers' ids are int64)
+    routing_ = kmoe.Routing(ids.to(device=device, dtype=id_dtype), topk, shared, n_routed, E,
+                            None if emap is None else emap.to(device))  # fmt: skip
+    return routing_, E + shared
+
+
+def _sort_ref(r: kmoe.Routing, num_experts: int):
+    local = kmoe.local_expert_ids(r.topk_ids, r.num_routed, r.expert_map, r.shared, r.num_local_routed)
+    return moe_route.expert_sort_torch(local, num_experts)
+
+
+def router_logits(case, device):
+    T, E, _, _, dt, _ = case
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    # distinct values in every dtype: a permutation of a grid 1/16 apart, plus a small jitter
+    x = torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).float() / 16 - E / 32
+    x = x + torch.rand(T, E, generator=g) / 64
+    return x.to(device=device, dtype=getattr(torch, dt))
+
+
+def run_cases(sort_cases, router_cases, device) -> dict:
+    out = {"sort": {}, "router": {}}
+    for case in sort_cases:
+        r, E = sort_inputs(case, device)
+        with poisoned():
+            got = moe_route.expert_sort(r, E)
+        want = _sort_ref(r, E)
+        out["sort"][repr(case)] = {f: bool(torch.equal(a, b)) and a.dtype == b.dtype
+                                   for f, a, b in zip(got._fields, got, want)}  # fmt: skip
+    for case in router_cases:
+        T, E, k, renorm, _, wdt = case
+        x = router_logits(case, device)
+        with poisoned():
+            w, ids = moe_route.router_topk(x, k, renorm, getattr(torch, wdt))
+        w_ref, ids_ref = moe_route.router_topk_ref(x, k, renorm, getattr(torch, wdt))
+        out["router"][repr(case)] = {
+            "ids": bool(torch.equal(ids, ids_ref)),
+            "dtype": str(w.dtype) == f"torch.{wdt}",
+            "err": (w.double() - w_ref.double()).abs().max().item(),
+        }
+    return out
+
+
+def host_counts() -> dict:
+    """aten ops and Triton launches of the grouped_mm pair (Triton glue) and of a whole optimized
+    Qwen3-MoE block (router + experts); needs Triton to run (GPU, or the interpreter)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    from exp_moe_ops import OpCounter, count_block, count_triton, tiny_block
+    from moe_cases import make_case
+
+    import gemmtune
+    from gemmtune.backends.moe import GM, pair_runner
+
+    dev = "cuda" if HAS_GPU else "cpu"
+    key, inputs = make_case(("fp32", 40, 64, 32, 8, 2, "random", 0, 0, 0, ""), dev)
+    run = pair_runner(key, GM, GM, triton_glue=True)
+    run(*inputs)
+    counter = OpCounter()
+    with count_triton(counter) as launches, counter:
+        run(*inputs)
+    res = {"pair_ops": counter.launching(), "pair_triton": sum(launches.values())}
+    model = tiny_block(dev, torch.float32, 8, 2, 64, 32)
+    report = gemmtune.optimize(model)
+    res["router_swapped"] = report.counts().get("router", 0)
+    counter, launches = count_block(model.model.layers[0].mlp, torch.randn(1, 40, 64, device=dev))
+    res.update(block_ops=counter.launching(), block_triton=sum(launches.values()))
+    return res
+
+
+def optimize_parity() -> dict:
+    """optimize() with the routers swapped vs stock, on the tiny Qwen3-MoE and Mixtral (fp32)."""
+    from test_models_parity import batch, build
+
+    import gemmtune
+
+    dev = "cuda" if HAS_GPU else "cpu"
+    res = {}
+    for family in ("qwen3_moe", "mixtral"):
+        stock = build(family, dev)
+        opt = build(family, dev)
+        report = gemmtune.optimize(opt)
+        ids, mask = batch(dev)
+        with torch.no_grad():
+            a = stock(ids, attention_mask=mask, use_cache=False).logits
+            b = opt(ids, attention_mask=mask, use_cache=False).logits
+        valid = mask.bool()
+        res[family] = {"routers": report.counts().get("router", 0),
+                       "err": (a[valid] - b[valid]).abs().max().item()}  # fmt: skip
+        gemmtune.restore(opt)
+        res[family]["restored"] = not any("forward" in layer.mlp.gate.__dict__ for layer in opt.model.layers
+                                          if hasattr(layer.mlp, "gate"))  # fmt: skip
+    return res
+
+
+def _all(device) -> dict:
+    gpu = device == "cuda"
+    res = run_cases(SORT_CASES + (GPU_SORT_CASES if gpu else []), ROUTER_CASES + (GPU_ROUTER_CASES if gpu else []),
+                    device)  # fmt: skip
+    res["host"] = host_counts()
+    res["parity"] = optimize_parity()
+    return res
+
+
+@pytest.fixture(scope="module")
+def results():
+    return kernel_results(__file__, lambda _cases, device: _all(device), [], [])
+
+
+@pytest.mark.parametrize("case", SORT_CASES + (GPU_SORT_CASES if HAS_GPU else []), ids=repr)
+def test_expert_sort_matches_torch_sort(case, results):
+    r = results["sort"][repr(case)]
+    assert all(r.values()), r  # perm, tok, offs, inv: equal element for element, same dtypes
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES + (GPU_ROUTER_CASES if HAS_GPU else []), ids=repr)
+def test_router_topk_matches_reference(case, results):
+    r = results["router"][repr(case)]
+    assert r["ids"] and r["dtype"], r
+    wdt = case[5]
+    assert r["err"] <= {"float32": 2e-7, "float16": 1e-3, "bfloat16": 8e-3}[wdt], r
+
+
+def test_grouped_mm_path_host_work_is_bounded(results):
+    """aten ops that launch device work, and Triton launches. Before this glue: the grouped_mm pair
+    22 ops + 2 launches, an optimized Qwen3-MoE block (router + experts) 26 ops + 2 launches (fp32).
+    Now the pair is the gather and the two torch._grouped_mm (+ sort, activation, combine in Triton),
+    the block adds the router's linear (+ its top-k kernel)."""
+    h = results["host"]
+    assert h["pair_ops"] <= 3 and h["pair_triton"] <= 3, h
+    assert h["router_swapped"] == 1, h
+    assert h["block_ops"] <= 4 and h["block_triton"] <= 4, h
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_optimize_with_router_kernel_keeps_logits(family, results):
+    r = results["parity"][family]
+    assert r["routers"] >= 1 and r["restored"], r
+    assert r["err"] < 1e-4, r
+
+
+# ---- CPU, no Triton needed ------------------------------------------------------------------------
+def _sort_python(local_ids: torch.Tensor, E: int):
+    ids = local_ids.reshape(-1).tolist()
+    order = sorted(range(len(ids)), key=lambda s: (ids[s] if 0 <= ids[s] < E else E, s))
+    counts = [sum(1 for v in ids if v == e) for e in range(E)]
+    return order, [sum(counts[: e + 1]) for e in range(E)]
+
+
+@pytest.mark.parametrize("case", SORT_CASES, ids=repr)
+def test_torch_sort_matches_python(case):
+    r, E = sort_inputs(case, "cpu")
+    local = kmoe.local_expert_ids(r.topk_ids, r.num_routed, r.expert_map, r.shared, r.num_local_routed)
+    got = moe_route.expert_sort_torch(local, E)
+    order, ends = _sort_python(local, E)
+    assert got.perm.tolist() == order and got.offs.tolist() == ends
+    assert got.tok.tolist() == [s // local.shape[1] for s in order]
+    assert got.inv[got.perm].tolist() == list(range(len(order)))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_reference_is_the_hf_routers(norm):
+    tf = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    qcfg = tf.Qwen3MoeConfig(hidden_size=32, num_experts=12, num_experts_per_tok=3, norm_topk_prob=norm)
+    mcfg = tf.MixtralConfig(hidden_size=32, num_local_experts=12, num_experts_per_tok=3)
+    for cls, cfg, renorm, keep in ((Qwen3MoeTopKRouter, qcfg, norm, False), (MixtralTopKRouter, mcfg, True, True)):
+        for dtype in (torch.float32, torch.bfloat16):
+            router = cls(cfg).to(dtype)
+            with torch.no_grad():
+                router.weight.normal_()
+                x = torch.randn(9, 32).to(dtype)
+                logits, w, ids = router(x)
+            w_ref, ids_ref = moe_route.router_topk_ref(logits, 3, renorm, torch.float32 if keep else dtype)
+            assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
+
+
+def test_router_topk_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"logits \(3, 4\)"):
+        moe_route.router_topk(torch.randn(3, 4), 5, True, torch.float32)
+
+
+def test_router_left_alone_where_triton_does_not_run():
+    tf = pytest.importorskip("transformers")
+    from gemmtune.models import moe as moe_mod
+
+    router = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(
+        tf.Qwen3MoeConfig(hidden_size=16, num_experts=4, num_experts_per_tok=2)
+    )
+    why = moe_mod.plan_router(router)
+    if kmoe.HAS_TRITON and __import__("os").environ.get("TRITON_INTERPRET") == "1":
+        assert not isinstance(why, str), why
+    else:
+        assert isinstance(why, str) and "does not run on cpu" in why
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_graph_replay_equals_eager(gpu):
+    r, E = sort_inputs(GPU_SORT_CASES[0], gpu)
+    x = router_logits(GPU_ROUTER_CASES[0], gpu)
+
+    def run():
+        w, ids = moe_route.router_topk(x, 8, True, torch.bfloat16)
+        return (w, ids, *moe_route.expert_sort(r, E))
+
+    eager = [t.clone() for t in run()]  # (compiles both kernels: the capture launches only)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = run()
+    for _ in range(2):
+        for t in outs:
+            t.fill_(-1)
+        g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+    # new ids in the same buffer: the replay follows them
+    r.topk_ids.copy_(torch.randint(0, E, r.topk_ids.shape, device=gpu, dtype=r.topk_ids.dtype))
+    g.replay()
+    want = _sort_ref(r, E)
+    assert all(torch.equal(a, b) for a, b in zip(outs[2:], want))
+
+
+@pytest.mark.gpu
+def test_gpu_router_tie_order_is_torch_topk(gpu):
+    """bf16 logits on a coarse grid tie all the time: the kernel picks and orders them as torch.topk."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randint(-8, 8, (4096, 128), generator=g).float() / 4).to(gpu, torch.bfloat16)
+    for k in (1, 2, 8):
+        w, ids = moe_route.router_topk(x, k, True, torch.bfloat16)
+        w_ref, ids_ref = moe_route.router_topk_ref(x, k, True, torch.bfloat16)
+        assert torch.equal(ids, ids_ref), (ids != ids_ref).any(1).sum().item()
+        torch.testing.assert_close(w, w_ref, rtol=8e-3, atol=1e-3)
+
+
+if __name__ == "__main__":  # the interpreter subprocess
+    print(json.dumps(_all("cpu")))
