@@ -80,10 +80,16 @@ def test_auto_tier_per_model_and_device(no_flash, monkeypatch):
     assert attn_mod.resolve_tier("auto", None, "cpu") == ("sdpa", "auto")
     assert attn_mod.resolve_tier("auto", None, "cuda")[0] == "sdpa"
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
-    assert tier == "flex" and "softcap 50.0, flash-attn not installed" in note
-    assert f"< {flex.FLEX_MIN_Q} query tokens (decode) run the eager tier" in note
+    assert tier == "triton" and "softcap 50.0, flash-attn not installed" in note
+    assert f"masked prefill runs flex_attention, calls of < {attn_mod.KERNEL_MIN_Q} query tokens (decode) run the "\
+           "eager tier" in note  # fmt: skip
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cpu")
-    assert tier == "eager" and "no flex tier: flex_attention is fused only on CUDA here (model on cpu)" in note
+    assert tier == "eager" and "no Triton or flex tier: flex_attention is fused only on CUDA here (model on cpu)" \
+        in note  # fmt: skip
+    monkeypatch.setattr(attn_mod, "KERNEL_DEVICES", ())  # no Triton kernel here: flex is next
+    tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
+    assert tier == "flex" and "no Triton tier: gemmtune's Triton attention runs on NVIDIA CUDA only" in note
+    assert f"< {flex.FLEX_MIN_Q} query tokens (decode) run the eager tier" in note
     monkeypatch.setattr(flex, "_HAS_TRITON", False)
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
     assert tier == "eager" and "triton is not installed" in note
@@ -95,30 +101,43 @@ def test_auto_tier_with_a_flash_backend(monkeypatch):
     monkeypatch.delenv(attn_mod.ENV, raising=False)
     monkeypatch.setattr(attn_mod, "_flash_cache", [("flash_attn", None)])
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
-    assert tier == "flash" and "calls SDPA cannot run go to flex_attention for prefill" in note  # masked calls
+    assert tier == "flash" and "calls SDPA cannot run go to the Triton kernel for mask-free prefill, " \
+        "flex_attention for masked prefill" in note  # masked calls, and fp32 ones  # fmt: skip
     assert attn_mod.resolve_tier("auto", 50.0, "cpu")[0] == "eager"
     monkeypatch.setattr(attn_mod, "_flash_cache", [("aiter", None)])
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
-    assert tier == "flex" and "aiter has no softcap" in note
+    assert tier == "triton" and "aiter has no softcap" in note
     assert attn_mod.resolve_tier("auto", None, "cuda")[0] == "flash"
 
 
 def test_forced_tiers_say_where_softcap_goes(no_flash, monkeypatch):
     with pytest.raises(ValueError, match="tier 'flex' is not available: flex_attention is fused only on CUDA"):
         attn_mod.resolve_tier("flex", 50.0, "cpu")
+    with pytest.raises(ValueError, match="tier 'triton' is not available: gemmtune's Triton attention runs on NVIDIA"):
+        attn_mod.resolve_tier("triton", 50.0, "cpu")
+    note = attn_mod.resolve_tier("sdpa", 50.0, "cuda")[1]
+    assert "softcap 50.0: calls SDPA cannot run go to the Triton kernel for mask-free prefill, flex_attention for " \
+        "masked prefill, the eager tier otherwise" in note  # fmt: skip
+    assert "go to the eager tier" in attn_mod.resolve_tier("sdpa", 50.0, "cpu")[1]
+    monkeypatch.setattr(attn_mod, "KERNEL_DEVICES", ())
     note = attn_mod.resolve_tier("sdpa", 50.0, "cuda")[1]
     assert "softcap 50.0: calls SDPA cannot run go to flex_attention for prefill, the eager tier otherwise" in note
-    assert "go to the eager tier" in attn_mod.resolve_tier("sdpa", 50.0, "cpu")[1]
+    monkeypatch.setattr(attn_mod, "KERNEL_DEVICES", ("cuda",))
+    tier, note = attn_mod.resolve_tier("flex", 50.0, "cuda")
+    assert "under torch.compile, mask-free prefill runs the Triton kernel" in note
+    tier, note = attn_mod.resolve_tier("triton", None, "cuda")
+    assert tier == "triton" and "masked prefill runs the sdpa tier" in note
     monkeypatch.setenv(attn_mod.ENV, "flex")
     tier, note = attn_mod.resolve_tier("auto", None, "cuda")
     assert tier == "flex" and "forced by GEMMTUNE_ATTENTION=flex" in note and "run the sdpa tier" in note
+    assert "torch.compile" not in note  # no softcap: compiled calls run SDPA
 
 
 def test_optimize_report_line_names_tier_and_reason(no_flash):
     report = gemmtune.optimize(build("gemma2"))  # CPU model: flex is not fused here
     line = next(x for x in report.summary().splitlines() if x.strip().startswith("attention:"))
     assert line.strip().startswith("attention: eager tier")
-    assert "softcap 50.0, flash-attn not installed; no flex tier" in line
+    assert "softcap 50.0, flash-attn not installed; no Triton or flex tier" in line
     assert gemmtune.optimize(build("llama")).attention_tier == "sdpa"
 
 

@@ -23,6 +23,7 @@ from .ops import (
     int8_gemm,
     prepare_expert_weights,
     prune_2_4,
+    softcap_attention,
     sparse_gemm,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "grouped_gemm",
     "int8_gemm",
     "prune_2_4",
+    "softcap_attention",
     "sparse_gemm",
     "get_dispatcher",
     "load_config",

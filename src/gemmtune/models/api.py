@@ -341,8 +341,9 @@ def optimize(
 
     config: a tuned table (path, list of paths or ConfigTable) to put in effect for gemmtune.gemm.
     fuse_qkv / fuse_gate_up: one GEMM for q/k/v and for gate/up. fused_ops: Triton RMSNorm,
-    residual-add + RMSNorm and act*mul. attention: "auto", "flash", "sdpa", "eager" or None (leave
-    as is); GEMMTUNE_ATTENTION forces a tier. m_threshold: calls with fewer rows keep F.linear.
+    residual-add + RMSNorm and act*mul. attention: "auto", "flash", "triton", "flex", "sdpa", "eager"
+    or None (leave as is; models/attention.py describes the tiers); GEMMTUNE_ATTENTION forces a tier.
+    m_threshold: calls with fewer rows keep F.linear.
     split_bias: bias-free GEMM plus a separate add. route_linears: other nn.Linear via gemmtune.gemm,
     and fp8 block-scaled checkpoint Linears (transformers' FP8Linear) via gemm_a8w8_blockscale.
     quantize: "fp8" / "int8" (per-channel weights, per-token activations) or "fp8-block" (128x128 /

@@ -1,22 +1,30 @@
 """Attention routing through transformers' AttentionInterface and AttentionMaskInterface.
 
-Four tiers, each registered under its own name (neutral names: transformers treats names containing
+Five tiers, each registered under its own name (neutral names: transformers treats names containing
 "flash"/"sdpa" specially in places):
   tier 1 "flash": flash-attn's flash_attn_func (aiter's on ROCm) when installed, for fp16/bf16 CUDA
                   tensors with no materialized mask; anything else drops to tier 2 for that call.
-  "flex":         torch's flex_attention (models/flex.py) for prefill-sized calls (>= flex.FLEX_MIN_Q
-                  query tokens) on CUDA: softcap, causal / sliding-window / padding masks, GQA in one
-                  compiled kernel; shorter calls run as tier 2 does. auto picks it for softcapped models
+  "triton":       gemmtune's Triton flash-attention kernel (ops/attention.py: softcap, causal, sliding
+                  window, GQA; one custom op under torch.compile) for prefill-sized (>= KERNEL_MIN_Q
+                  query tokens) fp16/bf16 calls on NVIDIA CUDA with no materialized mask, eager and
+                  compiled. Softcapped calls it does not take run as the flex tier runs them (masked
+                  prefill: flex_attention), others as tier 2. auto picks it for softcapped models
                   (Gemma-2) when flash-attn cannot take them.
+  "flex":         torch's flex_attention (models/flex.py) for prefill-sized calls (>= flex.FLEX_MIN_Q
+                  query tokens) on CUDA in eager code: softcap, causal / sliding-window / padding masks,
+                  GQA in one compiled kernel; shorter calls run as tier 2 does. Under torch.compile flex
+                  is not called: mask-free softcapped prefill takes the Triton kernel, the rest as tier 2.
   tier 2 "sdpa":  torch's scaled_dot_product_attention. GQA without repeat_kv: `enable_gqa` where
                   torch picks a fused kernel with it (no mask); decode against a materialized mask
                   (static cache, padding) uses the measured-fastest strategy (MASKED_DECODE).
-                  softcap goes to flex for prefill-sized CUDA calls, else (and output_attentions) to tier 3.
+                  softcap, which SDPA cannot compute, goes to the Triton kernel (mask-free prefill), to
+                  flex (masked prefill, eager code), else (and output_attentions) to tier 3.
   tier 3 "eager": matmul-softmax-matmul in the model's dtype with fp32 softmax, grouped by KV head
                   (no repeat_kv), with softcap and attention weights.
 All use transformers' `sdpa_mask` (a boolean 4-D mask, or None for a plain causal / full pattern), so a
-call can drop to a lower tier with the mask it was given.
-GEMMTUNE_ATTENTION=flash|flex|sdpa|eager forces a tier (it wins over optimize(attention=...)).
+call can drop to a lower tier with the mask it was given; the triton tier's also returns None under
+torch.compile where sdpa_mask does so eagerly (transformers materializes it while tracing: triton_mask).
+GEMMTUNE_ATTENTION=flash|triton|flex|sdpa|eager forces a tier (it wins over optimize(attention=...)).
 """
 
 from __future__ import annotations
@@ -26,11 +34,26 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..kernels import attention_softcap as kattn
+from ..ops import attention as attn_ops
 from . import flex
 
-TIERS = ("flash", "flex", "sdpa", "eager")
+TIERS = ("flash", "triton", "flex", "sdpa", "eager")
 ENV = "GEMMTUNE_ATTENTION"
-NAMES = {"flash": "gemmtune_tier1", "flex": "gemmtune_tier_flex", "sdpa": "gemmtune_tier2", "eager": "gemmtune_tier3"}
+NAMES = {
+    "flash": "gemmtune_tier1", "triton": "gemmtune_tier_triton", "flex": "gemmtune_tier_flex",
+    "sdpa": "gemmtune_tier2", "eager": "gemmtune_tier3",
+}  # fmt: skip
+# The Triton kernel takes prefill-sized calls only: decode (up to 16 query tokens) keeps the measured
+# eager / SDPA decode paths, and no kernel is compiled for it during a decode capture.
+KERNEL_MIN_Q = flex.FLEX_MIN_Q
+KERNEL_DEVICES = ("cuda",)  # NVIDIA: its tanh is PTX, its tiles measured on an H100
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# Softcapped prefill with transformers' boolean mask (padding; and under torch.compile, where transformers
+# materializes even the plain causal mask, every prefill) runs the kernel with the mask: a first pass finds
+# the key blocks it hides, so a causal mask costs about what the mask-free causal kernel does. Masked calls
+# of models without softcap keep SDPA.
+KERNEL_MASKED = True
 PACK_MAX_Q = 16  # fold query heads into rows up to this many query tokens (decode, speculation)
 # GQA decode against a materialized mask (static cache, padding), L <= PACK_MAX_Q query tokens:
 #   "gqa": enable_gqa with the mask (no copy; torch picks the backend);
@@ -78,6 +101,18 @@ def flash_backend():
     return _flash_cache[0]
 
 
+def kernel_unavailable_reason(device) -> str | None:
+    """None when gemmtune's Triton attention kernel runs on `device`, else why not (for the report)."""
+    if not kattn.HAS_TRITON:
+        return "triton is not installed"
+    kind = torch.device(device).type
+    if kind not in KERNEL_DEVICES:
+        return f"gemmtune's Triton attention runs on NVIDIA CUDA only (model on {kind})"
+    if kind == "cuda" and torch.version.hip is not None:
+        return "gemmtune's Triton attention is not measured on ROCm"
+    return None
+
+
 def resolve_tier(requested: str | None, softcap: float | None = None, device=None) -> tuple[str | None, str]:
     """(tier or None to leave attention alone, note for the report) for a model whose attention has
     logit softcapping `softcap` (None: none) and whose weights are on `device`."""
@@ -95,6 +130,7 @@ def resolve_tier(requested: str | None, softcap: float | None = None, device=Non
     cuda = torch.device(device).type == "cuda"
     fb = flash_backend()
     no_flex = flex.unavailable_reason(device)
+    no_kernel = kernel_unavailable_reason(device)
     if requested == "auto":
         if fb is not None and cuda and (softcap is None or fb[0] == "flash_attn"):
             tier, note = "flash", note or "auto"
@@ -103,9 +139,12 @@ def resolve_tier(requested: str | None, softcap: float | None = None, device=Non
         else:
             why = "flash-attn not installed" if fb is None else "model not on CUDA"
             why = f"{fb[0]} has no softcap" if fb is not None and cuda else why
-            if no_flex is not None:
-                return "eager", f"auto: softcap {softcap}, {why}; no flex tier: {no_flex}"
-            tier, note = "flex", f"auto: softcap {softcap}, {why}"
+            if no_kernel is None:
+                tier, note = "triton", f"auto: softcap {softcap}, {why}"
+            elif no_flex is None:
+                tier, note = "flex", f"auto: softcap {softcap}, {why}; no Triton tier: {no_kernel}"
+            else:
+                return "eager", f"auto: softcap {softcap}, {why}; no Triton or flex tier: {no_flex}"
     else:
         if requested not in TIERS:
             raise ValueError(f"attention={requested!r}: expected 'auto', None or one of {', '.join(TIERS)}")
@@ -113,19 +152,40 @@ def resolve_tier(requested: str | None, softcap: float | None = None, device=Non
             raise ValueError("attention tier 'flash' needs flash-attn (CUDA) or aiter (ROCm); neither is installed")
         if requested == "flex" and no_flex is not None:
             raise ValueError(f"attention tier 'flex' is not available: {no_flex}")
+        if requested == "triton" and no_kernel is not None:
+            raise ValueError(f"attention tier 'triton' is not available: {no_kernel}")
         tier, note = requested, note or "requested"
     if softcap is not None and tier in ("flash", "sdpa"):
         # flash falls to sdpa for masks (and aiter has no softcap); sdpa hands softcap calls on
-        route = "flex_attention for prefill, the eager tier otherwise" if no_flex is None else "the eager tier"
-        note += f"; softcap {softcap}: calls SDPA cannot run go to {route}"
-    elif tier == "flex":
-        note += _short_calls(softcap)
+        note += f"; softcap {softcap}: calls SDPA cannot run go to {_softcap_route(no_kernel, no_flex)}"
+    elif tier in ("triton", "flex"):
+        note += _other_calls(tier, softcap, no_kernel, no_flex)
     return tier, note
 
 
-def _short_calls(softcap: float | None) -> str:
+def _softcap_route(no_kernel: str | None, no_flex: str | None) -> str:
+    """Where the sdpa tier sends softcapped calls, given what runs here."""
+    if no_kernel is None and no_flex is None:
+        return "the Triton kernel for mask-free prefill, flex_attention for masked prefill, the eager tier otherwise"
+    if no_kernel is None:
+        return "the Triton kernel for mask-free prefill, the eager tier otherwise"
+    if no_flex is None:
+        return "flex_attention for prefill, the eager tier otherwise"
+    return "the eager tier"
+
+
+def _other_calls(tier: str, softcap: float | None, no_kernel: str | None, no_flex: str | None) -> str:
+    """The report's note on the calls the triton / flex tier does not take itself."""
     rest = "eager" if softcap is not None else "sdpa"
-    return f"; calls of < {flex.FLEX_MIN_Q} query tokens (decode) run the {rest} tier"
+    min_q = KERNEL_MIN_Q if tier == "triton" else flex.FLEX_MIN_Q
+    short = f"calls of < {min_q} query tokens (decode) run the {rest} tier"
+    if tier == "triton":
+        masked = "flex_attention" if softcap is not None and no_flex is None else f"the {rest} tier"
+        return f"; masked prefill runs {masked}, {short}"
+    compiled = ""
+    if softcap is not None and no_kernel is None:
+        compiled = "; under torch.compile, mask-free prefill runs the Triton kernel"
+    return f"; {short}{compiled}"
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -226,11 +286,77 @@ def flex_tier(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     return sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
+# ---- triton -------------------------------------------------------------------------------------
+def _try_kernel(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    """(out, None) from gemmtune's Triton kernel where it takes this call, else None: prefill-sized,
+    forward only; no mask (plain causal, the layer's sliding window, or full), or transformers' boolean
+    mask on a softcapped layer (under torch.compile every prefill gets one; see KERNEL_MASKED)."""
+    if dropout or kwargs.get("output_attentions") or getattr(module, "training", False):
+        return None
+    if query.device.type not in KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES or not kattn.HAS_TRITON:
+        return None
+    L, D = query.shape[2], query.shape[3]
+    if L < KERNEL_MIN_Q or D > kattn.MAX_HEAD_DIM or key.shape[3] != D or value.shape != key.shape:
+        return None
+    if query.shape[1] % key.shape[1] or key.dtype != query.dtype or value.dtype != query.dtype:
+        return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None  # the kernel has no backward
+    softcap, window, mask = kwargs.get("softcap"), kwargs.get("sliding_window"), attention_mask
+    if mask is not None:
+        if not _bool_mask_fits(mask, query, key):
+            return None
+        if _plain_causal_mask(mask, query, key, window):
+            mask = None  # eager code, no padding: the mask-free causal kernel over the first L keys
+        elif not KERNEL_MASKED or softcap is None:
+            return None
+        else:  # the mask alone: it carries causality, the window and the true positions
+            out = attn_ops.softcap_attention(query, key, value, scaling, softcap, False, None, mask)
+            return out, None
+    causal = attention_mask is not None or _causal(module, is_causal)
+    if causal:
+        key, value = _crop(key, value, L)
+        if window is not None and window >= key.shape[2]:
+            window = None  # no key is that far back
+    else:
+        window = None
+    out = attn_ops.softcap_attention(query, key, value, scaling, softcap, causal, window)
+    return out, None
+
+
+def _bool_mask_fits(mask, query, key) -> bool:
+    """transformers' boolean [B|1, 1, L, >=S] mask (per-head and additive masks are not taken)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        return False
+    L, S = query.shape[2], key.shape[2]
+    return mask.shape[0] in (1, query.shape[0]) and mask.shape[1] == 1 and mask.shape[2] == L and mask.shape[3] >= S
+
+
+def _plain_causal_mask(mask, query, key, window) -> bool:
+    """In eager code: is the mask plain causal (windowed) over the first L keys, no padding? (Prompts
+    past Gemma-2's sliding window get one.) One device sync per mask object, shared by the layers."""
+    if torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    L, S = query.shape[2], key.shape[2]
+    return L <= S and flex.is_plain_causal(mask, L, S, window)
+
+
+def triton_tier(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    done = _try_kernel(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    if done is not None:
+        return done
+    if kwargs.get("softcap") is not None:  # masked prefill through flex (eager code), the rest eager
+        return flex_tier(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    return sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
 # ---- tier 2 -------------------------------------------------------------------------------------
 def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     if kwargs.get("softcap") is not None or kwargs.get("output_attentions"):
-        # what SDPA cannot compute: softcapped prefill through flex where it runs, the rest eager
-        done = _try_flex(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+        # what SDPA cannot compute: softcapped prefill through the Triton kernel (no mask) or flex
+        # (masked, eager code) where they run, the rest eager
+        args = (module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+        done = _try_kernel(*args) or _try_flex(*args)
         if done is not None:
             return done
         return eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
@@ -307,7 +433,33 @@ def flash_attention(
     return out, None
 
 
-TIER_FUNCTIONS = {"flash": flash_attention, "flex": flex_tier, "sdpa": sdpa_attention, "eager": eager_attention}
+def _compiled_mask_skip(kw: dict) -> bool:
+    """While torch.compile traces, transformers (with torch < 2.14) always materializes the causal mask,
+    even where it returns None eagerly: skip it in those cases (no padding mask, queries = keys, a
+    local window longer than the keys), decided from shapes only, so compiled prefill reaches the kernel."""
+    if not torch.compiler.is_compiling() or not kw.get("allow_is_causal_skip", True):
+        return False
+    if kw.get("attention_mask") is not None or "q_length" not in kw or "kv_length" not in kw:
+        return False
+    q_len, kv_len, local = kw["q_length"], kw["kv_length"], kw.get("local_size")
+    if local is not None and kv_len >= local:
+        return False
+    return q_len >= KERNEL_MIN_Q and kv_len == q_len
+
+
+def triton_mask(*args, **kwargs):
+    """The triton tier's mask function: transformers' sdpa_mask, None where _compiled_mask_skip says so."""
+    from transformers.masking_utils import sdpa_mask
+
+    if not args and _compiled_mask_skip(kwargs):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+TIER_FUNCTIONS = {
+    "flash": flash_attention, "triton": triton_tier, "flex": flex_tier, "sdpa": sdpa_attention,
+    "eager": eager_attention,
+}  # fmt: skip
 _registered: list[bool] = []
 
 
@@ -320,5 +472,5 @@ def register() -> None:
 
     for tier, fn in TIER_FUNCTIONS.items():
         AttentionInterface.register(NAMES[tier], fn)
-        AttentionMaskInterface.register(NAMES[tier], sdpa_mask)
+        AttentionMaskInterface.register(NAMES[tier], triton_mask if tier == "triton" else sdpa_mask)
     _registered.append(True)

@@ -8,8 +8,9 @@ and a BlockMask carries the mask:
     its BlockMask built once per (q_len, kv_len, window, device) and cached;
   - transformers' boolean [B|1, 1, L, S] mask (padding, static caches, sliding windows): a mask_mod that
     reads it, its BlockMask cached per mask object for the layers of one forward.
-Eager calls go through one `torch.compile(flex_attention)` (flex is only fused when compiled); inside a
-graph that is being compiled, flex_attention is called as is and inductor fuses it.
+Eager calls go through one `torch.compile(flex_attention)` (flex is only fused when compiled). Inside a
+graph that is being compiled, flex is not called (see attention()): the caller's tier runs the call, and
+mask-free softcapped prefill there takes gemmtune's Triton kernel (ops/attention.py, one custom op).
 Calls with fewer than FLEX_MIN_Q query tokens (decode) are not taken: the caller's tier runs them, with
 no BlockMask built per step, so CUDA-graph capture of decode is unaffected. A prefill met for the first
 time during a CUDA-graph capture is not taken either (compiling inside a capture would break it).
@@ -174,8 +175,9 @@ def is_plain_causal(mask: torch.Tensor, q_len: int, kv_len: int, window: int | N
     if window is not None:
         want = want & (q_idx - kv_idx < window)
     verdict = bool((mask[:, 0, :, :kv_len] == want).all())
-    _PLAIN.clear()  # one forward's masks at a time; the entry keeps its mask (and id) alive
-    _PLAIN[id(mask)] = (mask, mask._version, sig, verdict)
+    if len(_PLAIN) >= _TENSOR_BLOCKS_MAX:  # one forward's masks (Gemma-2 alternates two) at a time
+        _PLAIN.clear()
+    _PLAIN[id(mask)] = (mask, mask._version, sig, verdict)  # the entry keeps its mask (and id) alive
     return verdict
 
 
@@ -222,7 +224,8 @@ def attention(query, key, value, mask, *, scaling, softcap, window, causal) -> t
     if KERNEL_OPTIONS:
         kwargs["kernel_options"] = KERNEL_OPTIONS
     if torch.compiler.is_compiling():
-        # Inside the user's torch.compile the eager tier runs, fused by inductor. Measured on the H100
+        # Inside the user's torch.compile the caller's tier runs: mask-free softcapped prefill the Triton
+        # kernel (models/attention.py), masked calls the eager tier, fused by inductor. Measured on the H100
         # (Gemma-2-9B, 4 layers, prefill 2048): flex inlined failed to lower with transformers' mask (a
         # graph intermediate: "convert FlexibleLayout to FixedLayout first"), and flex run eagerly at
         # a graph break made the compiled prefill 9.40 ms against 7.62 ms for the inductor-fused eager tier.

@@ -1,5 +1,6 @@
-"""Public GEMM ops, one module per family."""
+"""Public GEMM ops, one module per family (and the softcapped attention op)."""
 
+from .attention import softcap_attention
 from .batched import batched_gemm
 from .epilogue import cutlass_gemm, gemm_bias, gemm_epilogue, gemm_gelu, gemm_relu
 from .gemm import gemm, key_of, validate
@@ -31,6 +32,7 @@ __all__ = [
     "key_of",
     "prepare_expert_weights",
     "prune_2_4",
+    "softcap_attention",
     "sparse_gemm",
     "validate",
 ]
