@@ -453,13 +453,21 @@ def test_inductor_compile_equals_eager_gpu(gpu):
 
 
 @pytest.mark.gpu
-def test_exact_tanh_close_to_fast_tanh_gpu(gpu, monkeypatch):
-    """tanh.approx.f32 against the exp formula: far inside the bf16 tolerance."""
+def test_fast_tanh_is_as_accurate_as_the_exact_formula_gpu(gpu, monkeypatch):
+    """tanh.approx.f32 (what FlashAttention's softcap uses too) against the exp formula, both against the
+    fp32 reference: the approximation must not add error beyond the bf16 rounding both already have
+    (their outputs differ by an ulp or two of bf16 here, 0.0156 at most on the H100)."""
     q, k, v = _gemma_qkv(gpu, L=513, seed=2)
+    want = kattn.softcap_attention_ref(q, k, v, softcap=50.0)
     fast = kattn.softcap_attention(q, k, v, softcap=50.0)
     monkeypatch.setattr(kattn, "_fast_tanh", lambda t: False)
     exact = kattn.softcap_attention(q, k, v, softcap=50.0)
-    assert (fast.float() - exact.float()).abs().max().item() <= 1e-2
+
+    def rel(t):
+        return ((t.float() - want.float()).norm() / want.float().norm()).item()
+
+    assert rel(exact) < 1e-2
+    assert rel(fast) <= 1.5 * rel(exact) + 1e-4, (rel(fast), rel(exact))
 
 
 @pytest.mark.gpu
