@@ -159,6 +159,62 @@ def test_moe_experts_go_to_fused_moe_and_restore():
     assert "forward" not in layer1.mlp.experts.__dict__
 
 
+# ---- q_norm / k_norm + rope in one kernel --------------------------------------------------------
+QK_FAMILIES = ["qwen3", "qwen3_moe", "gemma3"]
+
+
+def _count_attention_ops(monkeypatch) -> dict:
+    """Count the calls (one Triton launch each on the GPU) of the per-head norms, rope and the fused op."""
+    from gemmtune.models import families
+
+    counts = {"head_rmsnorm": 0, "rope": 0, "qk_norm_rope": 0}
+
+    def counting(name, fn, per_head=False):
+        def wrapped(x, *args, **kwargs):
+            if not per_head or x.dim() == 4:  # q / k norms see [B, S, H, D]; layer norms [B, S, hidden]
+                counts[name] += 1
+            return fn(x, *args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(families, "rmsnorm", counting("head_rmsnorm", families.rmsnorm, per_head=True))
+    monkeypatch.setattr(families, "rope", counting("rope", families.rope))
+    monkeypatch.setattr(families, "qk_norm_rope", counting("qk_norm_rope", families.qk_norm_rope))
+    return counts
+
+
+def _qk_pair(family, layers, monkeypatch, device="cpu", dtype=torch.float32):
+    """(stock, fused, unfused): optimize() with q_norm/k_norm + rope fused, and with it turned off."""
+    from gemmtune.models import api
+
+    monkeypatch.setitem(TINY, "num_hidden_layers", layers)
+    stock, fused, report = pair(family, device, dtype)
+    assert "q_norm/k_norm + rope in one kernel" in report.summary(), report.summary()
+    with monkeypatch.context() as m:
+        m.setattr(api, "_qk_norms_fusable", lambda *a: None)
+        unfused = copy.deepcopy(stock)
+        rep = gemmtune.optimize(unfused)
+    assert "q_norm/k_norm + rope" not in rep.summary() and "fused rope kernel" in rep.summary()
+    return stock, fused, unfused
+
+
+@pytest.mark.parametrize("family, n", [("qwen3", 4), ("qwen3_moe", 4), ("gemma3", 2)])  # gemma3: 2 layer_types
+def test_qk_norm_rope_saves_two_launches_per_layer(family, n, monkeypatch):
+    stock, fused, unfused = _qk_pair(family, n, monkeypatch)
+    counts = _count_attention_ops(monkeypatch)
+    ids, mask = batch()
+    with torch.no_grad():
+        a = fused(ids, attention_mask=mask, use_cache=False).logits
+        per_fused = dict(counts)
+        counts.update(dict.fromkeys(counts, 0))
+        b = unfused(ids, attention_mask=mask, use_cache=False).logits
+        want = stock(ids, attention_mask=mask, use_cache=False).logits
+    assert per_fused == {"head_rmsnorm": 0, "rope": 0, "qk_norm_rope": n}, per_fused  # n launches
+    assert counts == {"head_rmsnorm": 2 * n, "rope": n, "qk_norm_rope": 0}, counts  # 3 n launches
+    assert torch.equal(a, b)  # off the GPU the fused op runs today's ops: the same bits
+    torch.testing.assert_close(a[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5)
+
+
 # ---- GPU: bf16 parity ----------------------------------------------------------------------------
 # bf16 tolerance: the fused kernels round once where torch rounds per op, and one GEMM over [q;k;v]
 # may pick another cuBLAS kernel than three; logits of these tiny random models are O(1), so an
@@ -184,6 +240,21 @@ def check_parity_bf16(stock, opt, device):
 def test_family_parity_bf16_gpu(family, gpu):
     stock, opt, _ = pair(family, device=gpu, dtype=torch.bfloat16)
     check_parity_bf16(stock, opt, gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", QK_FAMILIES)
+def test_qk_norm_rope_matches_unfused_bf16_gpu(family, gpu, monkeypatch):
+    stock, fused, unfused = _qk_pair(family, 2, monkeypatch, gpu, torch.bfloat16)
+    counts = _count_attention_ops(monkeypatch)
+    ids, mask = batch(gpu)
+    with torch.no_grad():
+        a = fused(ids, attention_mask=mask, use_cache=False).logits.float()
+        b = unfused(ids, attention_mask=mask, use_cache=False).logits.float()
+    assert counts["qk_norm_rope"] == 2 and counts["rope"] == 2, counts
+    # same arithmetic; only a norm's fp32 row sum may be ordered differently (one rounding, rarely)
+    torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    check_parity_bf16(stock, fused, gpu)
 
 
 @pytest.mark.gpu

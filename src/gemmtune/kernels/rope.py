@@ -43,20 +43,28 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 if HAS_TRITON:
 
     @triton.jit
+    def head_rows(S, HQ, HKV, D, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, BLOCK_H: tl.constexpr):
+        """Program (b * S + s, head block)'s rows: a block may mix q heads and k heads, so each row
+        says which it is, where it is read (strided views) and written (contiguous [B, S, H, D])."""
+        tok = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        b = tok // S
+        s = tok % S
+        is_q = heads < HQ
+        is_k = (heads >= HQ) & (heads < HQ + HKV)
+        kh = tl.where(is_q, 0, heads - HQ)
+        src = tl.where(is_q, b * sq_b + s * sq_s + heads * sq_h, b * sk_b + s * sk_s + kh * sk_h)
+        dst = tl.where(is_q, (tok * HQ + heads) * D, (tok * HKV + kh) * D)
+        return b, s, is_q, is_k, src, dst
+
+    @triton.jit
     def _rope_kernel(
         Q, K, COS, SIN, QO, KO,
         S, HQ, HKV, D, R,
         sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s,
         BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr,
     ):  # fmt: skip
-        tok = tl.program_id(0).to(tl.int64)  # b * S + s
-        hb = tl.program_id(1)
-        b = tok // S
-        s = tok % S
-        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        is_q = heads < HQ
-        is_k = (heads >= HQ) & (heads < HQ + HKV)
-        kh = tl.where(is_q, 0, heads - HQ)
+        b, s, is_q, is_k, src, dst = head_rows(S, HQ, HKV, D, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, BLOCK_H)
         half = R // 2
         j = tl.arange(0, HALF)
         jm = j < half
@@ -64,8 +72,6 @@ if HAS_TRITON:
         c2 = tl.load(COS + b * sc_b + s * sc_s + half + j, mask=jm, other=0.0).to(tl.float32)
         s1 = tl.load(SIN + b * sc_b + s * sc_s + j, mask=jm, other=0.0).to(tl.float32)
         s2 = tl.load(SIN + b * sc_b + s * sc_s + half + j, mask=jm, other=0.0).to(tl.float32)
-        src = tl.where(is_q, b * sq_b + s * sq_s + heads * sq_h, b * sk_b + s * sk_s + kh * sk_h)
-        dst = tl.where(is_q, (tok * HQ + heads) * D, (tok * HKV + kh) * D)
         mq = is_q[:, None] & jm[None, :]
         mk = is_k[:, None] & jm[None, :]
         # a block mixes q heads and k heads: each element comes from exactly one of the two loads

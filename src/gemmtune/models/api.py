@@ -9,6 +9,7 @@ never left half patched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 from dataclasses import dataclass, field
 
@@ -55,8 +56,8 @@ class _Planner:
     def skip(self, kind: str, path: str, mod: nn.Module, why: str) -> None:
         self.report.skip(kind, path, type(mod).__name__, why)
 
-    def norm(self, path: str, mod: nn.Module) -> families.NormSpec | None:
-        spec = families.detect_norm(mod)
+    def norm(self, path: str, mod: nn.Module, spec: families.NormSpec | str | None = None) -> families.NormSpec | None:
+        spec = families.detect_norm(mod) if spec is None else spec
         if isinstance(spec, str):
             self.skip("norm", path, mod, spec)
             return None
@@ -71,7 +72,7 @@ class _Planner:
             self.rope_probes[key] = families.detect_rope(fn, ref.device, ref.dtype)
         return self.rope_probes[key]
 
-    def attention(self, path: str, attn: nn.Module) -> None:
+    def attention(self, path: str, attn: nn.Module, qk_specs: dict) -> None:
         fam = self.family
         if not (self.opts["fuse_qkv"] and fam.qkv):
             return
@@ -110,6 +111,10 @@ class _Planner:
             rope_fused=self.rope_kind(rope, attn.qkv_proj.weight if hasattr(attn, "qkv_proj") else attn.q_proj.weight),
         )
         kind = {"": "the family's rope", "full": "fused rope kernel", "any": "fused rope kernel"}[spec.rope_fused]
+        qk_norms = _qk_norms_fusable(attn, qk_specs, head_dim) if spec.rope_fused else None
+        if qk_norms is not None:
+            spec = dataclasses.replace(spec, qk_norms=qk_norms)
+            kind = "q_norm/k_norm + rope in one kernel"
         self.add("attn", path, attn, f"forward with the fused qkv GEMM and {kind}", spec=spec, rope=rope)
         for name in fam.qkv:
             self.no_route.add(_join(path, name))
@@ -175,14 +180,17 @@ class _Planner:
         if type(layer).__name__ != f"{pre}DecoderLayer" or type(attn).__name__ != f"{pre}Attention" or mlp is None:
             self.skip("layer", path, layer, f"layout is not {pre}DecoderLayer/{pre}Attention: Linear routing only")
             return
-        self.attention(_join(path, "self_attn"), attn)
+        qk_specs = {}  # q_norm / k_norm formulas, probed first: the attention forward may fuse them
+        if opts["fused_ops"] and fam.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                if isinstance(getattr(attn, n, None), nn.Module):
+                    qk_specs[n] = families.detect_norm(getattr(attn, n))
+        self.attention(_join(path, "self_attn"), attn, qk_specs)
         self.mlp(_join(path, "mlp"), mlp)
         if not opts["fused_ops"]:
             return
-        if fam.qk_norm:
-            for n in ("q_norm", "k_norm"):
-                if isinstance(getattr(attn, n, None), nn.Module):
-                    self.norm(_join(path, "self_attn", n), getattr(attn, n))
+        for n, spec in qk_specs.items():
+            self.norm(_join(path, "self_attn", n), getattr(attn, n), spec)
         names = families.LAYER_NORMS[fam.layer]
         specs = {}
         for n in names:
@@ -238,6 +246,20 @@ class _Planner:
             epilogue_mlp.plan(self, self.model)
         self.linears()
         return self.actions
+
+
+def _qk_norms_fusable(attn: nn.Module, specs: dict, head_dim: int):
+    """(q_norm spec, k_norm spec) when both norms can run inside the fused rope kernel, else None: both
+    gemmtune RMSNorms of one weight convention over head_dim, with no hooks the fusion would skip."""
+    nq, nk = specs.get("q_norm"), specs.get("k_norm")
+    if not (isinstance(nq, families.NormSpec) and isinstance(nk, families.NormSpec)):
+        return None
+    if (nq.offset, nq.cast_before_weight) != (nk.offset, nk.cast_before_weight):
+        return None
+    for mod in (attn.q_norm, attn.k_norm):
+        if mod.weight.shape != (head_dim,) or mod._forward_hooks or mod._forward_pre_hooks:
+            return None
+    return nq, nk
 
 
 # ---- apply / undo -------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 Every replacement forward reproduces the stock forward of transformers 5.17-5.23 op for op, except
 where a fused op stands in for several (one GEMM for q/k/v or gate/up, one kernel for a norm, for
-residual add + norm, for act(gate) * up). Layouts are checked per instance before anything changes
-(class names, attribute names, sizes), and norm/activation formulas are confirmed on a probe tensor
-against the module's own forward, so a layout this file does not know is skipped, not guessed.
+residual add + norm, for act(gate) * up, for rope or q/k norms + rope). Layouts are checked per
+instance before anything changes (class names, attribute names, sizes), and norm/activation formulas
+are confirmed on a probe tensor against the module's own forward, so a layout this file does not know
+is skipped, not guessed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..kernels.activations import act_mul
 from ..kernels.norms import add_rmsnorm, rmsnorm, rmsnorm_ref
+from ..kernels.qk_norm_rope import qk_norm_rope
 from ..kernels.rope import rope, rope_ref
 
 
@@ -166,6 +168,8 @@ class AttnSpec:
     pass_softcap: bool
     sliding_window: int | None
     rope_fused: str = ""  # "": the family's own function; "full": the kernel when R == D; "any": always
+    # (q_norm, k_norm) formulas when both norms and the fused rope run in one kernel, else None
+    qk_norms: tuple[NormSpec, NormSpec] | None = None
 
 
 def rope_function(attn: nn.Module):
@@ -215,15 +219,22 @@ def _attention_forward(
     q = q.view(*input_shape, -1, s.head_dim)
     k = k.view(*input_shape, -1, s.head_dim)
     v = v.view(*input_shape, -1, s.head_dim)
-    if s.qk_norm:  # per head, read in place from the fused output
-        q = self.q_norm(q)
-        k = self.k_norm(k)
     cos, sin = position_embeddings
-    if s.rope_fused == "any" or (s.rope_fused == "full" and cos.shape[-1] == s.head_dim):
-        q, k = rope(q, k, cos, sin)  # one kernel for q and k, straight from the [B, S, H, D] views
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    fused_rope = s.rope_fused == "any" or (s.rope_fused == "full" and cos.shape[-1] == s.head_dim)
+    if fused_rope and s.qk_norms is not None:  # q_norm, k_norm and the rope in one kernel
+        nq, nk = s.qk_norms
+        q, k = qk_norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, nq.eps, nk.eps,
+            offset=nq.offset, cast_before_weight=nq.cast_before_weight,
+        )  # fmt: skip
     else:
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if s.qk_norm:  # per head, read in place from the fused output
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        if fused_rope:
+            q, k = rope(q, k, cos, sin)  # one kernel for q and k, straight from the [B, S, H, D] views
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if not fused_rope:
         q, k = self._gemmtune_rope(q, k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)

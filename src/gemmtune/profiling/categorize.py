@@ -134,6 +134,7 @@ GEMMTUNE_KERNELS = {
     "_rmsnorm_kernel": "elementwise",
     "_act_mul_kernel": "elementwise",
     "_rope_kernel": "elementwise",
+    "_qk_norm_rope_kernel": "elementwise",
 }
 _INDUCTOR = re.compile(r"^triton_(poi|red|per|tem|for|mm|bmm)_(fused_)?(.*?)(_\d+)?$")
 _COPY_PARTS = re.compile(r"^((clone|cat|copy|index_copy|index_put|slice_scatter|select_scatter|stack|"
