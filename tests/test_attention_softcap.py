@@ -469,6 +469,46 @@ def test_triton_tier_declines_what_it_does_not_compute(kernel_on_cpu):
     assert calls == [(20, 20, True, None, None, False)]
 
 
+def test_masked_prefill_without_softcap_is_opt_in(kernel_on_cpu, monkeypatch):
+    """MASKED_PREFILL="triton": the sdpa tier (and the tiers that hand masked calls to it) runs masked
+    prefill without softcap through the kernel with the mask alone; "sdpa" (default) and every call the
+    kernel does not take keep SDPA; mask-free calls are untouched."""
+    from test_attention_flex import hf_mask, qkv, reference
+
+    attn_mod, calls = kernel_on_cpu
+    q, k, v = qkv(2, 4, 2, 20, 33, 64)
+    mask = hf_mask(2, 20, 33, 9, (0, 5))
+    want = reference(q, k, v, mask, None, 0.1)
+    out, _ = attn_mod.sdpa_attention(_module(), q, k, v, mask, scaling=0.1)
+    assert calls == [] and attn_mod.MASKED_PREFILL == "sdpa"
+    _close(out, want)
+    monkeypatch.setattr(attn_mod, "MASKED_PREFILL", "triton")
+    for tier in (attn_mod.sdpa_attention, attn_mod.triton_tier, attn_mod.flash_attention, attn_mod.flex_tier):
+        out, w = tier(_module(), q, k, v, mask, scaling=0.1, sliding_window=9)
+        assert w is None and calls[-1] == (20, 33, False, None, None, True), tier.__name__
+        _close(out, want)
+    calls.clear()
+    attn_mod.sdpa_attention(_module(), q, k, v, None, scaling=0.1)  # no mask: SDPA is_causal as before
+    short = q[:, :, : attn_mod.KERNEL_MIN_Q - 1]
+    attn_mod.sdpa_attention(_module(), short, k, v, hf_mask(2, short.shape[2], 33), scaling=0.1)  # decode
+    q32, k32, v32 = qkv(2, 4, 2, 20, 33, attn_mod.MASKED_PREFILL_MIN_D - 16)
+    attn_mod.sdpa_attention(_module(), q32, k32, v32, mask, scaling=0.1)  # head dim below the kernel's range
+    attn_mod.sdpa_attention(_module(), q, k, v, mask, 0.1, scaling=0.1)  # dropout
+    attn_mod.sdpa_attention(_module(training=True), q, k, v, mask, scaling=0.1)
+    attn_mod.sdpa_attention(_module(), q, k, v, mask.expand(2, 4, 20, 33), scaling=0.1)  # per-head mask
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    attn_mod.sdpa_attention(_module(), q, k, v, additive, scaling=0.1)
+    _, w = attn_mod.sdpa_attention(_module(), q, k, v, mask, scaling=0.1, output_attentions=True)
+    assert calls == [] and w is not None
+    monkeypatch.setenv("GEMMTUNE_MASKED_PREFILL", "Triton")
+    assert attn_mod._default_masked_prefill() == "triton"
+    monkeypatch.setenv("GEMMTUNE_MASKED_PREFILL", "flex")
+    with pytest.raises(ValueError, match="GEMMTUNE_MASKED_PREFILL='flex'"):
+        attn_mod._default_masked_prefill()
+    with pytest.raises(ValueError, match="masked prefill mode 'fast'"):
+        attn_mod.set_masked_prefill("fast")
+
+
 def test_compiled_mask_skip_mirrors_transformers():
     """Under torch.compile the triton tier's mask function returns None where sdpa_mask does eagerly."""
     pytest.importorskip("transformers")
