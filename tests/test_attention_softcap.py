@@ -64,7 +64,10 @@ MASK_CASES = [
         ("nocap-padded", 2, 45, 45, None, (0, 20), 0, False, C32x16),  # softcap None (Llama-like)
     )
 ]
-GPU_MASK_CASES = [("mask-gemma2-bfloat16", 2, 1000, 1000, None, (0, 300), 0, False, "bfloat16", None)]
+GPU_MASK_CASES = [
+    ("mask-gemma2-bfloat16", 2, 1000, 1000, None, (0, 300), 0, False, "bfloat16", None),
+    ("mask-nocap-llama3-bfloat16", 2, 1000, 1000, None, (0, 300), 0, False, "bfloat16", None),
+]
 ALL_MASK = MASK_CASES + (GPU_MASK_CASES if HAS_GPU else [])
 # Max |out - fp32 reference| (outputs are O(1)): fp32 the summation order; 16-bit inputs the output
 # rounding and P rounded to the input dtype for the second product (flash attention's usual error).
@@ -200,7 +203,7 @@ def causal_lm_mask(b, L, S, window, pad, extra, static):
 def _mask_case(name, b, L, S, window, pad, extra, static, dt, cfg, device):
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     dtype = getattr(torch, dt)
-    hq, hkv, D = (16, 8, 256) if "gemma2" in name else (4, 2, 64)
+    hq, hkv, D = (16, 8, 256) if "gemma2" in name else (32, 8, 128) if "llama3" in name else (4, 2, 64)
     q, k, v = make_qkv(b, hq, hkv, L, S, D, dtype, "hf", gen, device)
     mask = causal_lm_mask(len(pad), L, S, window, pad, extra, static).to(device)
     cap = None if "nocap" in name else 50.0 if D == 256 else CAP
