@@ -1,30 +1,38 @@
-"""Softcapped attention (Gemma-2) per call: gemmtune's eager tier vs flex_attention vs gemmtune's Triton
-kernel (kernels/attention_softcap.py), with SDPA without the softcap (what stock transformers 5.17 runs for
-Gemma-2: another function) as the floor.
+"""Flash attention per call, Gemma-2-9B and Llama-3-8B shapes: gemmtune's Triton kernel
+(kernels/attention_softcap.py) with and without transformers' boolean mask, against SDPA (and, for
+Gemma-2's softcap, the eager tier and flex_attention).
 
-Gemma-2-9B's attention (16 query heads, 8 KV heads, head dim 256, softcap 50, bf16) at prefill sizes
-(B x L tokens, causal, no mask: the BlockMask is cached, as optimize() does) and at decode-like sizes (L
-query tokens against a 1024-token cache through transformers' boolean mask; flex's BlockMask is built
-once outside the timing, as one forward shares it over its layers). Each contender's calls over rotating
-input sets (more than 2x the L2 in all) are captured in a CUDA graph and replayed, contenders
-interleaved, median of rounds (docs/benchmarking.md). The decode rows say where flex starts to beat the
-eager tier: flex.FLEX_MIN_Q. The Triton kernel runs mask-free ("triton", what eager prefill runs) and
-with transformers' boolean mask ("triton, mask": what torch.compile'd prefill runs, transformers then
-materializing even the plain causal mask; and the decode rows). --sweep adds one contender per kernel
-config at the prefill rows (default list: SWEEP, those that fit 227 KB of shared memory), each checked
-against the fp32 reference first, to pick attention_softcap.CONFIGS[256].
+Gemma-2-9B (16 query heads, 8 KV heads, head dim 256, softcap 50, bf16) at prefill sizes (B x L tokens,
+causal; flex's BlockMask cached, as optimize() does): eager tier, flex, "triton" (mask-free causal: eager
+prefill), "triton, mask" (transformers' materialized causal mask, the mask alone deciding: compiled
+prefill, where transformers materializes even the plain causal mask), and SDPA without the softcap
+(another function, what stock transformers 5.17 runs for Gemma-2: a floor) with is_causal ("sdpa, no
+softcap") and with the boolean mask ("sdpa, no softcap, mask": compiled stock). Llama-3-8B (32 / 8 heads,
+head dim 128, no softcap) at --llama sizes: triton and triton with the mask against SDPA is_causal
+(flash) and SDPA with the mask (what compiled prefill runs: GEMMTUNE_MASKED_PREFILL decides between
+the two masked ones). "... edge-sN" contenders run the kernel's edge-block loop with N pipeline stages
+instead of attention_softcap.EDGE_STAGES. Each contender's calls over rotating input sets (more than 2x
+the L2 in all) are captured in a CUDA graph and replayed, contenders interleaved, median of rounds
+(docs/benchmarking.md); the Triton contenders are checked against the fp32 reference first.
 
-    python benchmarks/bench_attention_softcap.py --sweep --out benchmarks/results/h100/attention_softcap.md
+--decode adds Gemma-2 rows of L query tokens against a --ctx cache through transformers' boolean mask
+(where flex starts to beat the eager tier: flex.FLEX_MIN_Q); --sweep adds one contender per kernel
+config at the Gemma-2 prefill rows (default list: SWEEP, those that fit 227 KB of shared memory).
+
+    python benchmarks/bench_attention_softcap.py --out benchmarks/results/h100/attention_softcap.md
+    python benchmarks/bench_attention_softcap.py --sweep --decode 1,16,17,64 --prefill 1x2048
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import pathlib
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 from bench_compile_ops import capture
@@ -34,14 +42,24 @@ from gemmtune.models import attention as attn_mod
 from gemmtune.models import flex
 from gemmtune.profiling.bench_model import interleaved, raise_recompile_limits
 
-HQ, HKV, D, SOFTCAP = 16, 8, 256, 50.0
+
+class Shape(NamedTuple):
+    name: str
+    hq: int
+    hkv: int
+    d: int
+    softcap: float | None
+
+
+GEMMA2 = Shape("Gemma-2-9B", 16, 8, 256, 50.0)
+LLAMA3 = Shape("Llama-3-8B", 32, 8, 128, None)
 SWEEP = ("128x64w8s2", "128x64w8s1", "128x32w8s2", "128x32w8s3", "64x64w4s2", "64x64w4s3", "64x32w4s3",
          "64x64w8s2", "128x128w8s1")  # fmt: skip
 
 
-def fits(cfg: kattn.Config) -> bool:
+def fits(cfg: kattn.Config, d: int = GEMMA2.d) -> bool:
     """Q plus num_stages K and V tiles (bf16) within Hopper's 227 KB of shared memory per block."""
-    return 2 * D * (cfg.block_m + 2 * cfg.num_stages * cfg.block_n) <= 227 * 1024
+    return 2 * d * (cfg.block_m + 2 * cfg.num_stages * cfg.block_n) <= 227 * 1024
 
 
 def log(*a):
@@ -61,59 +79,78 @@ def _mask(b, q_len, kv_len, device):
                      allow_is_causal_skip=False, device=device)  # fmt: skip
 
 
-def contenders(b, q_len, kv_len, masked, device, l2_bytes, sweep=()):
+@contextlib.contextmanager
+def edge_stages(n: int | None):
+    """The kernel's edge-block loop at n pipeline stages inside (None: EDGE_STAGES as set)."""
+    old = kattn.EDGE_STAGES
+    kattn.EDGE_STAGES = old if n is None else n
+    try:
+        yield
+    finally:
+        kattn.EDGE_STAGES = old
+
+
+def contenders(shape: Shape, b, q_len, kv_len, masked, device, l2_bytes, sweep=(), edge=()):
     """{name: fn} where fn runs one call on each of R rotating input sets; {name: max |out - fp32 ref|}
-    of the Triton contenders on the first set."""
-    set_bytes = 2 * (b * HQ * q_len * D + 2 * b * HKV * kv_len * D)
+    of the Triton contenders on the first set. masked: decode rows (every contender gets the mask)."""
+    hq, hkv, d, cap = shape.hq, shape.hkv, shape.d, shape.softcap
+    set_bytes = 2 * (b * hq * q_len * d + 2 * b * hkv * kv_len * d)
     reps = max(2, math.ceil(2 * l2_bytes / set_bytes) + 1)
-    g = torch.Generator(device="cpu").manual_seed(q_len * 1000 + kv_len + b)
+    g = torch.Generator(device="cpu").manual_seed(q_len * 1000 + kv_len + b + d)
     sets = [
-        [(torch.randn(b, h, n, D, generator=g) * s).to(device, torch.bfloat16)
-         for h, n, s in ((HQ, q_len, 2.0), (HKV, kv_len, 2.0), (HKV, kv_len, 1.0))]
+        [(torch.randn(b, h, n, d, generator=g) * s).to(device, torch.bfloat16)
+         for h, n, s in ((hq, q_len, 2.0), (hkv, kv_len, 2.0), (hkv, kv_len, 1.0))]
         for _ in range(reps)
     ]  # fmt: skip
-    mask = _mask(b, q_len, kv_len, device) if masked else None
-    scale, mod = D**-0.5, _Module()
-    bm = flex.tensor_block_mask(mask, b, kv_len) if masked else flex.causal_block_mask(q_len, kv_len, None, device)
-    run_flex = flex.compiled()
-    sm = flex.score_mod(SOFTCAP)
+    hf_mask = _mask(b, q_len, kv_len, device)
+    mask = hf_mask if masked else None
+    scale, mod = d**-0.5, _Module()
 
-    def eager():
-        for q, k, v in sets:
-            attn_mod.eager_attention(mod, q, k, v, mask, scaling=scale, softcap=SOFTCAP)
-
-    def flex_call():
-        for q, k, v in sets:
-            run_flex(q, k, v, score_mod=sm, block_mask=bm, scale=scale, enable_gqa=True)
-
-    def sdpa_no_softcap():
-        for q, k, v in sets:
-            attn_mod.sdpa_attention(mod, q, k, v, mask, scaling=scale)
-
-    def triton(cfg=None, with_mask=None):  # with a mask, the mask alone decides (as the routing calls it)
-        kw = {"scaling": scale, "softcap": SOFTCAP, "causal": with_mask is None, "config": cfg, "mask": with_mask}
-
+    def over_sets(call):
         def run():
             for q, k, v in sets:
-                kattn.softcap_attention(q, k, v, **kw)
+                call(q, k, v)
 
-        return run, kw
+        return run
 
-    fns = {"eager tier": eager, "flex": flex_call, "sdpa, no softcap": sdpa_no_softcap}
+    fns = {}
+    if cap is not None:
+        bm = flex.tensor_block_mask(mask, b, kv_len) if masked else flex.causal_block_mask(q_len, kv_len, None, device)
+        run_flex, sm = flex.compiled(), flex.score_mod(cap)
+        fns["eager tier"] = over_sets(lambda q, k, v: attn_mod.eager_attention(mod, q, k, v, mask, scaling=scale,
+                                                                               softcap=cap))  # fmt: skip
+        fns["flex"] = over_sets(lambda q, k, v: run_flex(q, k, v, score_mod=sm, block_mask=bm, scale=scale,
+                                                         enable_gqa=True))  # fmt: skip
+    sdpa = "sdpa, no softcap" if cap is not None else "sdpa"
+    if not masked:
+        fns[sdpa] = over_sets(lambda q, k, v: attn_mod.sdpa_attention(mod, q, k, v, None, scaling=scale))
+    fns[f"{sdpa}, mask"] = over_sets(lambda q, k, v: attn_mod.sdpa_attention(mod, q, k, v, hf_mask, scaling=scale))
+
+    def triton(cfg=None, with_mask=None, edge=None):  # with a mask, the mask alone decides (as routed)
+        kw = {"scaling": scale, "softcap": cap, "causal": with_mask is None, "config": cfg, "mask": with_mask}
+
+        def run():
+            with edge_stages(edge):
+                for q, k, v in sets:
+                    kattn.softcap_attention(q, k, v, **kw)
+
+        return run, kw, edge
+
     checks = {}
-    if masked:
-        checks["triton, mask"] = triton(None, mask)
-    else:
+    if not masked:
         checks["triton"] = triton()
-        checks["triton, mask"] = triton(None, _mask(b, q_len, kv_len, device))
+        checks.update({f"triton edge-s{n}": triton(edge=n) for n in edge})
         checks.update({f"triton {c}": triton(c) for c in sweep})
+    checks["triton, mask"] = triton(None, hf_mask)
+    checks.update({f"triton, mask edge-s{n}": triton(None, hf_mask, n) for n in edge})
     errors = {}
     q, k, v = sets[0]
-    ref_kw = {"scaling": scale, "softcap": SOFTCAP, "causal": True, "mask": mask}
-    ref = kattn.softcap_attention_ref(q.float(), k.float(), v.float(), **ref_kw)
-    for name, (run, kw) in checks.items():
+    ref = kattn.softcap_attention_ref(q.float(), k.float(), v.float(), scaling=scale, softcap=cap, causal=True,
+                                      mask=mask)  # fmt: skip
+    for name, (run, kw, n) in checks.items():
         try:
-            out = kattn.softcap_attention(q, k, v, **kw)
+            with edge_stages(n):
+                out = kattn.softcap_attention(q, k, v, **kw)
         except Exception as exc:  # noqa: BLE001 - a config that does not build here: left out, said so
             log(f"  {name} left out: {type(exc).__name__}: {str(exc)[:200]}")
             continue
@@ -124,17 +161,19 @@ def contenders(b, q_len, kv_len, masked, device, l2_bytes, sweep=()):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prefill", default="1x2048,1x4096", help="BATCHxSEQ list (causal, no mask)")
-    p.add_argument("--decode", default="1,16,17,64", help="query tokens against the cache")
+    p.add_argument("--prefill", default="1x2048,1x4096", help="Gemma-2 BATCHxSEQ list (causal)")
+    p.add_argument("--llama", default="1x2048", help="Llama-3-8B BATCHxSEQ list (causal; empty: none)")
+    p.add_argument("--decode", default="", help="Gemma-2 query tokens against the cache (e.g. 1,16,17,64)")
     p.add_argument("--batches", default="1,8", help="batches of the decode rows")
     p.add_argument("--ctx", type=int, default=1024, help="cache length of the decode rows")
+    p.add_argument("--edge-stages", default="2", help="extra pipeline stages of the edge loop to time (empty: none)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument(
         "--sweep",
         nargs="?",
         const=",".join(SWEEP),
         default="",
-        help="kernel configs (BMxBNwWARPSsSTAGES list; default list without a value) at the prefill rows",
+        help="kernel configs (BMxBNwWARPSsSTAGES list; default list without a value) at the Gemma-2 prefill rows",
     )
     p.add_argument("--out", default=None, help="markdown file to write")
     args = p.parse_args(argv)
@@ -144,21 +183,29 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     device = torch.device("cuda")
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    cases = [(b, s, s, False) for b, s in (tuple(int(v) for v in x.split("x")) for x in args.prefill.split(","))]
-    cases += [(b, int(q), args.ctx, True) for b in (int(x) for x in args.batches.split(",")) for q in
-              args.decode.split(",")]  # fmt: skip
+
+    def sizes(text):
+        return [tuple(int(v) for v in x.split("x")) for x in text.split(",") if x.strip()]
+
+    cases = [(GEMMA2, b, s, s, False) for b, s in sizes(args.prefill)]
+    cases += [(LLAMA3, b, s, s, False) for b, s in sizes(args.llama)]
+    cases += [(GEMMA2, b, int(q), args.ctx, True) for b in (int(x) for x in args.batches.split(","))
+              for q in args.decode.split(",") if q.strip()]  # fmt: skip
     sweep = [c for c in (kattn.parse_config(x) for x in args.sweep.split(",") if x.strip()) if fits(c)]
+    edge = [int(x) for x in args.edge_stages.split(",") if x.strip() and int(x) != kattn.EDGE_STAGES]
     rows = []
     raise_recompile_limits()
     with torch.no_grad():
-        for b, q_len, kv_len, masked in cases:
+        for shape, b, q_len, kv_len, masked in cases:
             torch._dynamo.reset()  # flex compiled for this shape alone (static), as a first prefill is
-            fns, reps, errors = contenders(b, q_len, kv_len, masked, device, l2, sweep)
+            swept = sweep if shape is GEMMA2 and not masked else ()
+            fns, reps, errors = contenders(shape, b, q_len, kv_len, masked, device, l2, swept, edge)
             graphs = {k: capture(fn, None) for k, fn in fns.items()}
             times = interleaved({k: g.replay for k, g in graphs.items()}, 5, args.reps, True)
             us = {k: statistics.median(v) * 1e3 / reps for k, v in times.items()}
-            rows.append((b, q_len, kv_len, masked, us, errors))
-            log(f"B={b} L={q_len} S={kv_len} mask={masked}: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items()))
+            rows.append((shape, b, q_len, kv_len, masked, us, errors))
+            log(f"{shape.name} B={b} L={q_len} S={kv_len} decode={masked}: "
+                + ", ".join(f"{k} {v:.1f} us" for k, v in us.items()))  # fmt: skip
             log("  max |triton - fp32 ref|: " + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()))
             del graphs, fns
     text = report(rows, args.reps, time.perf_counter() - t0, argv or sys.argv[1:])
@@ -169,40 +216,56 @@ def main(argv=None) -> int:
     return 0
 
 
-def causal_tflops(b: int, q_len: int, kv_len: int, us: float) -> float:
+def causal_tflops(shape: Shape, b: int, q_len: int, kv_len: int, us: float) -> float:
     """TFLOP/s of the two products over the visible (causal) pairs."""
     pairs = sum(min(kv_len, kv_len - q_len + i + 1) for i in range(q_len))
-    return 4 * b * HQ * D * pairs / (us * 1e-6) / 1e12
+    return 4 * b * shape.hq * shape.d * pairs / (us * 1e-6) / 1e12
+
+
+def _ratio(us: dict, a: str, b: str) -> str:
+    return f"{us[a] / us[b]:.3f}" if a in us and b in us else "-"
 
 
 def report(rows, reps: int, seconds: float, argv) -> str:
-    main_names = ["eager tier", "flex", "triton", "triton, mask", "sdpa, no softcap"]
-    lines = ["# Softcapped attention per call: eager tier, flex_attention, the Triton kernel (Gemma-2-9B shapes)", "",
-             f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}",
-             f"- {HQ} query heads, {HKV} KV heads, head dim {D}, softcap {SOFTCAP}, bf16; us per call, CUDA-graph "
+    lines = ["# Flash attention per call: the Triton kernel with and without transformers' mask vs SDPA", "",
+             f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16, us per call, CUDA-graph "
              f"replays interleaved, median of {reps} rounds; flex.FLEX_MIN_Q = {flex.FLEX_MIN_Q}",
-             f"- triton: kernel config {kattn.CONFIGS[256]} (CONFIGS[256]); 'triton, mask' reads transformers' "
-             "boolean mask (compiled prefill, decode rows)",
-             "- 'sdpa, no softcap' computes another function (stock transformers 5.17 on Gemma-2): a floor", "",
-             "| B | L | S | mask | " + " | ".join(f"{n} us" for n in main_names) +
-             " | triton TFLOP/s | flex / eager | best triton / flex | best triton / sdpa |",
-             "|---" * (len(main_names) + 8) + "|"]  # fmt: skip
-    for b, q_len, kv_len, masked, us, _ in rows:
-        cells = " | ".join(f"{us[n]:.1f}" if n in us else "-" for n in main_names)
-        best = min((v for k, v in us.items() if k.startswith("triton")), default=float("nan"))
-        lines.append(f"| {b} | {q_len} | {kv_len} | {'bool' if masked else 'causal'} | {cells} | "
-                     f"{causal_tflops(b, q_len, kv_len, best):.0f} | {us['flex'] / us['eager tier']:.3f} | "
-                     f"{best / us['flex']:.3f} | {best / us['sdpa, no softcap']:.3f} |")  # fmt: skip
-    sweeps = [r for r in rows if any(k.startswith("triton ") and k != "triton, mask" for k in r[4])]
+             f"- triton: kernel configs {kattn.CONFIGS[256]} (D=256), {kattn.CONFIGS[128]} (D=128); edge loop "
+             f"at EDGE_STAGES = {kattn.EDGE_STAGES} unless 'edge-sN'; ', mask': transformers' boolean causal mask "
+             "(materialized: compiled prefill), the mask alone deciding",
+             "- 'sdpa, no softcap' is another function for Gemma-2 (stock transformers 5.17): a floor"]  # fmt: skip
+    for shape in (GEMMA2, LLAMA3):
+        mine = [r for r in rows if r[0] is shape]
+        if not mine:
+            continue
+        sdpa = "sdpa, no softcap" if shape.softcap is not None else "sdpa"
+        names = list(dict.fromkeys(k for r in mine for k in r[5] if not _swept(k)))
+        cap = f"softcap {shape.softcap}" if shape.softcap is not None else "no softcap"
+        lines += ["", f"## {shape.name}: {shape.hq} query heads, {shape.hkv} KV heads, head dim {shape.d}, {cap}", "",
+                  "| B | L | S | rows | " + " | ".join(f"{n} us" for n in names) +
+                  " | triton TFLOP/s | mask / no mask (triton) | triton, mask / sdpa, mask | triton / sdpa |",
+                  "|---" * (len(names) + 8) + "|"]  # fmt: skip
+        for _, b, q_len, kv_len, masked, us, _ in mine:
+            cells = " | ".join(f"{us[n]:.1f}" if n in us else "-" for n in names)
+            best = min((v for k, v in us.items() if k.startswith("triton") and "mask" not in k), default=float("nan"))
+            lines.append(f"| {b} | {q_len} | {kv_len} | {'decode' if masked else 'prefill'} | {cells} | "
+                         f"{causal_tflops(shape, b, q_len, kv_len, best):.0f} | "
+                         f"{_ratio(us, 'triton, mask', 'triton')} | {_ratio(us, 'triton, mask', f'{sdpa}, mask')} | "
+                         f"{_ratio(us, 'triton', sdpa)} |")  # fmt: skip
+    sweeps = [r for r in rows if any(_swept(k) for k in r[5])]
     if sweeps:
-        lines += ["", "## Kernel configs (prefill rows): us per call (max |out - fp32 ref|)", ""]
-        names = sorted({k for r in sweeps for k in r[4] if k.startswith("triton") and k != "triton, mask"})
+        lines += ["", "## Kernel configs (Gemma-2 prefill rows): us per call (max |out - fp32 ref|)", ""]
+        names = sorted({k for r in sweeps for k in r[5] if _swept(k)})
         lines += ["| B | L | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
-        for b, q_len, _, _, us, err in sweeps:
+        for _, b, q_len, _, _, us, err in sweeps:
             cells = [f"{us[n]:.1f} ({err[n]:.3f})" if n in us else "-" for n in names]
             lines.append(f"| {b} | {q_len} | " + " | ".join(cells) + " |")
     cmd = " ".join(["python benchmarks/bench_attention_softcap.py", *argv])
     return "\n".join([*lines, "", f"Run time {seconds:.0f} s. Command: `{cmd}`", ""])
+
+
+def _swept(name: str) -> bool:
+    return name.startswith("triton ") and "x" in name.split()[-1] and "edge" not in name
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from gemmtune.ops import attention as attn_ops
 HAS_GPU = torch.cuda.is_available()
 CAP = 2.0  # small enough to matter for the scaled-up q/k below (scores of O(10))
 C16, C32x16, C16x32 = kattn.Config(16, 16, 1, 1), kattn.Config(32, 16, 2, 1), kattn.Config(16, 32, 2, 1)
+C16x64, C16x128 = kattn.Config(16, 64, 2, 1), kattn.Config(16, 128, 2, 1)
 
 # (name, b, hq, hkv, L, S, D, causal, window, softcap, dtype, config, layout): L and S off the blocks,
 # L < S (chunked prefill), GQA, windows inside and beyond the keys, head dims 64, 48 (a masked D axis)
@@ -58,9 +59,15 @@ MASK_CASES = [
         ("padded-window", 2, 21, 53, 9, (0, 30), 3, False, C32x16),
         ("static", 2, 19, 64, None, (0, 4), 0, True, C16x32),
         ("broadcast", 1, 33, 45, 12, (2,), 0, False, C16),
+        ("padded-n64", 2, 70, 150, None, (0, 77), 5, False, C16x64),  # bit 63 of the mask words
+        ("window-n128", 2, 41, 300, 50, (3, 130), 0, False, C16x128),  # masks cap BLOCK_N at 64
+        ("nocap-padded", 2, 45, 45, None, (0, 20), 0, False, C32x16),  # softcap None (Llama-like)
     )
 ]
-GPU_MASK_CASES = [("mask-gemma2-bfloat16", 2, 1000, 1000, None, (0, 300), 0, False, "bfloat16", None)]
+GPU_MASK_CASES = [
+    ("mask-gemma2-bfloat16", 2, 1000, 1000, None, (0, 300), 0, False, "bfloat16", None),
+    ("mask-nocap-llama3-bfloat16", 2, 1000, 1000, None, (0, 300), 0, False, "bfloat16", None),
+]
 ALL_MASK = MASK_CASES + (GPU_MASK_CASES if HAS_GPU else [])
 # Max |out - fp32 reference| (outputs are O(1)): fp32 the summation order; 16-bit inputs the output
 # rounding and P rounded to the input dtype for the second product (flash attention's usual error).
@@ -90,7 +97,95 @@ def run_cases(cases, device: str) -> dict:
         out = {name: _case(name, *rest, device) for name, *rest in cases}
         out.update({name: _mask_case(name, *rest, device) for name, *rest in mask_cases})
         out.update(_skip_cases(device))
+        out.update(_random_mask_cases(device))
+    out["mask-blocks"] = _mask_block_mismatches(device)
     return out
+
+
+# (batch, hq, hkv, L, S, D, config, mask batch) of the random block masks: 16x16 regions each whole,
+# hidden or random, so the config's tiles hold all three classes and runs of whole blocks.
+RANDOM_MASKS = {
+    "c16": (2, 4, 2, 45, 61, 32, C16, 2),
+    "c32x16-broadcast": (2, 4, 1, 67, 50, 48, C32x16, 1),
+    "c16x64": (1, 2, 2, 29, 200, 64, C16x64, 1),
+}
+
+
+def random_block_mask(b, L, S, gen, region=16):
+    """region x region squares each hidden (1/4), visible (1/2) or random (1/4)."""
+    kind = torch.randint(0, 4, (b, 1, L // region + 1, S // region + 1), generator=gen)
+    kind = kind.repeat_interleave(region, 2).repeat_interleave(region, 3)[:, :, :L, :S]
+    mask = (kind == 1) | (kind == 2) | ((kind == 3) & (torch.rand(kind.shape, generator=gen) < 0.5))
+    mask[:, :, L // 3] = False  # a row that sees nothing
+    return mask
+
+
+def _random_mask_cases(device) -> dict:
+    out = {}
+    for name, (b, hq, hkv, L, S, D, cfg, mb) in RANDOM_MASKS.items():
+        for dt in ("float32", "float16"):
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{name}-{dt}".encode()))
+            q, k, v = make_qkv(b, hq, hkv, L, S, D, getattr(torch, dt), "hf", gen, device)
+            mask = random_block_mask(mb, L, S, gen).to(device)
+            kw = {"scaling": 0.3, "softcap": CAP, "causal": False, "mask": mask}
+            y = kattn.softcap_attention(q, k, v, config=cfg, **kw)
+            ref = kattn.softcap_attention_ref(q.float(), k.float(), v.float(), **kw)
+            unmasked = kattn.softcap_attention_ref(q.float(), k.float(), v.float(), **{**kw, "mask": None})
+            out[f"random-mask-{name}-{dt}"] = {
+                "ok": tuple(y.shape) == (b, L, hq, D), "nan": bool(torch.isnan(y).any()),
+                "err": (y.float() - ref).abs().max().item(), "mask_effect": (unmasked - ref).abs().max().item(),
+            }  # fmt: skip
+    return out
+
+
+def mask_blocks_ref(mask, L, S, bm, bn):
+    """(classes [B, n_m, n_n], row bits [B, L, n_n], ranges [B, n_m, 4]) as _mask_blocks / _mask_ranges
+    define them."""
+    n_m, n_n = -(-L // bm), -(-S // bn)
+    m = torch.zeros(mask.shape[0], n_m * bm, n_n * bn, dtype=torch.bool)
+    m[:, :L, :S] = mask[:, 0, :, :S].cpu()
+    tiles = m.view(-1, n_m, bm, n_n, bn)
+    rows_in = (torch.arange(n_m * bm) < L).view(1, n_m, bm, 1, 1)
+    seen = tiles.any(-1).any(2)
+    full = (tiles | ~rows_in).all(-1).all(2) & (torch.arange(n_n * bn) < S).view(n_n, bn).all(-1)
+    classes = torch.where(full, 2, seen.to(torch.int64))
+    weights = 2 ** torch.arange(bn, dtype=torch.int64)
+    bits = (m[:, :L].view(-1, L, n_n, bn).to(torch.int64) * weights).sum(-1)
+    ranges = torch.zeros(mask.shape[0], n_m, 4, dtype=torch.int64)
+    for b in range(mask.shape[0]):
+        for i in range(n_m):
+            vis = seen[b, i].nonzero().flatten().tolist()
+            whole = (classes[b, i] == 2).tolist()
+            lo, hi = (vis[0], vis[-1] + 1) if vis else (0, 0)
+            run_lo = whole.index(True) if True in whole else 0
+            run_hi = run_lo
+            while run_hi < n_n and whole[run_hi]:
+                run_hi += 1
+            ranges[b, i] = torch.tensor([lo, hi, run_lo, run_hi]) * bn
+    return classes, bits, ranges
+
+
+def _mask_block_mismatches(device) -> list:
+    """Run the two mask kernels on random and causal-LM masks; the names of the outputs that differ."""
+    bad = []
+    gen = torch.Generator().manual_seed(11)
+    masks = [(random_block_mask(2, 45, 70, gen), 45, 61, 16, 16),
+             (random_block_mask(1, 70, 130, gen), 70, 130, 32, 64),
+             (causal_lm_mask(3, 37, 37, 9, (0, 5, 40), 2, False), 37, 37, 16, 32)]  # fmt: skip
+    for i, (mask, L, S, bm, bn) in enumerate(masks):
+        m8 = mask.to(device).view(torch.uint8)
+        mb, n_m, n_n = mask.shape[0], -(-L // bm), -(-S // bn)
+        classes = torch.full((mb, n_m, n_n), -1, dtype=torch.int8, device=device)
+        bits = torch.full((mb, L, n_n), -1, dtype=torch.int64, device=device)
+        ranges = torch.full((mb, n_m, 4), -1, dtype=torch.int32, device=device)
+        kattn._mask_blocks[(mb, n_m, n_n)](m8, bits, classes, m8.stride(0), m8.stride(2), m8.stride(3), L, S,
+                                           BLOCK_M=bm, BLOCK_N=bn)  # fmt: skip
+        kattn._mask_ranges[(mb * n_m,)](classes, ranges, n_n, BLOCK_N=bn, CHUNK=2)  # several chunks
+        want = mask_blocks_ref(mask, L, S, bm, bn)
+        for name, got, ref in zip(("classes", "bits", "ranges"), (classes, bits, ranges), want):
+            if not torch.equal(got.cpu().to(torch.int64), ref):
+                bad.append(f"mask {i}: {name}")
+    return bad
 
 
 def causal_lm_mask(b, L, S, window, pad, extra, static):
@@ -108,14 +203,19 @@ def causal_lm_mask(b, L, S, window, pad, extra, static):
 def _mask_case(name, b, L, S, window, pad, extra, static, dt, cfg, device):
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     dtype = getattr(torch, dt)
-    hq, hkv, D = (16, 8, 256) if "gemma2" in name else (4, 2, 64)
+    hq, hkv, D = (16, 8, 256) if "gemma2" in name else (32, 8, 128) if "llama3" in name else (4, 2, 64)
     q, k, v = make_qkv(b, hq, hkv, L, S, D, dtype, "hf", gen, device)
     mask = causal_lm_mask(len(pad), L, S, window, pad, extra, static).to(device)
-    kw = {"scaling": scaling_of(D), "softcap": 50.0 if D == 256 else CAP, "mask": mask}
-    y = kattn.softcap_attention(q, k, v, config=cfg, **kw)
+    cap = None if "nocap" in name else 50.0 if D == 256 else CAP
+    kw = {"scaling": scaling_of(D), "softcap": cap, "mask": mask}
+    # the mask ANDed with causal, and the mask alone (it is causal itself: what the routing passes)
+    ys = [kattn.softcap_attention(q, k, v, config=cfg, causal=c, **kw) for c in (True, False)]
     ref = kattn.softcap_attention_ref(q.float(), k.float(), v.float(), **kw)
-    return {"ok": tuple(y.shape) == (b, L, hq, D), "nan": bool(torch.isnan(y).any()),
-            "err": (y.float() - ref).abs().max().item()}  # fmt: skip
+    # the output with the mask ignored (causal only) is far off: the cases test the mask
+    unmasked = kattn.softcap_attention_ref(q.float(), k.float(), v.float(), **{**kw, "mask": None})
+    return {"ok": all(tuple(y.shape) == (b, L, hq, D) for y in ys), "nan": any(bool(y.isnan().any()) for y in ys),
+            "err": max((y.float() - ref).abs().max().item() for y in ys),
+            "mask_effect": (unmasked - ref).abs().max().item()}  # fmt: skip
 
 
 def _case(name, b, hq, hkv, L, S, D, causal, window, cap, dt, cfg, layout, device):
@@ -185,6 +285,22 @@ def test_masked_kernel_matches_fp32_reference(case, results):
     r = results[case[0]]
     assert r["ok"] and not r["nan"], r
     assert r["err"] <= TOL[case[8]], r
+    assert r["mask_effect"] > 20 * TOL[case[8]], r
+
+
+@pytest.mark.parametrize("name", [f"random-mask-{n}-{dt}" for n in RANDOM_MASKS for dt in ("float32", "float16")])
+def test_kernel_with_random_block_masks(name, results):
+    """Masks mixing whole, hidden and partial key blocks (not causal-like): every block class and the
+    edge blocks on both sides of a run of whole ones; rows that see nothing give 0."""
+    r = results[name]
+    assert r["ok"] and not r["nan"], r
+    assert r["err"] <= TOL[name.rsplit("-", 1)[1]], r
+    assert r["mask_effect"] > 20 * TOL[name.rsplit("-", 1)[1]], r
+
+
+def test_mask_block_classes_and_ranges(results):
+    """_mask_blocks / _mask_ranges against their definition in PyTorch (classes, row bits, ranges)."""
+    assert results["mask-blocks"] == [], results["mask-blocks"]
 
 
 @pytest.mark.parametrize("name", ["skip-causal", "skip-window", "any-mask"])
@@ -354,6 +470,46 @@ def test_triton_tier_declines_what_it_does_not_compute(kernel_on_cpu):
     assert calls == []
     attn_mod.triton_tier(_module(), q, k, v, None, scaling=0.3)  # forced tier, no softcap, no mask: the kernel
     assert calls == [(20, 20, True, None, None, False)]
+
+
+def test_masked_prefill_without_softcap_is_opt_in(kernel_on_cpu, monkeypatch):
+    """MASKED_PREFILL="triton": the sdpa tier (and the tiers that hand masked calls to it) runs masked
+    prefill without softcap through the kernel with the mask alone; "sdpa" (default) and every call the
+    kernel does not take keep SDPA; mask-free calls are untouched."""
+    from test_attention_flex import hf_mask, qkv, reference
+
+    attn_mod, calls = kernel_on_cpu
+    q, k, v = qkv(2, 4, 2, 20, 33, 64)
+    mask = hf_mask(2, 20, 33, 9, (0, 5))
+    want = reference(q, k, v, mask, None, 0.1)
+    out, _ = attn_mod.sdpa_attention(_module(), q, k, v, mask, scaling=0.1)
+    assert calls == [] and attn_mod.MASKED_PREFILL == "sdpa"
+    _close(out, want)
+    monkeypatch.setattr(attn_mod, "MASKED_PREFILL", "triton")
+    for tier in (attn_mod.sdpa_attention, attn_mod.triton_tier, attn_mod.flash_attention, attn_mod.flex_tier):
+        out, w = tier(_module(), q, k, v, mask, scaling=0.1, sliding_window=9)
+        assert w is None and calls[-1] == (20, 33, False, None, None, True), tier.__name__
+        _close(out, want)
+    calls.clear()
+    attn_mod.sdpa_attention(_module(), q, k, v, None, scaling=0.1)  # no mask: SDPA is_causal as before
+    short = q[:, :, : attn_mod.KERNEL_MIN_Q - 1]
+    attn_mod.sdpa_attention(_module(), short, k, v, hf_mask(2, short.shape[2], 33), scaling=0.1)  # decode
+    q32, k32, v32 = qkv(2, 4, 2, 20, 33, attn_mod.MASKED_PREFILL_MIN_D - 16)
+    attn_mod.sdpa_attention(_module(), q32, k32, v32, mask, scaling=0.1)  # head dim below the kernel's range
+    attn_mod.sdpa_attention(_module(), q, k, v, mask, 0.1, scaling=0.1)  # dropout
+    attn_mod.sdpa_attention(_module(training=True), q, k, v, mask, scaling=0.1)
+    attn_mod.sdpa_attention(_module(), q, k, v, mask.expand(2, 4, 20, 33), scaling=0.1)  # per-head mask
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    attn_mod.sdpa_attention(_module(), q, k, v, additive, scaling=0.1)
+    _, w = attn_mod.sdpa_attention(_module(), q, k, v, mask, scaling=0.1, output_attentions=True)
+    assert calls == [] and w is not None
+    monkeypatch.setenv("GEMMTUNE_MASKED_PREFILL", "Triton")
+    assert attn_mod._default_masked_prefill() == "triton"
+    monkeypatch.setenv("GEMMTUNE_MASKED_PREFILL", "flex")
+    with pytest.raises(ValueError, match="GEMMTUNE_MASKED_PREFILL='flex'"):
+        attn_mod._default_masked_prefill()
+    with pytest.raises(ValueError, match="masked prefill mode 'fast'"):
+        attn_mod.set_masked_prefill("fast")
 
 
 def test_compiled_mask_skip_mirrors_transformers():

@@ -18,7 +18,8 @@ Five tiers, each registered under its own name (neutral names: transformers trea
                   torch picks a fused kernel with it (no mask); decode against a materialized mask
                   (static cache, padding) uses the measured-fastest strategy (MASKED_DECODE).
                   softcap, which SDPA cannot compute, goes to the Triton kernel (mask-free prefill), to
-                  flex (masked prefill, eager code), else (and output_attentions) to tier 3.
+                  flex (masked prefill, eager code), else (and output_attentions) to tier 3. Masked
+                  prefill without softcap: SDPA with the mask, or the Triton kernel (MASKED_PREFILL).
   tier 3 "eager": matmul-softmax-matmul in the model's dtype with fp32 softmax, grouped by KV head
                   (no repeat_kv), with softcap and attention weights.
 All use transformers' `sdpa_mask` (a boolean 4-D mask, or None for a plain causal / full pattern), so a
@@ -54,6 +55,13 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 # the key blocks it hides, so a causal mask costs about what the mask-free causal kernel does. Masked calls
 # of models without softcap keep SDPA.
 KERNEL_MASKED = True
+# Prefill of models without softcap that carry transformers' boolean mask (padding; under torch.compile,
+# where transformers materializes even the plain causal mask, every prefill) keeps SDPA-with-mask by
+# default, which cannot use the flash kernel; "triton" runs gemmtune's kernel with the mask instead (bf16 /
+# fp16 on NVIDIA CUDA, head dims MASKED_PREFILL_MIN_D..256, >= KERNEL_MIN_Q queries, no dropout, no
+# attention weights). GEMMTUNE_MASKED_PREFILL=triton|sdpa picks; set_masked_prefill for benchmarks.
+MASKED_PREFILL_MODES = ("sdpa", "triton")
+MASKED_PREFILL_MIN_D = 64
 PACK_MAX_Q = 16  # fold query heads into rows up to this many query tokens (decode, speculation)
 # GQA decode against a materialized mask (static cache, padding), L <= PACK_MAX_Q query tokens:
 #   "gqa": enable_gqa with the mask (no copy; torch picks the backend);
@@ -78,6 +86,16 @@ def _default_masked_decode() -> str:
 
 
 MASKED_DECODE = _default_masked_decode()
+
+
+def _default_masked_prefill() -> str:
+    env = os.environ.get("GEMMTUNE_MASKED_PREFILL", "").strip().lower()
+    if env and env not in MASKED_PREFILL_MODES:
+        raise ValueError(f"GEMMTUNE_MASKED_PREFILL={env!r}: expected one of {', '.join(MASKED_PREFILL_MODES)}")
+    return env or "sdpa"
+
+
+MASKED_PREFILL = _default_masked_prefill()
 
 _flash_cache: list = []
 
@@ -155,6 +173,8 @@ def resolve_tier(requested: str | None, softcap: float | None = None, device=Non
         if requested == "triton" and no_kernel is not None:
             raise ValueError(f"attention tier 'triton' is not available: {no_kernel}")
         tier, note = requested, note or "requested"
+    if MASKED_PREFILL == "triton" and no_kernel is None and tier != "eager":
+        note += "; masked prefill without softcap runs the Triton kernel (GEMMTUNE_MASKED_PREFILL=triton)"
     if softcap is not None and tier in ("flash", "sdpa"):
         # flash falls to sdpa for masks (and aiter has no softcap); sdpa hands softcap calls on
         note += f"; softcap {softcap}: calls SDPA cannot run go to {_softcap_route(no_kernel, no_flex)}"
@@ -224,6 +244,14 @@ def set_masked_decode(mode: str) -> None:
     MASKED_DECODE = mode
 
 
+def set_masked_prefill(mode: str) -> None:
+    """Pick what runs masked prefill of models without softcap (see MASKED_PREFILL_MODES)."""
+    global MASKED_PREFILL
+    if mode not in MASKED_PREFILL_MODES:
+        raise ValueError(f"masked prefill mode {mode!r}: expected one of {', '.join(MASKED_PREFILL_MODES)}")
+    MASKED_PREFILL = mode
+
+
 def _crop(key, value, q_len):
     # Mask-free causal with keys past the queries only happens on an empty static cache (the tail is
     # unwritten): transformers' sdpa path crops the same way so the upper-left causal mask is right.
@@ -291,17 +319,9 @@ def _try_kernel(module, query, key, value, attention_mask, dropout, scaling, is_
     """(out, None) from gemmtune's Triton kernel where it takes this call, else None: prefill-sized,
     forward only; no mask (plain causal, the layer's sliding window, or full), or transformers' boolean
     mask on a softcapped layer (under torch.compile every prefill gets one; see KERNEL_MASKED)."""
-    if dropout or kwargs.get("output_attentions") or getattr(module, "training", False):
+    if not _kernel_takes(module, query, key, value, dropout, kwargs):
         return None
-    if query.device.type not in KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES or not kattn.HAS_TRITON:
-        return None
-    L, D = query.shape[2], query.shape[3]
-    if L < KERNEL_MIN_Q or D > kattn.MAX_HEAD_DIM or key.shape[3] != D or value.shape != key.shape:
-        return None
-    if query.shape[1] % key.shape[1] or key.dtype != query.dtype or value.dtype != query.dtype:
-        return None
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return None  # the kernel has no backward
+    L = query.shape[2]
     softcap, window, mask = kwargs.get("softcap"), kwargs.get("sliding_window"), attention_mask
     if mask is not None:
         if not _bool_mask_fits(mask, query, key):
@@ -322,6 +342,33 @@ def _try_kernel(module, query, key, value, attention_mask, dropout, scaling, is_
         window = None
     out = attn_ops.softcap_attention(query, key, value, scaling, softcap, causal, window)
     return out, None
+
+
+def _kernel_takes(module, query, key, value, dropout, kwargs) -> bool:
+    """Shapes, dtypes, devices and modes the Triton kernel computes: prefill-sized, forward only."""
+    if dropout or kwargs.get("output_attentions") or getattr(module, "training", False):
+        return False
+    if query.device.type not in KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES or not kattn.HAS_TRITON:
+        return False
+    L, D = query.shape[2], query.shape[3]
+    if L < KERNEL_MIN_Q or D > kattn.MAX_HEAD_DIM or key.shape[3] != D or value.shape != key.shape:
+        return False
+    if query.shape[1] % key.shape[1] or key.dtype != query.dtype or value.dtype != query.dtype:
+        return False
+    # the kernel has no backward
+    return not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+
+
+def _try_masked_prefill(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """(out, None) from the Triton kernel for a masked prefill call of a model without softcap where
+    MASKED_PREFILL says so (the mask alone decides: it carries causality, the window, the positions)."""
+    if MASKED_PREFILL != "triton" or attention_mask is None or query.shape[-1] < MASKED_PREFILL_MIN_D:
+        return None
+    if not _kernel_takes(module, query, key, value, dropout, kwargs):
+        return None
+    if not _bool_mask_fits(attention_mask, query, key):
+        return None
+    return attn_ops.softcap_attention(query, key, value, scaling, None, False, None, attention_mask), None
 
 
 def _bool_mask_fits(mask, query, key) -> bool:
@@ -360,6 +407,9 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         if done is not None:
             return done
         return eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    done = _try_masked_prefill(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    if done is not None:
+        return done
     B, Hq, L, D = query.shape
     Hkv = key.shape[1]
     n_rep = Hq // Hkv
