@@ -472,9 +472,9 @@ def test_triton_tier_declines_what_it_does_not_compute(kernel_on_cpu):
     assert calls == [(20, 20, True, None, None, False)]
 
 
-def test_masked_prefill_without_softcap_is_opt_in(kernel_on_cpu, monkeypatch):
-    """MASKED_PREFILL="triton": the sdpa tier (and the tiers that hand masked calls to it) runs masked
-    prefill without softcap through the kernel with the mask alone; "sdpa" (default) and every call the
+def test_masked_prefill_without_softcap_goes_to_the_kernel(kernel_on_cpu, monkeypatch):
+    """MASKED_PREFILL="triton" (the default): the sdpa tier (and the tiers that hand masked calls to it)
+    runs masked prefill without softcap through the kernel with the mask alone; "sdpa" and every call the
     kernel does not take keep SDPA; mask-free calls are untouched."""
     from test_attention_flex import hf_mask, qkv, reference
 
@@ -482,8 +482,11 @@ def test_masked_prefill_without_softcap_is_opt_in(kernel_on_cpu, monkeypatch):
     q, k, v = qkv(2, 4, 2, 20, 33, 64)
     mask = hf_mask(2, 20, 33, 9, (0, 5))
     want = reference(q, k, v, mask, None, 0.1)
+    monkeypatch.delenv("GEMMTUNE_MASKED_PREFILL", raising=False)
+    assert attn_mod._default_masked_prefill() == "triton"
+    monkeypatch.setattr(attn_mod, "MASKED_PREFILL", "sdpa")
     out, _ = attn_mod.sdpa_attention(_module(), q, k, v, mask, scaling=0.1)
-    assert calls == [] and attn_mod.MASKED_PREFILL == "sdpa"
+    assert calls == []
     _close(out, want)
     monkeypatch.setattr(attn_mod, "MASKED_PREFILL", "triton")
     for tier in (attn_mod.sdpa_attention, attn_mod.triton_tier, attn_mod.flash_attention, attn_mod.flex_tier):

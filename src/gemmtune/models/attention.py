@@ -56,10 +56,12 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 # of models without softcap keep SDPA.
 KERNEL_MASKED = True
 # Prefill of models without softcap that carry transformers' boolean mask (padding; under torch.compile,
-# where transformers materializes even the plain causal mask, every prefill) keeps SDPA-with-mask by
-# default, which cannot use the flash kernel; "triton" runs gemmtune's kernel with the mask instead (bf16 /
-# fp16 on NVIDIA CUDA, head dims MASKED_PREFILL_MIN_D..256, >= KERNEL_MIN_Q queries, no dropout, no
-# attention weights). GEMMTUNE_MASKED_PREFILL=triton|sdpa picks; set_masked_prefill for benchmarks.
+# where transformers materializes even the plain causal mask, every prefill): "triton" (the default) runs
+# gemmtune's kernel with the mask (bf16 / fp16 on NVIDIA CUDA, head dims MASKED_PREFILL_MIN_D..256,
+# >= KERNEL_MIN_Q queries, no dropout, no attention weights); "sdpa" keeps SDPA-with-mask, which cannot
+# use the flash kernel. Measured on an H100 at Llama-3-8B shapes (1x2048, causal mask): 103.5 us vs
+# SDPA-with-mask 288.1 us (benchmarks/results/h100/bench_model/attention_masked_s7.md).
+# GEMMTUNE_MASKED_PREFILL=triton|sdpa picks; set_masked_prefill for benchmarks.
 MASKED_PREFILL_MODES = ("sdpa", "triton")
 MASKED_PREFILL_MIN_D = 64
 PACK_MAX_Q = 16  # fold query heads into rows up to this many query tokens (decode, speculation)
@@ -92,7 +94,7 @@ def _default_masked_prefill() -> str:
     env = os.environ.get("GEMMTUNE_MASKED_PREFILL", "").strip().lower()
     if env and env not in MASKED_PREFILL_MODES:
         raise ValueError(f"GEMMTUNE_MASKED_PREFILL={env!r}: expected one of {', '.join(MASKED_PREFILL_MODES)}")
-    return env or "sdpa"
+    return env or "triton"
 
 
 MASKED_PREFILL = _default_masked_prefill()
