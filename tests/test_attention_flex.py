@@ -81,8 +81,11 @@ def test_auto_tier_per_model_and_device(no_flash, monkeypatch):
     assert attn_mod.resolve_tier("auto", None, "cuda")[0] == "sdpa"
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
     assert tier == "triton" and "softcap 50.0, flash-attn not installed" in note
-    assert f"masked prefill runs flex_attention, calls of < {attn_mod.KERNEL_MIN_Q} query tokens (decode) run the "\
-           "eager tier" in note  # fmt: skip
+    assert f"masked prefill runs the Triton kernel with the mask, calls of < {attn_mod.KERNEL_MIN_Q} query tokens "\
+           "(decode) run the eager tier" in note  # fmt: skip
+    monkeypatch.setattr(attn_mod, "KERNEL_MASKED", False)
+    assert "masked prefill runs flex_attention" in attn_mod.resolve_tier("auto", 50.0, "cuda")[1]
+    monkeypatch.setattr(attn_mod, "KERNEL_MASKED", True)
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cpu")
     assert tier == "eager" and "no Triton or flex tier: flex_attention is fused only on CUDA here (model on cpu)" \
         in note  # fmt: skip
@@ -101,8 +104,8 @@ def test_auto_tier_with_a_flash_backend(monkeypatch):
     monkeypatch.delenv(attn_mod.ENV, raising=False)
     monkeypatch.setattr(attn_mod, "_flash_cache", [("flash_attn", None)])
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
-    assert tier == "flash" and "calls SDPA cannot run go to the Triton kernel for mask-free prefill, " \
-        "flex_attention for masked prefill" in note  # masked calls, and fp32 ones  # fmt: skip
+    assert tier == "flash" and "calls SDPA cannot run go to the Triton kernel for prefill (with or without a " \
+        "mask)" in note  # masked calls, and fp32 ones  # fmt: skip
     assert attn_mod.resolve_tier("auto", 50.0, "cpu")[0] == "eager"
     monkeypatch.setattr(attn_mod, "_flash_cache", [("aiter", None)])
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
@@ -116,8 +119,12 @@ def test_forced_tiers_say_where_softcap_goes(no_flash, monkeypatch):
     with pytest.raises(ValueError, match="tier 'triton' is not available: gemmtune's Triton attention runs on NVIDIA"):
         attn_mod.resolve_tier("triton", 50.0, "cpu")
     note = attn_mod.resolve_tier("sdpa", 50.0, "cuda")[1]
-    assert "softcap 50.0: calls SDPA cannot run go to the Triton kernel for mask-free prefill, flex_attention for " \
-        "masked prefill, the eager tier otherwise" in note  # fmt: skip
+    assert "softcap 50.0: calls SDPA cannot run go to the Triton kernel for prefill (with or without a mask), the " \
+        "eager tier otherwise" in note  # fmt: skip
+    monkeypatch.setattr(attn_mod, "KERNEL_MASKED", False)
+    assert "the Triton kernel for mask-free prefill, flex_attention for masked prefill, the eager tier otherwise" \
+        in attn_mod.resolve_tier("sdpa", 50.0, "cuda")[1]  # fmt: skip
+    monkeypatch.setattr(attn_mod, "KERNEL_MASKED", True)
     assert "go to the eager tier" in attn_mod.resolve_tier("sdpa", 50.0, "cpu")[1]
     monkeypatch.setattr(attn_mod, "KERNEL_DEVICES", ())
     note = attn_mod.resolve_tier("sdpa", 50.0, "cuda")[1]
@@ -126,7 +133,9 @@ def test_forced_tiers_say_where_softcap_goes(no_flash, monkeypatch):
     tier, note = attn_mod.resolve_tier("flex", 50.0, "cuda")
     assert "under torch.compile, mask-free prefill runs the Triton kernel" in note
     tier, note = attn_mod.resolve_tier("triton", None, "cuda")
-    assert tier == "triton" and "masked prefill runs the sdpa tier" in note
+    assert tier == "triton" and "masked prefill runs the Triton kernel with the mask (MASKED_PREFILL)" in note
+    monkeypatch.setattr(attn_mod, "MASKED_PREFILL", "sdpa")
+    assert "masked prefill runs the sdpa tier" in attn_mod.resolve_tier("triton", None, "cuda")[1]
     monkeypatch.setenv(attn_mod.ENV, "flex")
     tier, note = attn_mod.resolve_tier("auto", None, "cuda")
     assert tier == "flex" and "forced by GEMMTUNE_ATTENTION=flex" in note and "run the sdpa tier" in note

@@ -187,6 +187,8 @@ def resolve_tier(requested: str | None, softcap: float | None = None, device=Non
 
 def _softcap_route(no_kernel: str | None, no_flex: str | None) -> str:
     """Where the sdpa tier sends softcapped calls, given what runs here."""
+    if no_kernel is None and KERNEL_MASKED:
+        return "the Triton kernel for prefill (with or without a mask), the eager tier otherwise"
     if no_kernel is None and no_flex is None:
         return "the Triton kernel for mask-free prefill, flex_attention for masked prefill, the eager tier otherwise"
     if no_kernel is None:
@@ -202,7 +204,14 @@ def _other_calls(tier: str, softcap: float | None, no_kernel: str | None, no_fle
     min_q = KERNEL_MIN_Q if tier == "triton" else flex.FLEX_MIN_Q
     short = f"calls of < {min_q} query tokens (decode) run the {rest} tier"
     if tier == "triton":
-        masked = "flex_attention" if softcap is not None and no_flex is None else f"the {rest} tier"
+        if softcap is not None and KERNEL_MASKED:
+            masked = "the Triton kernel with the mask"
+        elif softcap is not None and no_flex is None:
+            masked = "flex_attention"
+        elif softcap is None and MASKED_PREFILL == "triton":
+            masked = "the Triton kernel with the mask (MASKED_PREFILL)"
+        else:
+            masked = f"the {rest} tier"
         return f"; masked prefill runs {masked}, {short}"
     compiled = ""
     if softcap is not None and no_kernel is None:
