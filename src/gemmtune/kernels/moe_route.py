@@ -12,8 +12,10 @@ one-hot prefix sum. No atomics, so the order is deterministic; sizes depend on (
 sync: capturable). expert_sort_torch is the same in torch ops (the fallback and the reference).
 
 router_topk: what Hugging Face's Qwen3-MoE / Mixtral top-k routers compute from their logits:
-softmax in fp32, the top k (largest first; equal values: the lower expert first, as torch.topk on
-CUDA orders them), optionally renormalized to sum 1, cast to out_dtype; ids int64.
+softmax in fp32, the top k (largest first; among equal values the lower expert ids are picked, as
+torch.topk picks them, and listed lowest first, where CUDA's topk lists them highest first: the block
+sums its slots, so only which experts are picked matters), optionally renormalized to sum 1, cast to
+out_dtype; ids int64.
 """
 
 from __future__ import annotations

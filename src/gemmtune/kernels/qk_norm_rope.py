@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
-from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
 from ._common import pdl_kwargs as _pdl_kwargs
+from .norms import _kernel_dtypes_ok as norm_dtypes_ok
 from .norms import rmsnorm, rmsnorm_ref
+from .rope import _kernel_fits as rope_fits
 from .rope import rope, rope_ref
 
 _is_compiling = torch.compiler.is_compiling
@@ -100,18 +101,12 @@ def _check(q, k, wq, wk, cos, sin) -> None:
 
 
 def _kernel_fits(q, k, wq, wk, cos, sin, cast_before_weight) -> bool:
-    """The dtype mixes and layouts the kernel reproduces exactly (those of the rmsnorm and rope kernels)."""
+    """The dtype mixes and layouts the kernel reproduces exactly: those the rope and rmsnorm kernels take."""
     return (
         HAS_TRITON
-        and q.dtype in _KERNEL_DTYPES
-        and k.dtype == q.dtype
-        and cos.dtype == q.dtype
-        and sin.dtype == q.dtype
-        and q.stride(-1) == 1
-        and k.stride(-1) == 1
-        and q.shape[-1] > 0
-        # Llama style promotes w * x to w's dtype when they differ; only the equal case is fused.
-        and (not cast_before_weight or (wq.dtype == q.dtype and wk.dtype == q.dtype))
+        and rope_fits(q, k, cos, sin)
+        and norm_dtypes_ok(q, wq, None, cast_before_weight)
+        and norm_dtypes_ok(k, wk, None, cast_before_weight)
     )
 
 
