@@ -76,8 +76,10 @@ def tune_all(keys, device, opts: TuneOptions, fam) -> dict:
     return {"seconds": time.perf_counter() - t0, "keys": out}
 
 
-def compare(keys, device, runs: dict, fam, reps: int) -> list[dict]:
-    """Each mode's winner and the default, interleaved in one run per key."""
+def compare(keys, device, runs: dict, fam, reps: int, rounds: int, ref: str) -> list[dict]:
+    """Each mode's winner, the default, and a second copy of the reference's winner (an A/A control:
+    the spread this comparison cannot resolve), interleaved; `rounds` runs on fresh inputs and fresh
+    graphs, the mean of their medians counts (one run's graphs carry a bias of their own)."""
     torch_backend = backends.get(fam.default_libtype, fam.name)
     rows = []
     for key in keys:
@@ -90,9 +92,15 @@ def compare(keys, device, runs: dict, fam, reps: int) -> list[dict]:
                 sol = torch_backend.default_solution(key, device)
             names[mode] = f"{libtype}:{kname}"
             runners[mode] = backends.get(sol.libtype, fam.name).make_runner(sol, key, device)
+            if mode == ref:
+                runners[f"{ref}#2"] = backends.get(sol.libtype, fam.name).make_runner(sol, key, device)
         runners["default"] = torch_backend.make_runner(torch_backend.default_solution(key, device), key, device)
-        inputs = make_inputs(key, device, seed=shape_seed(key, 7, fam) + 1, family=fam)
-        t = bench_gemm(key, runners, device, reps=reps, inputs=inputs, family=fam)
+        per_round = []
+        for r in range(rounds):
+            inputs = make_inputs(key, device, seed=shape_seed(key, 7 + r, fam) + 1, family=fam)
+            per_round.append(bench_gemm(key, runners, device, reps=reps, inputs=inputs, family=fam))
+            del inputs
+        t = {n: statistics.fmean(x[n] for x in per_round) for n in runners}
         rows.append({"key": fam.describe(key), "M": fam.m_of(key), **{f"{m}_us": t[m] for m in runners},
                      **{f"{m}_winner": names[m] for m in runs}})  # fmt: skip
     return rows
@@ -119,7 +127,13 @@ def report(runs: dict, rows: list[dict], out: pathlib.Path, args) -> str:
                      + " | ".join(f"{v:.0f}" for v in ph.values()) + " |")  # fmt: skip
     modes = list(runs)
     if len(modes) >= 2 and rows:
-        ref = "exhaustive" if "exhaustive" in runs else modes[0]
+        ref = reference_mode(runs)
+        aa = [max(r[f"{ref}_us"], r[f"{ref}#2_us"]) / min(r[f"{ref}_us"], r[f"{ref}#2_us"]) - 1 for r in rows]
+        lines += [
+            "",
+            f"A/A control (the reference's winner timed twice as two contenders, {args.compare_rounds} "
+            f"rounds): spread median {100 * statistics.median(aa):.2f}%, max {100 * max(aa):.2f}%",
+        ]
         for mode in [m for m in modes if m != ref]:
             ratios = [r[f"{mode}_us"] / r[f"{ref}_us"] for r in rows]
             # The same kernel picked by both is the same winner, whatever this run's noise says.
@@ -137,6 +151,20 @@ def report(runs: dict, rows: list[dict], out: pathlib.Path, args) -> str:
     text = "\n".join(lines) + "\n"
     (out / "tune_speed.md").write_text(text)
     return text
+
+
+def reference_mode(runs) -> str:
+    return "exhaustive" if "exhaustive" in runs else next(iter(runs))
+
+
+def parse_mode(spec: str) -> dict:
+    """`fast`, `exhaustive`, or one of them with options: `fast:seed=1:min_gain=0.01`."""
+    name, *opts = spec.split(":")
+    out = dict(MODES[name])
+    for o in opts:
+        k, _, v = o.partition("=")
+        out[k] = type(getattr(TuneOptions(), k))(v)
+    return out
 
 
 def _phase_names(runs) -> list[str]:
@@ -157,6 +185,7 @@ def main() -> None:
     ap.add_argument("--libtype", default=None)
     ap.add_argument("--no-verify-range", action="store_true")
     ap.add_argument("--compare-reps", type=int, default=30)
+    ap.add_argument("--compare-rounds", type=int, default=3)
     ap.add_argument("--out", default="tune_speed_out")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -169,7 +198,7 @@ def main() -> None:
     runs = {}
     for mode in args.modes.split(","):
         opts = TuneOptions(libtypes=args.libtype.split(",") if args.libtype else None,
-                           verify_range=not args.no_verify_range, **MODES[mode])  # fmt: skip
+                           verify_range=not args.no_verify_range, **parse_mode(mode))  # fmt: skip
         tp = time.perf_counter()
         fails = precompile_all(keys, device, opts, workers=16)
         pre = time.perf_counter() - tp
@@ -177,7 +206,8 @@ def main() -> None:
         runs[mode] = tune_all(keys, device, opts, fam)
         runs[mode]["precompile_s"] = pre
         runs[mode]["seconds"] += pre
-    rows = compare(keys, device, runs, fam, args.compare_reps) if len(runs) > 1 else []
+    rows = compare(keys, device, runs, fam, args.compare_reps, args.compare_rounds, reference_mode(runs)) \
+        if len(runs) > 1 else []  # fmt: skip
     (out / "tune_speed.json").write_text(json.dumps({"runs": {m: {**r, "keys": list(r["keys"].values())}
                                                               for m, r in runs.items()}, "compare": rows},
                                                     indent=1, default=str))  # fmt: skip

@@ -360,3 +360,85 @@ def test_close_calls_get_a_second_round_and_clear_ones_do_not():
     assert _close_call(near_pair, ["b", "a", "c"], default, 0.0, opts) == ["a", "b"]
     near_pair.results["a"].status = "rejected"
     assert _close_call(near_pair, ["b", "a", "c"], default, 0.0, opts) == []
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
+def test_round_order_balances_positions_and_predecessors(n):
+    """Over one cycle of rounds every contender runs once per position (twice for odd n) and right
+    after every other contender equally often: no contender is always timed after the same kernel."""
+    from collections import Counter
+
+    from gemmtune.tuner.timing import round_order
+
+    rows = n if n % 2 == 0 else 2 * n
+    orders = [round_order(n, r) for r in range(rows)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    positions = Counter((i, x) for o in orders for i, x in enumerate(o))
+    follows = Counter(pair for o in orders for pair in zip(o, o[1:]))
+    assert set(positions.values()) == {rows // n} and len(positions) == n * n
+    assert set(follows.values()) == {rows // n} and len(follows) == n * (n - 1)
+    assert round_order(n, rows) == orders[0]  # the cycle repeats
+
+
+def _with_timings(monkeypatch, adjust):
+    """Wrap search._timed so `adjust(phase, times)` can change what a phase measured."""
+    from gemmtune.tuner import search
+
+    real = search._timed
+
+    def timed(key, runners, device, reps, seed, inputs, heartbeat, phase, fam):
+        return adjust(phase, real(key, runners, device, reps, seed, inputs, heartbeat, phase, fam))
+
+    monkeypatch.setattr(search, "_timed", timed)
+
+
+def test_a_winner_that_loses_head_to_head_is_not_kept(fake, monkeypatch):
+    """The final round's winner is timed once more against the default alone; when that run does
+    not confirm its gain, the default is kept and the note says why."""
+    import fake_backend  # noqa: F401
+
+    monkeypatch.setenv("FAKE_KINDS", "slowgood")
+    slow_default(monkeypatch, seconds=0.01)
+    phases, lose = [], [True]
+
+    def adjust(phase, times):
+        phases.append(phase)
+        if phase == "head-to-head" and lose[0]:
+            return {n: (us * 10 if n == "fake:slowgood" else us) for n, us in times.items()}
+        return times
+
+    _with_timings(monkeypatch, adjust)
+    res = tune_shape(KEYS[1], CPU, TuneOptions(reps=7, screen_reps=5))
+    assert "head-to-head" in phases
+    assert res.kept_default and res.winner.name == "torch:native"
+    assert "against the default alone: default kept" in res.note
+
+    lose[0] = False  # the head-to-head confirms: the clear winner stays
+    res = tune_shape(KEYS[1], CPU, TuneOptions(reps=7, screen_reps=5))
+    assert not res.kept_default and res.winner.name == "fake:slowgood"
+
+
+def test_screen_ranks_candidates_relative_to_the_default_in_their_group(fake, monkeypatch):
+    """Screen groups are separate runs; a run that measured everything far slower must not push its
+    candidates behind a truly slow one: each group also times the default and is scaled by it."""
+    import fake_backend  # noqa: F401
+
+    from gemmtune.tuner.search import ANCHOR
+
+    monkeypatch.setenv("FAKE_KINDS", "slowgood,g1,good,g2,g3,g4")  # groups of 2: good apart from slowgood
+    groups = []
+
+    def adjust(phase, times):
+        if phase == "screen":
+            assert ANCHOR in times  # every group carries the anchor
+            groups.append(set(times) - {ANCHOR})
+            if "fake:good" in times:  # this whole run measured 1000x slow, the anchor too
+                return {n: us * 1000 for n, us in times.items()}
+        return times
+
+    _with_timings(monkeypatch, adjust)
+    res = tune_shape(KEYS[1], CPU, TuneOptions(reps=5, screen_reps=5, top=3, batch=3))
+    assert len(groups) >= 2 and all(ANCHOR not in g for g in groups)
+    by = {c.name: c for c in res.candidates}
+    assert by["fake:slowgood"].screen_us > max(by[n].screen_us for n in ("fake:good", "fake:g1", "fake:g2"))
+    assert "fake:slowgood" not in {c.name for c in res.candidates if c.us == c.us}  # not a finalist

@@ -9,7 +9,7 @@ import click
 from ..device import parse_device
 from ..errors import GemmtuneError
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
-from ..tuner.search import SEARCHES, TuneOptions
+from ..tuner.search import MIN_GAIN, SEARCHES, TuneOptions
 from ..tuner.shapes import parse_nsets
 
 
@@ -41,7 +41,7 @@ def _log(msg: str) -> None:
 @click.option(
     "--min-gain",
     type=float,
-    default=0.03,
+    default=MIN_GAIN,
     show_default=True,
     help="A candidate replaces the default only if faster by more than this fraction (and the noise).",
 )

@@ -9,7 +9,7 @@ the 16-bit GEMM it replaced (on the parity prefill's activations) and the logits
 against the stock model.
 Scenarios: prefill (batch x seq, last-token logits as generate() asks) and decode (one token per
 step on a static cache primed with `ctx` tokens, captured once in a CUDA graph and replayed).
-Timing follows docs/benchmarking.md: contenders interleaved round by round (order rotated, the
+Timing follows docs/benchmarking.md: contenders interleaved round by round (order balanced, the
 GPU kept busy while a round is queued), median ms per call over the rounds. On the CPU there are no
 graphs: eager steps, wall clock.
 """
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.compile_mode import compile_ops
+from ..tuner.timing import round_order
 from .collect import profile
 from .report import Profile
 from .stock_attention import ignored_features
@@ -126,14 +127,15 @@ def _sync(cuda: bool) -> None:
 
 
 def interleaved(fns: dict[str, Callable], iters: int, reps: int, cuda: bool) -> dict[str, list[float]]:
-    """ms per call of each fn, one sample per round; rounds interleave the fns in rotating order."""
+    """ms per call of each fn, one sample per round; rounds interleave the fns in a balanced order
+    (timing.round_order: every position and every predecessor equally often)."""
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
     events = (
         {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in names} if cuda else {}
     )
     for rep in range(reps):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
+        order = [names[i] for i in round_order(len(names), rep)]
         if cuda:
             torch.cuda.synchronize()
             torch.cuda._sleep(_SPACER_CYCLES)
@@ -303,7 +305,7 @@ def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
         "compile_ops_default": describe(),
         "optimize_families": ", ".join(sorted(FAMILIES)) + " (other model types: plain Linear routing only)",
         "timing": (
-            "CUDA events, contenders interleaved per round in rotating order, median of rounds"
+            "CUDA events, contenders interleaved per round in a balanced order, median of rounds"
             if cuda
             else "wall clock (CPU: no CUDA graphs), contenders interleaved per round, median of rounds"
         ),

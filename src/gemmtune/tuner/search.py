@@ -7,14 +7,18 @@ against the family's default.
    check is rejected with the reason and never timed.
 3. Screen: all passing candidates, in interleaved groups of --batch (fewer when their graph outputs
    would not fit in a quarter of free memory), `screen_reps` (>= 5) graph replays each over the same
-   rotating cold input sets; the `top` fastest go on.
+   rotating cold input sets, each group with the default as its anchor (candidates are ranked by their
+   time relative to it, so groups timed in separate runs compare fairly); the `top` fastest go on.
 4. Final: the finalists and the default, one interleaved bench_gemm run of `reps` replays
-   (docs/benchmarking.md), the default timed first and last (d1, d2): noise = |d1 - d2| / min(d1, d2).
+   (docs/benchmarking.md), the default timed twice as two contenders (d1, d2): noise = |d1 - d2| /
+   min(d1, d2).
 5. Decision: the fastest finalist replaces the default only if default_us / its_us - 1 exceeds both
    --min-gain and the noise; otherwise the default is kept, so a tuned row never makes a shape slower.
    A close call (the gain within MARGIN of that line, or a runner-up within RUNNER_UP of the best) is
-   timed once more, those contenders and the default alone, and decided on the mean of both rounds:
-   one round's noise otherwise flips such decisions from run to run.
+   timed once more, those contenders and the default alone on fresh inputs, and decided on the mean
+   of both rounds: one round's noise otherwise flips such decisions from run to run. A winner must
+   then also beat the default by that line head to head (the two alone, fresh inputs, as `bench`
+   times a row), or the default is kept.
    Two-stage families (fmoe): before step 3, each stage's kernels are checked and timed apart and the
    fastest of each paired (stages.py); the pairs join the candidates, and the winner's stages are
    timed once more for the row's per-stage columns (us1/us2, err1/err2).
@@ -42,6 +46,13 @@ from .check import check_runner, reference
 from .timing import bench_gemm, make_inputs, measure_ceilings, roof_us
 
 DEFAULT_LIBTYPE = "torch"
+# A candidate replaces the default only when faster by more than this (and the noise). A decision at
+# the line flips with timing noise from run to run, and a flip costs about the line itself. Measured on
+# an H100 (docs/tuner.md): at 3%, fast and exhaustive searches disagreed by up to 2.4% on such keys
+# and a 3% search left gains of 2.2-2.6% untaken; at 1%, they disagreed by 1.0-1.1%; at 0.5%, 32 of
+# 32 keys within 1%. A winner must still hold its gain head to head (_head_to_head) and at the edges
+# of its M range.
+MIN_GAIN = 0.005
 SEARCHES = ("fast", "exhaustive")
 # Statuses a candidate can end in; only "ok" candidates were timed.
 OK, REJECTED, FAILED, CRASHED, TIMEOUT, SKIPPED = "ok", "rejected", "failed", "crashed", "timeout", "skipped"
@@ -56,7 +67,7 @@ class DeviceLostError(RuntimeError):
 class TuneOptions:
     libtypes: list[str] | None = None  # None: every available backend
     err_ratio: float | None = None  # None: check.THRESHOLDS by dtype
-    min_gain: float = 0.03
+    min_gain: float = MIN_GAIN
     top: int = 4
     screen_reps: int = 5
     reps: int = 20
@@ -303,19 +314,32 @@ def _full_check(fam, key, device, opts, pool: _Pool, name: str, check_in, ref, s
     return False
 
 
-def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolate) -> list[str]:
-    """The `top` fastest passing candidates, fastest first, after a cheap interleaved timing in groups."""
+ANCHOR = "default#anchor"  # the default in every screen group (a name no candidate can take)
+
+
+def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolate, default_runner) -> list[str]:
+    """The `top` fastest passing candidates, fastest first, after a cheap interleaved timing in groups.
+    Every group also times the default (ANCHOR) and each candidate's screen time is taken relative to
+    it: groups are separate runs, and one run's absolute times can sit several % off another's
+    (measured on an H100: 2-4% between runs, under 0.5% within one), which misranked candidates of
+    different groups."""
     if len(pool.runners) <= opts.top:
         return list(pool.runners)
     results = pool.results
     sets = len(inputs) if inputs else 1
-    size = 1 if isolate else _group_size(fam, key, device, sets, opts.batch)
+    size = 1 if isolate else max(1, _group_size(fam, key, device, sets, opts.batch) - 1)
     names = list(pool.runners)
+    scale = math.nan  # the anchor's time in the first group that timed it: every group is scaled to it
     for i in range(0, len(names), size):
         group = {n: pool.runners[n] for n in names[i : i + size]}
-        times = _timed(key, group, device, max(5, opts.screen_reps), seed, inputs, heartbeat, "screen", fam)
+        times = _timed(key, {**group, ANCHOR: default_runner}, device, max(5, opts.screen_reps), seed, inputs,
+                       heartbeat, "screen", fam)  # fmt: skip
+        anchor = times.pop(ANCHOR)
+        if scale != scale:
+            scale = anchor
+        factor = scale / anchor if anchor == anchor and scale == scale else 1.0
         for n, us in times.items():
-            results[n].screen_us = us
+            results[n].screen_us = us * factor
     timed = [n for n in names if results[n].screen_us == results[n].screen_us]  # not NaN
     for n in names:
         if n not in timed:
@@ -324,8 +348,8 @@ def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolat
 
 
 def _final(fam, key, device, opts, pool: _Pool, finalists, default, default_runner, seed, inputs, heartbeat):
-    """The finalists and the default in one accurate run; the default first and last, so their spread
-    (the noise) also covers any drift with position in the round. Returns (default_us, noise)."""
+    """The finalists and the default in one accurate run; the default is two contenders, and their
+    spread is the run's noise. Returns (default_us, noise)."""
     final = {"default": default_runner, **{n: pool.runners[n] for n in finalists}, "default#2": default_runner}
     times = _timed(key, final, device, opts.reps, seed, inputs, heartbeat, "final", fam)
     d1, d2 = times["default"], times["default#2"]
@@ -360,12 +384,15 @@ def _close_call(pool: _Pool, finalists, default: CandidateResult, noise: float, 
 
 def _second_round(fam, key, device, opts, pool: _Pool, contenders, default, default_runner, seed, inputs,
                   heartbeat, noise: float) -> float:  # fmt: skip
-    """Time the contenders and the default again (another seed: other cold inputs) and keep the mean of
-    both rounds for each; returns the mean noise."""
+    """Time the contenders and the default again on freshly allocated cold inputs (another seed, other
+    buffers: where they sit in memory moved a GEMM's time by up to ~4% between allocations) and keep the
+    mean of both rounds for each; returns the mean noise."""
     first = {n: pool.results[n].us for n in contenders}
     d_first = default.us
-    _, noise2 = _final(fam, key, device, opts, pool, contenders, default, default_runner, seed + 1, inputs,
+    fresh = make_inputs(key, device, seed=seed + 1, family=fam) if inputs else None
+    _, noise2 = _final(fam, key, device, opts, pool, contenders, default, default_runner, seed + 1, fresh,
                        heartbeat)  # fmt: skip
+    del fresh
     default.us = (default.us + d_first) / 2
     for n in contenders:
         if pool.results[n].status == OK:
@@ -387,6 +414,18 @@ def _decide(pool: _Pool, finalists, default: CandidateResult, noise: float, opts
         return pool.results[best], pool.results[best].us, False, note
     note = f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
     return default, default.us, True, note
+
+
+def _head_to_head(fam, key, device, opts, pool: _Pool, name: str, default_runner, seed, heartbeat) -> float:
+    """The would-be winner against the default alone, on freshly allocated inputs, as `gemmtune bench`
+    times a row: its gain there (NaN if it failed). Measured on an H100 (Gemma-2-9B down, M=2048 and
+    4096): among several compute-bound cuBLASLt finalists, F.linear timed 3-10% slower than it did next
+    to the winner alone, so a gain seen only in the final round did not hold in `bench` (0.956x)."""
+    fresh = make_inputs(key, device, seed=seed + 2, family=fam) if device.type == "cuda" else None
+    runners = {"default": default_runner, name: pool.runners[name], "default#2": default_runner}
+    t = _timed(key, runners, device, opts.reps, seed + 2, fresh, heartbeat, "head-to-head", fam)
+    d = (t["default"] + t["default#2"]) / 2
+    return d / t[name] - 1 if t[name] == t[name] and t[name] > 0 else math.nan
 
 
 class _Lap:
@@ -495,7 +534,7 @@ def tune_shape(
     _check_all(fam, key, device, opts, pool, default, check_in, ref, heartbeat, say, phases, quick=fast)
     lap("check")
 
-    finalists = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate)
+    finalists = _screen(fam, key, device, opts, pool, seed, inputs, heartbeat, isolate, default_runner)
     lap("screen")
     _, noise = _final(fam, key, device, opts, pool, finalists, default, default_runner, seed, inputs, heartbeat)
     close = _close_call(pool, finalists, default, noise, opts) if inputs else []
@@ -510,7 +549,15 @@ def tune_shape(
             break
         finalists = [n for n in finalists if n != name]
         winner, us, kept, note = _decide(pool, finalists, default, noise, opts)
-    del ref
+    del ref, check_in
+    inputs = None  # the head-to-head and the range allocate their own: peak memory stays one set
+    if not kept and default.status == OK:
+        name = next(n for n, c in pool.results.items() if c is winner)
+        again = _head_to_head(fam, key, device, opts, pool, name, default_runner, seed, heartbeat)
+        if not again > max(opts.min_gain, noise):
+            note = (f"best {name} gains {(default.us / us - 1) * 100:+.1f}% in the final but {again * 100:+.1f}% "
+                    "against the default alone: default kept")  # fmt: skip
+            winner, us, kept = default, default.us, True
     lap("confirm")
     m = fam.m_of(key)
     lo = m if m_lo is None or not opts.verify_range else min(m_lo, m)

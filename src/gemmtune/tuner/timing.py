@@ -53,6 +53,27 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def round_order(n: int, rep: int) -> list[int]:
+    """The order of n contenders in round `rep`: the rows of a Williams square, cycled. Over n rounds
+    (2n for odd n) every contender runs once in every position and right after every other contender
+    once. A plain rotation always put the same contender before each one; measured on an H100, which
+    kernel ran just before moved an F.linear timing by up to 2% (M=1024 N=7168 K=8192), so a fixed
+    predecessor biased one contender for the whole run."""
+    if n <= 1:
+        return list(range(n))
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...: consecutive differences cover every residue once
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = n if n % 2 == 0 else 2 * n  # odd n: the mirrored square balances what one square cannot
+    r = rep % rows
+    row = [(x + r) % n for x in first]
+    return row if r < n else row[::-1]
+
+
 def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_per_graph: int = 1,
                 eager: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:  # fmt: skip
     """Capture each callable once in a CUDA graph, replay them interleaved `reps` times.
@@ -93,11 +114,10 @@ def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_pe
     for rep in range(reps):
         # A round starts after a synchronize: without a spacer the first graph would also pay its
         # CPU launch while the GPU idles (2-4% on a 50 us GEMM, measured on an H100). The spacer keeps
-        # the GPU busy while every launch of the round is queued; the order rotates so no contender
-        # always runs first.
+        # the GPU busy while every launch of the round is queued; the order changes (round_order) so no
+        # contender always runs first or always after the same one.
         torch.cuda._sleep(_SPACER_CYCLES * (1 + len(names) // 8))
-        order = names[rep % len(names) :] + names[: rep % len(names)] if names else []
-        for name in order:
+        for name in (names[i] for i in round_order(len(names), rep)):
             start, end = events[name]
             start.record()
             graphs[name].replay()
