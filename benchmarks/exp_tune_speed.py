@@ -1,13 +1,14 @@
 """Tuning speed and search quality: tune the same keys with several search modes, then time every
-mode's winner against the default in one interleaved run (docs/benchmarking.md) to see how often and by
-how much a faster search loses the winner.
+mode's winner against the default and an A/A copy of the reference's winner, interleaved, in
+--compare-rounds runs on fresh inputs and graphs (docs/benchmarking.md), to see how often and by how
+much a faster search loses the winner.
 
     python benchmarks/exp_tune_speed.py --models llama-3-8b:1 --ms 1..8192 --modes exhaustive,fast \
         --out results/tune_speed
 
+A mode is `fast` or `exhaustive`, optionally with TuneOptions fields: `fast:seed=1:min_gain=0.01`.
 Writes OUT/tune_speed.json (per key and mode: seconds, seconds per phase, candidates by status, winner,
-its us) and OUT/tune_speed.md (per-mode totals, the comparison, every miss beyond 1%).
-"""
+its us) and OUT/tune_speed.md (per-mode totals, the A/A spread, the comparison, every miss beyond 1%)."""
 
 from __future__ import annotations
 

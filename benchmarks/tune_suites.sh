@@ -5,6 +5,8 @@
 #   benchmarks/tune_suites.sh prefill   # llama-3-8b tp1, llama-3-70b tp8; M 32..8192 (powers of two)
 #   benchmarks/tune_suites.sh time8b    # every llama-3-8b shape at nsets 1,16,64,256,1024,4096, timed
 #   benchmarks/tune_suites.sh smoke     # llama-3-8b (no lm_head) at M 1,64,1024: a quick end-to-end check
+#   benchmarks/tune_suites.sh heldout gemma-2-9b:1   # the default ladder 1..8192, then `bench --ms` at
+#                                       # 1..4096 and the Ms between (3, 12, ... 3072): issue 13's check
 #   benchmarks/tune_suites.sh tiny      # tiny-llama: checks this script anywhere (CPU too)
 #   benchmarks/tune_suites.sh all       # the first three (longer than one 10-minute device call)
 #
@@ -51,7 +53,8 @@ suite() {  # suite NAME NSETS MODEL:TP...
       --profile-file "$WORK/${name}_profile.csv" --no-progress $TUNE_ARGS
     echo "tune wall time: $((SECONDS - t0)) s"
     if [ "$name" != time8b ] && [ -z "${NOBENCH:-}" ]; then
-      "${G[@]}" bench "$tuned" -o "$WORK/${name}_bench"
+      # shellcheck disable=SC2086
+      "${G[@]}" bench "$tuned" -o "$WORK/${name}_bench" ${BENCH_ARGS:-}
     fi
   } 2>&1 | tee "$log"
   [ "$tuned" -ef "$OUT/${name}_tuned.csv" ] || cp "$tuned" "$OUT/${name}_tuned.csv"
@@ -67,6 +70,10 @@ case "$which" in
   prefill) suite prefill 32..8192 $(DEFAULT="llama-3-8b:1 llama-3-70b:8" models "$@") ;;
   time8b) suite time8b 1,16,64,256,1024,4096 llama-3-8b:1 ;;
   smoke) SHAPES_ARGS=--no-lm-head suite smoke 1,64,1024 llama-3-8b:1 ;;
+  heldout)
+    [ $# -gt 0 ] || { echo "usage: $0 heldout MODEL:TP [MODEL:TP ...]" >&2; exit 2; }
+    BENCH_ARGS="--ms 1..4096,3,12,24,48,96,192,384,768,1536,3072" suite heldout 1..8192 "$@"
+    ;;
   tiny) suite tiny 1,8 $(DEFAULT="tiny-llama:1 tiny-llama:2" models "$@") ;; # seconds, runs on the CPU too
   all)
     "$0" decode
@@ -74,7 +81,7 @@ case "$which" in
     "$0" time8b
     ;;
   *)
-    echo "usage: $0 decode|prefill|time8b|smoke|tiny|all" >&2
+    echo "usage: $0 decode|prefill|time8b|smoke|heldout MODEL:TP|tiny|all" >&2
     exit 2
     ;;
 esac
