@@ -416,16 +416,25 @@ def _decide(pool: _Pool, finalists, default: CandidateResult, noise: float, opts
     return default, default.us, True, note
 
 
+def _versus_default(fam, key, device, name, run, default_runner, reps, seed, inputs, heartbeat, phase):
+    """One run of candidate `name` between two copies of the default, as `gemmtune bench` times a row
+    (the heartbeat names the candidate, so a worker it crashes blames it). Returns (its us, the
+    default's mean us, the default copies' spread)."""
+    t = _timed(key, {"default": default_runner, name: run, "default#2": default_runner}, device, reps, seed,
+               inputs, heartbeat, phase, fam)  # fmt: skip
+    d1, d2 = t["default"], t["default#2"]
+    return t[name], (d1 + d2) / 2, abs(d1 - d2) / min(d1, d2)
+
+
 def _head_to_head(fam, key, device, opts, pool: _Pool, name: str, default_runner, seed, heartbeat) -> float:
-    """The would-be winner against the default alone, on freshly allocated inputs, as `gemmtune bench`
-    times a row: its gain there (NaN if it failed). Measured on an H100 (Gemma-2-9B down, M=2048 and
-    4096): among several compute-bound cuBLASLt finalists, F.linear timed 3-10% slower than it did next
-    to the winner alone, so a gain seen only in the final round did not hold in `bench` (0.956x)."""
+    """The would-be winner against the default alone, on freshly allocated inputs: its gain there (NaN
+    if it failed). Measured on an H100 (Gemma-2-9B down, M=2048 and 4096): among several compute-bound
+    cuBLASLt finalists, F.linear timed 3-10% slower than it did next to the winner alone, so a gain seen
+    only in the final round did not hold in `bench` (0.956x)."""
     fresh = make_inputs(key, device, seed=seed + 2, family=fam) if device.type == "cuda" else None
-    runners = {"default": default_runner, name: pool.runners[name], "default#2": default_runner}
-    t = _timed(key, runners, device, opts.reps, seed + 2, fresh, heartbeat, "head-to-head", fam)
-    d = (t["default"] + t["default#2"]) / 2
-    return d / t[name] - 1 if t[name] == t[name] and t[name] > 0 else math.nan
+    w, d, _ = _versus_default(fam, key, device, name, pool.runners[name], default_runner, opts.reps, seed + 2,
+                              fresh, heartbeat, "head-to-head")  # fmt: skip
+    return d / w - 1 if w == w and w > 0 else math.nan
 
 
 class _Lap:
@@ -453,16 +462,14 @@ def _not_slower_at(fam, key, m, device, opts, pool, winner, torch_backend, seed,
         if not check_runner(run, km, sets[0], reference(km, *sets[0], family=fam), opts.err_ratio, family=fam).ok:
             return False
         default = torch_backend.make_runner(torch_backend.default_solution(km, device), km, device)
-        runners = {"default": default, "winner": run, "default#2": default}
-        t = _timed(km, runners, device, max(10, opts.reps // 2), seed + m, sets, heartbeat, "range", fam)
+        w, d, noise = _versus_default(fam, km, device, winner, run, default, max(10, opts.reps // 2), seed + m,
+                                      sets, heartbeat, "range")  # fmt: skip
     except DeviceLostError:
         raise
     except Exception as exc:  # noqa: BLE001 - a winner that fails at another M does not serve it
         _after_failure(device, winner, exc)
         return False
-    d = (t["default"] + t["default#2"]) / 2
-    noise = max(abs(t["default"] - t["default#2"]) / min(t["default"], t["default#2"]), NOISE_FLOOR)
-    return t["winner"] == t["winner"] and t["winner"] <= d * (1 + noise)
+    return w == w and w <= d * (1 + max(noise, NOISE_FLOOR))
 
 
 def range_points(m_lo: int, m: int, step: float = 1.5) -> list[int]:
