@@ -3,7 +3,7 @@
 #
 #   benchmarks/tune_suites.sh decode    # llama-3-8b tp1, llama-3-70b tp8, qwen3-32b tp4; M 1,2,4,8,16
 #   benchmarks/tune_suites.sh prefill   # llama-3-8b tp1, llama-3-70b tp8; M 32..8192 (powers of two)
-#   benchmarks/tune_suites.sh time8b    # every llama-3-8b shape at nsets 1,16,64,256,1024,4096, timed
+#   benchmarks/tune_suites.sh time8b    # every llama-3-8b shape at the default ladder 1..8192, timed
 #   benchmarks/tune_suites.sh smoke     # llama-3-8b (no lm_head) at M 1,64,1024: a quick end-to-end check
 #   benchmarks/tune_suites.sh heldout gemma-2-9b:1   # the default ladder 1..8192, then `bench --ms` at
 #                                       # 1..4096 and the Ms between (3, 12, ... 3072): issue 13's check
@@ -68,7 +68,7 @@ models() { if [ $# -gt 0 ]; then echo "$@"; else echo "$DEFAULT"; fi; }
 case "$which" in
   decode) suite decode 1,2,4,8,16 $(DEFAULT="llama-3-8b:1 llama-3-70b:8 qwen3-32b:4" models "$@") ;;
   prefill) suite prefill 32..8192 $(DEFAULT="llama-3-8b:1 llama-3-70b:8" models "$@") ;;
-  time8b) suite time8b 1,16,64,256,1024,4096 llama-3-8b:1 ;;
+  time8b) suite time8b 1..8192 llama-3-8b:1 ;;
   smoke) SHAPES_ARGS=--no-lm-head suite smoke 1,64,1024 llama-3-8b:1 ;;
   heldout)
     [ $# -gt 0 ] || { echo "usage: $0 heldout MODEL:TP [MODEL:TP ...]" >&2; exit 2; }
