@@ -402,18 +402,16 @@ def _second_round(fam, key, device, opts, pool: _Pool, contenders, default, defa
 
 def _decide(pool: _Pool, finalists, default: CandidateResult, noise: float, opts: TuneOptions):
     """The fastest finalist replaces the default only beyond --min-gain and the noise (or when the
-    default failed its own check). Returns (winner, us, kept_default, note)."""
+    default failed its own check). Returns (the winner's name in the pool, None: the default stays; note)."""
     timed = [n for n in finalists if pool.results[n].status == OK]
     if not timed:
-        return default, default.us, True, ""
+        return None, ""
     best = min(timed, key=lambda n: pool.results[n].us)
     gain = default.us / pool.results[best].us - 1
     need = max(opts.min_gain, noise)
     if gain > need or default.status != OK:
-        note = f"default failed its check ({default.reason})" if default.status != OK else ""
-        return pool.results[best], pool.results[best].us, False, note
-    note = f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
-    return default, default.us, True, note
+        return best, f"default failed its check ({default.reason})" if default.status != OK else ""
+    return None, f"best {best} gains {gain * 100:+.1f}% <= {need * 100:.1f}% (min-gain/noise): default kept"
 
 
 def _versus_default(fam, key, device, name, run, default_runner, reps, seed, inputs, heartbeat, phase):
@@ -549,31 +547,29 @@ def tune_shape(
         noise = _second_round(fam, key, device, opts, pool, close, default, default_runner, seed, inputs,
                               heartbeat, noise)  # fmt: skip
     lap("final")
-    winner, us, kept, note = _decide(pool, finalists, default, noise, opts)
-    while fast and not kept:  # the would-be winner passed only the quick check so far
-        name = next(n for n, c in pool.results.items() if c is winner)
-        if _full_check(fam, key, device, opts, pool, name, check_in, ref, say):
+    best, note = _decide(pool, finalists, default, noise, opts)
+    while fast and best is not None:  # the would-be winner passed only the quick check so far
+        if _full_check(fam, key, device, opts, pool, best, check_in, ref, say):
             break
-        finalists = [n for n in finalists if n != name]
-        winner, us, kept, note = _decide(pool, finalists, default, noise, opts)
+        finalists = [n for n in finalists if n != best]
+        best, note = _decide(pool, finalists, default, noise, opts)
     del ref, check_in
     inputs = None  # the head-to-head and the range allocate their own: peak memory stays one set
-    if not kept and default.status == OK:
-        name = next(n for n, c in pool.results.items() if c is winner)
-        again = _head_to_head(fam, key, device, opts, pool, name, default_runner, seed, heartbeat)
+    if best is not None and default.status == OK:
+        again = _head_to_head(fam, key, device, opts, pool, best, default_runner, seed, heartbeat)
         if not again > max(opts.min_gain, noise):
-            note = (f"best {name} gains {(default.us / us - 1) * 100:+.1f}% in the final but {again * 100:+.1f}% "
-                    "against the default alone: default kept")  # fmt: skip
-            winner, us, kept = default, default.us, True
+            note = (f"best {best} gains {(default.us / pool.results[best].us - 1) * 100:+.1f}% in the final but "
+                    f"{again * 100:+.1f}% against the default alone: default kept")  # fmt: skip
+            best = None
     lap("confirm")
     m = fam.m_of(key)
     lo = m if m_lo is None or not opts.verify_range else min(m_lo, m)
-    if not kept and lo < m:
-        name = next(n for n, c in pool.results.items() if c is winner)
-        lo = _verified_range(fam, key, lo, device, opts, pool, name, torch_backend, seed, heartbeat)
+    if best is not None and lo < m:
+        lo = _verified_range(fam, key, lo, device, opts, pool, best, torch_backend, seed, heartbeat)
         if lo > (m_lo or m):
             note = (note + "; " if note else "") + f"verified on M {lo}..{m} (slower below)"
     lap("range")
+    winner = default if best is None else pool.results[best]
     roof = roof_us(key, measure_ceilings(device), fam) if device.type == "cuda" else math.nan
     cands = list(pool.results.values())
     if not any(c.name == default.name for c in cands):
@@ -584,7 +580,7 @@ def tune_shape(
 
         cands += staged.candidates
         extra = stage_columns(fam, key, device, staged, winner.kernel_name, opts.reps, seed, heartbeat)
-    return ShapeResult(key, winner, us, default, default.us, noise, roof, kept, cands,
+    return ShapeResult(key, winner, winner.us, default, default.us, noise, roof, best is None, cands,
                        time.perf_counter() - t0, note, fam.name, lo, m, phases, extra)  # fmt: skip
 
 
