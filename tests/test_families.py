@@ -133,7 +133,7 @@ def test_quantized_list_is_never_tuned_as_bf16(aiter, tmp_path):
     out = tmp_path / "t.csv"
     res = CliRunner().invoke(cli, ["tune", str(aiter / "a8w8_untuned_gemm.csv"), "-o", str(out), "--family",
                                    "a16w16", "--no-progress"])  # fmt: skip
-    assert res.exit_code != 0 and "not a a16w16 shape list" in res.output and "q_dtype_w" in res.output
+    assert res.exit_code != 0 and "not a shape list of family a16w16" in res.output and "q_dtype_w" in res.output
     assert not out.exists()
     with pytest.raises(ShapesFileError, match="a16w16"):
         gemmtune.capture.read_shape_list(str(aiter / "a8w8_untuned_gemm.csv"), "a16w16")

@@ -6,7 +6,9 @@ beside it named for the family (`shapes.batched.csv`, `shapes.a8w8.csv` ...), ea
 untuned columns plus `count`. A shape is written the first time it is seen (so a crash loses no shape)
 and counts are flushed at exit. Every write is a locked read-merge-write of the whole file, renamed
 into place, so several processes capturing into one file lose nothing and the file is always valid.
-A tuned table is never a capture target: capture refuses a file that has tuned-table columns.
+Capture merges only into a file it wrote: one whose header is exactly the family's untuned columns plus
+`count`. Any other file (a tuned table, bench output, a shape list with columns of its own) is refused
+before anything runs, and left as it was.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def read_shape_list(path: str, family: Family | str | None = None) -> tuple[Fami
         if not families.fits(fam, header):
             missing = sorted(fam.signature - set(header))
             what = f"missing column(s) {', '.join(missing)}" if missing else f"columns {','.join(header)}"
-            raise ShapesFileError(f"{path}:1: not a {fam.name} shape list: {what} "
+            raise ShapesFileError(f"{path}:1: not a shape list of family {fam.name}: {what} "
                                   f"(expected {','.join(fam.untuned_columns)})")  # fmt: skip
     out: dict[tuple, int] = {}
     for line, rec in text.records:
@@ -75,9 +77,18 @@ def read_shapes(path: str, family: Family | str | None = "a16w16") -> list[tuple
     return read_shape_list(path, family)[1]
 
 
-def refuse_tuned_table(path: str) -> None:
-    """ShapesFileError if `path` exists and is a tuned table (capture would destroy its results)."""
+def refuse_tuned_table(path: str, family: Family | None = None) -> None:
+    """ShapesFileError naming `path` and why, unless capture may merge `family`'s shapes into it: it
+    does not exist yet (its folder does), is empty, or has exactly capture's columns of `family`."""
+    fam = family or families.get("a16w16")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ShapesFileError(f"{path}: folder {folder} does not exist; create it first (capture makes no folders)")
     if not os.path.exists(path):
+        return
+    if os.path.isdir(path):
+        raise ShapesFileError(f"{path} is a folder, not a capture file; capture into a CSV file")
+    if os.path.getsize(path) == 0:
         return
     header = read_csv(path, ShapesFileError).header
     tuned = sorted(TUNED_ONLY & set(header))
@@ -86,6 +97,18 @@ def refuse_tuned_table(path: str) -> None:
             f"{path} is a tuned table (it has {', '.join(tuned)} columns), not a shape list: capture would "
             "overwrite it; capture into another file"
         )
+    want = [*fam.untuned_columns, "count"]
+    if header != want:
+        raise ShapesFileError(
+            f"{path} is not a capture file of family {fam.name} (columns {','.join(header)}, capture writes "
+            f"{','.join(want)}): merging would rewrite it; capture into another file"
+        )
+
+
+def check_capture_targets(path: str) -> None:
+    """refuse_tuned_table for `path` and every family's file beside it (all before any shape is seen)."""
+    for fam in families.all_families():
+        refuse_tuned_table(os.path.abspath(capture_path(path, fam)), fam)
 
 
 class ShapeCapture:
@@ -94,7 +117,7 @@ class ShapeCapture:
     def __init__(self, path: str, family: Family | str = "a16w16"):
         self.family = families.get(family) if isinstance(family, str) else family
         self.path = os.path.abspath(capture_path(path, self.family))
-        refuse_tuned_table(self.path)
+        refuse_tuned_table(self.path, self.family)
         self.columns = [*self.family.untuned_columns, "count"]
         self.counts: dict[tuple, int] = {}
         self._flushed: dict[tuple, int] = {}
@@ -126,8 +149,9 @@ class ShapeCapture:
         if not pending:
             return
         with locked(self.path):
-            refuse_tuned_table(self.path)  # another process may have put a table there meanwhile
-            merged: dict = dict(read_shapes(self.path, self.family)) if os.path.exists(self.path) else {}
+            refuse_tuned_table(self.path, self.family)  # another process may have put a file there meanwhile
+            existing = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+            merged: dict = dict(read_shapes(self.path, self.family)) if existing else {}
             for key, delta in pending.items():
                 merged[key] = merged.get(key, 0) + delta
             rows = ([*key_to_record(k, self.family), str(c)] for k, c in merged.items())
@@ -140,7 +164,7 @@ class CaptureSet:
 
     def __init__(self, path: str):
         self.path = path
-        refuse_tuned_table(os.path.abspath(path))
+        check_capture_targets(path)
         self._by_family: dict[str, ShapeCapture] = {}
 
     def for_family(self, family: Family) -> ShapeCapture:

@@ -10,6 +10,7 @@ Resolution of a key of family F on a device:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -22,9 +23,11 @@ from .capture import CaptureSet, ShapeCapture
 from .configs.schema import TunedRow
 from .configs.table import ConfigStore, ConfigTable
 from .device import identity
+from .errors import GemmtuneError
 from .families import Family
 from .families.base import positive_int
 from .online import OnlineTuner
+from .plugins import import_plugins
 
 log = logging.getLogger("gemmtune")
 DEFAULT_BACKEND = "torch"
@@ -76,7 +79,21 @@ class Dispatcher:
         self._shared: dict[tuple, Runner] = {}
         self._online: OnlineTuner | None = None
         self._online_from_env = True
+        self._plugins_from_env = True
+        # A variable that cannot be used raises at the first call and at every later one, never turning
+        # into a silent mode change (capture quietly off after one failed call).
+        self._env_errors: dict[str, GemmtuneError] = {}
         _setup_logging()
+
+    def _from_env(self, what: str, make):
+        err = self._env_errors.get(what)
+        if err is not None:
+            raise type(err)(*err.args) from None
+        try:
+            return make()
+        except GemmtuneError as exc:
+            self._env_errors[what] = exc
+            raise
 
     def cache(self, family: str) -> dict[tuple, Runner]:
         """The runner cache of `family`'s op (one dict per family, kept for the process)."""
@@ -111,9 +128,9 @@ class Dispatcher:
     def capture(self, family: Family | None = None) -> ShapeCapture | None:
         if self._capture is None and self._capture_from_env:
             path = os.environ.get("GEMMTUNE_CAPTURE", "").strip()
-            self._capture_from_env = False
             if path:
-                self._capture = CaptureSet(path)
+                self._capture = self._from_env("GEMMTUNE_CAPTURE", lambda: _env_capture(path))
+            self._capture_from_env = False
         if self._capture is None:
             return None
         return self._capture.for_family(family or families.get(A16W16))
@@ -124,20 +141,22 @@ class Dispatcher:
             self._capture.flush()
         self._capture = CaptureSet(path) if path else None
         self._capture_from_env = False
+        self._env_errors.pop("GEMMTUNE_CAPTURE", None)
         self.clear_cache()
         return self._capture
 
     def online(self) -> OnlineTuner | None:
         if self._online is None and self._online_from_env:
+            self._online = self._from_env("GEMMTUNE_TUNE_ONLINE", lambda: OnlineTuner.from_env(os.environ))
             self._online_from_env = False
-            self._online = OnlineTuner.from_env(os.environ)
         return self._online
 
     def set_online_tuning(self, path: str | None, budget_s: float | None = None,
                           libtypes: list[str] | None = None) -> OnlineTuner | None:  # fmt: skip
         """Tune keys no table answers at their first eager call into `path` (None: off)."""
-        self._online = OnlineTuner(path, budget_s or 20.0, libtypes) if path else None
+        self._online = OnlineTuner(path, 20.0 if budget_s is None else budget_s, libtypes) if path else None
         self._online_from_env = False
+        self._env_errors.pop("GEMMTUNE_TUNE_ONLINE", None)
         self.clear_cache()
         return self._online
 
@@ -145,6 +164,19 @@ class Dispatcher:
         for c in self._caches.values():
             c.clear()
         self._shared.clear()
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Run gemmtune's own probes (optimize()'s parity check) without recording their shapes or
+        tuning their keys; capture and online tuning come back as they were."""
+        saved = (self._capture, self._capture_from_env, self._online, self._online_from_env)
+        self._capture, self._capture_from_env, self._online, self._online_from_env = None, False, None, False
+        self.clear_cache()
+        try:
+            yield
+        finally:
+            self._capture, self._capture_from_env, self._online, self._online_from_env = saved
+            self.clear_cache()  # runners built in the probe lack the capture wrappers
 
     def _runner(self, backend, sol: Solution, key, device: torch.device, fam: Family) -> Runner:
         scope = (fam.name, backend.name, sol, backend.runner_scope(sol, key), device)
@@ -160,8 +192,15 @@ class Dispatcher:
             self._warned.add(tag)
             log.warning("gemmtune: %s", msg)
 
+    def plugins(self) -> None:
+        """Import GEMMTUNE_PLUGINS' modules before the first resolution, so their backends serve rows."""
+        if self._plugins_from_env:
+            self._from_env("GEMMTUNE_PLUGINS", import_plugins)
+            self._plugins_from_env = False
+
     def resolve(self, key, device: torch.device, family: str = A16W16) -> Resolution:
         """Which solution runs `key` of `family` on `device`, and its runner."""
+        self.plugins()
         fam = families.get(family)
         row = self.table(family).lookup(key, identity(device)) if _nonempty(key, fam) else None
         if row is not None:
@@ -209,6 +248,13 @@ class Dispatcher:
             cap.add_key(key)
             run = cap.counting(key, run)
         return run
+
+
+def _env_capture(path: str) -> CaptureSet:
+    try:
+        return CaptureSet(path)
+    except GemmtuneError as exc:
+        raise type(exc)(f"GEMMTUNE_CAPTURE={path}: {exc}") from None
 
 
 def _nonempty(key, fam: Family) -> bool:

@@ -23,3 +23,7 @@ class DeviceError(GemmtuneError, ValueError):
 
 class NotRunnableError(GemmtuneError, NotImplementedError):
     """A GEMM family whose tables load but whose op this build cannot compute (a4w4 without fp4, ...)."""
+
+
+class EnvVarError(GemmtuneError, ValueError):
+    """An environment variable gemmtune reads has a value it cannot use; the message names both."""

@@ -16,6 +16,7 @@ default for now and is queued; the next eager miss tunes the queue first. Bounde
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -23,6 +24,7 @@ import torch
 
 from .capture import capture_path
 from .device import identity
+from .errors import EnvVarError
 from .families import Family
 
 log = logging.getLogger("gemmtune")
@@ -41,6 +43,11 @@ class OnlineTuner:
     """Tunes missed keys into `path` (per family), within a time budget per key."""
 
     def __init__(self, path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"gemmtune.set_online_tuning: path must be a str or None, got {type(path).__name__}")
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+            raise ValueError(f"gemmtune.set_online_tuning: budget_s must be a positive number of seconds, "
+                             f"got {budget_s!r}")  # fmt: skip
         self.path = os.path.abspath(path)
         self.budget_s = budget_s
         self.libtypes = libtypes
@@ -53,7 +60,14 @@ class OnlineTuner:
         path = environ.get(ENV, "").strip()
         if not path or path.lower() in ("0", "false", "no", "off"):
             return None
-        budget = float(environ.get(BUDGET_ENV, "") or DEFAULT_BUDGET_S)
+        text = environ.get(BUDGET_ENV, "").strip()
+        try:
+            budget = float(text) if text else DEFAULT_BUDGET_S
+        except ValueError:
+            budget = math.nan
+        if not 0 < budget < math.inf:
+            raise EnvVarError(f"{BUDGET_ENV}={text!r}: expected a positive number of seconds per key (default "
+                              f"{DEFAULT_BUDGET_S:g})")  # fmt: skip
         libs = [s.strip() for s in environ.get(LIBTYPES_ENV, "").split(",") if s.strip()] or None
         return cls(path, budget, libs)
 

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from ..capture import read_shape_list, refuse_tuned_table
+from ..capture import check_capture_targets, read_shape_list
 from ..errors import GemmtuneError
 
 
@@ -20,14 +20,15 @@ def capture(output: str, command: tuple[str, ...]) -> None:
 
     The file is aiter's untuned CSV (M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle) plus a count
     column; other GEMM families go beside it (OUTPUT.batched.csv ...). Several runs (or processes)
-    merge into the same files. A tuned table is never a capture target. Example:
+    merge into the same files. Capture merges only into files it wrote (exactly its columns): a tuned table,
+    bench output or a shape list with other columns is refused before COMMAND runs. Example:
 
         gemmtune capture -o shapes.csv -- python serve.py --model ...
     """
     try:
-        refuse_tuned_table(output)
+        check_capture_targets(output)  # before COMMAND runs: a refused file is left as it was
     except GemmtuneError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint="'-o' / '--output'") from None
     env = dict(os.environ, GEMMTUNE_CAPTURE=os.path.abspath(output))
     try:
         rc = subprocess.call(list(command), env=env)

@@ -12,6 +12,8 @@ is its only allocation). Forward only: there is no backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..kernels import attention_softcap as kattn
@@ -27,6 +29,20 @@ def _run(q, k, v, mask, scaling: float, softcap: float | None, causal: bool, win
     return kattn.softcap_attention_ref(q, k, v, **kw)
 
 
+def _check_args(query, key, value, scaling, softcap, window, mask) -> None:
+    """TypeError/ValueError naming the argument, before any of them is used."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemmtune.softcap_attention: {name} must be a tensor, got {type(t).__name__}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"gemmtune.softcap_attention: mask must be a tensor or None, got {type(mask).__name__}")
+    for name, v in (("scaling", scaling), ("softcap", softcap)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise ValueError(f"gemmtune.softcap_attention: {name} must be a finite number or None, got {v!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"gemmtune.softcap_attention: window must be a positive int or None, got {window!r}")
+
+
 def softcap_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -40,6 +56,7 @@ def softcap_attention(
     """softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v as [B, L, Hq, D]; softcap None (or
     <= 0): no cap; causal: query i at key position i + S - L; window: keys j > pos_i - window only;
     mask: a boolean [B|1, 1, L, >=S] mask, ANDed with the rest (causal=False: the mask alone)."""
+    _check_args(query, key, value, scaling, softcap, window, mask)
     scaling = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
     softcap = float(softcap) if softcap is not None and softcap > 0 else None
     window = None if window is None else int(window)

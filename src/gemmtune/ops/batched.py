@@ -30,8 +30,12 @@ def _error(msg: str, a, b) -> ValueError:
 
 def validate(a, b, transpose_a: bool, transpose_b: bool, out_dtype) -> None:
     """Raise naming the shapes for anything batched_gemm cannot compute."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise TypeError(f"gemmtune.batched_gemm: a and b must be tensors, got {type(a).__name__}, {type(b).__name__}")
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemmtune.batched_gemm: {name} must be a tensor, got {type(t).__name__}")
+    for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"gemmtune.batched_gemm: {name} must be a bool, got {flag!r}")
     if a.dim() != 3 or b.dim() != 3:
         raise _error("a and b must be 3-D (batch, rows, cols)", a, b)
     if a.shape[0] != b.shape[0]:
@@ -84,7 +88,11 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, transpose_a: bool = False, tr
     this (B, M, N, K, dtype, layout), else torch.bmm. Same result as torch.bmm within the dtype's tolerance."""
     if _is_compiling():
         return torch.ops.gemmtune.batched_gemm(a, b, transpose_a, transpose_b, out_dtype)
-    sig = (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, transpose_a, transpose_b, out_dtype)
+    try:
+        sig = (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, transpose_a, transpose_b, out_dtype)
+    except AttributeError:  # a non-tensor argument: validate names it
+        validate(a, b, transpose_a, transpose_b, out_dtype)
+        raise
     run = _runners.get(sig)
     if run is None:
         run = _miss(sig, a, b, transpose_a, transpose_b, out_dtype)

@@ -32,8 +32,9 @@ def _shape_error(msg: str, x, w, bias) -> ValueError:
 
 def validate(x, w, bias, out_dtype) -> None:
     """Raise ValueError naming the shapes for anything gemm cannot compute."""
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
-        raise TypeError(f"gemmtune.gemm: x and w must be tensors, got {type(x).__name__}, {type(w).__name__}")
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemmtune.gemm: {name} must be a tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"gemmtune.gemm: bias must be a tensor or None, got {type(bias).__name__}")
     if w.dim() != 2:

@@ -79,7 +79,11 @@ def validate_fused(hidden, w1, w2, topk_weights, topk_ids, activation: str, expe
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"gemmtune.fused_moe: {name} must be a tensor, got {type(t).__name__}")
-    if activation not in ACT_TYPES:
+    if expert_map is not None and not isinstance(expert_map, torch.Tensor):
+        raise TypeError(f"gemmtune.fused_moe: expert_map must be a tensor or None, got {type(expert_map).__name__}")
+    if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int):
+        raise TypeError(f"gemmtune.fused_moe: num_shared_experts must be an int, got {num_shared_experts!r}")
+    if not isinstance(activation, str) or activation not in ACT_TYPES:
         raise ValueError(f"gemmtune.fused_moe: unknown activation {activation!r} (one of {', '.join(ACT_TYPES)})")
     if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
         raise _fused_error("hidden_states must be 2-D (tokens, hidden), w1 and w2 3-D (experts, out, in)", hidden,
@@ -160,10 +164,15 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
     if _is_compiling():
         return torch.ops.gemmtune.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation,
                                             doweight_stage1, expert_map, num_shared_experts)  # fmt: skip
-    em = None if expert_map is None else (expert_map.shape, expert_map.dtype, expert_map.device)
-    sig = (hidden_states.shape, w1.shape, w2.shape, topk_ids.shape, topk_weights.shape, hidden_states.dtype, w1.dtype,
-           w2.dtype, topk_ids.dtype, topk_weights.dtype, hidden_states.device, w1.device, w2.device, topk_ids.device,
-           topk_weights.device, activation, doweight_stage1, em, num_shared_experts)  # fmt: skip
+    try:
+        em = None if expert_map is None else (expert_map.shape, expert_map.dtype, expert_map.device)
+        sig = (hidden_states.shape, w1.shape, w2.shape, topk_ids.shape, topk_weights.shape, hidden_states.dtype,
+               w1.dtype, w2.dtype, topk_ids.dtype, topk_weights.dtype, hidden_states.device, w1.device, w2.device,
+               topk_ids.device, topk_weights.device, activation, doweight_stage1, em, num_shared_experts)  # fmt: skip
+        hash(sig)
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
+        raise
     run = _runners.get(sig)
     if run is None:
         run = _fused_miss(sig, hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1,
@@ -193,17 +202,28 @@ def _grouped_error(msg: str, x, w, ids) -> ValueError:
     return ValueError(f"gemmtune.grouped_gemm: {msg} (input {_d(x)}, weights {_d(w)}, expert_ids {_d(ids)})")
 
 
+def _check_flat_topk(x, w, ids, topk) -> None:
+    """Flat (T * topk,) ids are read as (T, topk): topk must be a positive int dividing their count."""
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int)):
+        raise TypeError(f"gemmtune.grouped_gemm: topk must be an int or None, got {topk!r}")
+    if topk is None or topk < 1 or ids.numel() % topk:
+        raise _grouped_error(f"flat expert_ids need topk dividing {ids.numel()} (got topk={topk})", x, w, ids)
+
+
 def validate_grouped(x, w, ids, topk: int | None, weights_transposed: bool) -> None:
     for name, t in (("input", x), ("weights", w), ("expert_ids", ids)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"gemmtune.grouped_gemm: {name} must be a tensor, got {type(t).__name__}")
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int)):
+        raise TypeError(f"gemmtune.grouped_gemm: topk must be an int or None, got {topk!r}")
+    if not isinstance(weights_transposed, bool):
+        raise TypeError(f"gemmtune.grouped_gemm: weights_transposed must be a bool, got {weights_transposed!r}")
     if x.dim() not in (2, 3) or w.dim() != 3:
         raise _grouped_error("input must be (tokens, K) or (tokens, topk, K), weights 3-D", x, w, ids)
     if ids.dtype not in _INTS or ids.dim() not in (1, 2):
         raise _grouped_error("expert_ids must be (tokens, topk) int32/int64", x, w, ids)
     if ids.dim() == 1:
-        if topk is None or topk < 1 or ids.numel() % topk:
-            raise _grouped_error(f"flat expert_ids need topk dividing {ids.numel()} (got topk={topk})", x, w, ids)
+        _check_flat_topk(x, w, ids, topk)
     elif topk is not None and topk != ids.shape[1]:
         raise _grouped_error(f"topk={topk} does not match expert_ids' {ids.shape[1]} columns", x, w, ids)
     k_top = topk if ids.dim() == 1 else ids.shape[1]
@@ -292,9 +312,12 @@ def grouped_gemm(input: torch.Tensor, weights: torch.Tensor, expert_ids: torch.T
     """(T, topk, N): each token's rows times its experts' weights (see the module doc)."""
     if _is_compiling():
         return torch.ops.gemmtune.grouped_gemm(input, weights, expert_ids, topk, weights_transposed)
-    if isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 1 and topk:
+    if not all(isinstance(t, torch.Tensor) for t in (input, weights, expert_ids)):
+        validate_grouped(input, weights, expert_ids, topk, weights_transposed)  # raises naming the argument
+    if expert_ids.dim() == 1:
+        _check_flat_topk(input, weights, expert_ids, topk)
         expert_ids = expert_ids.view(-1, topk)
-    k_top = expert_ids.shape[-1] if isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 2 else topk
+    k_top = expert_ids.shape[-1] if expert_ids.dim() == 2 else topk
     sig = (input.shape, weights.shape, expert_ids.shape, input.dtype, weights.dtype, expert_ids.dtype, input.device,
            weights.device, expert_ids.device, topk, weights_transposed)  # fmt: skip
     run = _grouped_runners.get(sig)
@@ -326,7 +349,8 @@ def _grouped_op(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int |
 
 @_grouped_op.register_fake
 def _grouped_fake(x, w, ids, topk, weights_transposed):
-    if ids.dim() == 1 and topk:
+    if ids.dim() == 1:
+        _check_flat_topk(x, w, ids, topk)
         ids = ids.view(-1, topk)
     validate_grouped(x, w, ids, topk, weights_transposed)
     n = w.shape[1] if weights_transposed else w.shape[2]

@@ -183,9 +183,11 @@ def _a8w8_miss(family, op, cache, sig, XQ, WQ, x_scale, w_scale, bias, dtype):
     return call
 
 
-def _sig(XQ, WQ, x_scale, w_scale, bias, dtype):
-    if not all(isinstance(t, torch.Tensor) for t in (XQ, WQ, x_scale, w_scale)):
-        _check_common("gemm_a8w8", XQ, WQ, x_scale, w_scale, bias, dtype)  # raises the TypeError
+def _sig(XQ, WQ, x_scale, w_scale, bias, dtype, op="gemm_a8w8"):
+    if not all(isinstance(t, torch.Tensor) for t in (XQ, WQ, x_scale, w_scale)) or not (
+        bias is None or isinstance(bias, torch.Tensor)
+    ):
+        _check_common(op, XQ, WQ, x_scale, w_scale, bias, dtype)  # raises the TypeError
     b = None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride())
     return (XQ.shape, WQ.shape, x_scale.shape, w_scale.shape, XQ.dtype, WQ.dtype, x_scale.dtype, w_scale.dtype,
             XQ.device, WQ.device, x_scale.device, w_scale.device, XQ.stride(), WQ.stride(), x_scale.stride(),
@@ -221,7 +223,7 @@ def gemm_a8w8_bpreshuffle(
     """gemm_a8w8 with WQ from shuffle_weight (its own tuned table, a8w8_bpreshuffle)."""
     if _is_compiling():
         return torch.ops.gemmtune.gemm_a8w8_bpreshuffle(XQ, WQ, x_scale, w_scale, bias, dtype)
-    sig = _sig(XQ, WQ, x_scale, w_scale, bias, dtype)
+    sig = _sig(XQ, WQ, x_scale, w_scale, bias, dtype, "gemm_a8w8_bpreshuffle")
     call = _a8w8_bps_cache.get(sig)
     if call is None:
         call = _a8w8_miss("a8w8_bpreshuffle", "gemm_a8w8_bpreshuffle", _a8w8_bps_cache, sig, XQ, WQ, x_scale,
@@ -246,6 +248,8 @@ def _block_miss(family, op, cache, sig, XQ, WQ, x_scale, w_scale, dtype):
     shape = (*XQ.shape[:-1], key.N)
     if key.M == 0 or key.N == 0:
         call = _empty_call(shape, dtype)
+    elif key.K == 0:  # an empty sum, as gemm_a8w8 and torch.mm answer it
+        call = _zeros_call(shape, dtype)
     else:
         run = _dispatcher.runner_for(key, XQ.device, family=family)
         canonical = XQ.dim() == 2 and XQ.is_contiguous() and WQ.stride(1) == 1
@@ -259,7 +263,7 @@ def gemm_a8w8_blockscale(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tens
     """y[..., N] = sum over 128-wide K groups g of (XQ[:, g] @ WQ[:, g]^T) * x_scale[m, g] * w_scale[n // 128, g]."""
     if _is_compiling():
         return torch.ops.gemmtune.gemm_a8w8_blockscale(XQ, WQ, x_scale, w_scale, dtype)
-    sig = _sig(XQ, WQ, x_scale, w_scale, None, dtype)
+    sig = _sig(XQ, WQ, x_scale, w_scale, None, dtype, "gemm_a8w8_blockscale")
     call = _block_cache.get(sig)
     if call is None:
         call = _block_miss("a8w8_blockscale", "gemm_a8w8_blockscale", _block_cache, sig, XQ, WQ, x_scale, w_scale,
@@ -277,7 +281,7 @@ def gemm_a8w8_blockscale_bpreshuffle(
     """gemm_a8w8_blockscale with WQ from shuffle_weight (its own tuned table)."""
     if _is_compiling():
         return torch.ops.gemmtune.gemm_a8w8_blockscale_bpreshuffle(XQ, WQ, x_scale, w_scale, dtype)
-    sig = _sig(XQ, WQ, x_scale, w_scale, None, dtype)
+    sig = _sig(XQ, WQ, x_scale, w_scale, None, dtype, "gemm_a8w8_blockscale_bpreshuffle")
     call = _block_bps_cache.get(sig)
     if call is None:
         call = _block_miss("a8w8_blockscale_bpreshuffle", "gemm_a8w8_blockscale_bpreshuffle", _block_bps_cache, sig,

@@ -121,8 +121,11 @@ def normalize_pattern(pattern) -> str:
 
 
 def validate(x, w, bias, pattern: str) -> None:
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
-        raise TypeError(f"gemmtune.sparse_gemm: input and weight must be tensors, got {_d(x)}, {_d(w)}")
+    for name, t in (("input", x), ("weight", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemmtune.sparse_gemm: {name} must be a tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"gemmtune.sparse_gemm: bias must be a tensor or None, got {type(bias).__name__}")
     if pattern == "2:4":
         if not is_semi_structured(w):
             raise _error(f"sparsity_pattern '2:4' needs a SparseSemiStructuredTensor ({_HOW['2:4']})", x, w, bias)
@@ -203,9 +206,12 @@ def sparse_gemm(input: torch.Tensor, weight: torch.Tensor, sparsity_pattern: str
     pattern = ALIASES.get(sparsity_pattern, sparsity_pattern)
     if pattern not in PATTERNS:
         pattern = normalize_pattern(sparsity_pattern)  # raises naming the choices
+    if not all(isinstance(t, torch.Tensor) for t in (input, weight)) or not isinstance(
+        bias, (torch.Tensor, None.__class__)
+    ):
+        validate(input, weight, bias, pattern)  # raises naming the argument
     sig = (input.shape, input.dtype, input.device, weight.shape, weight.dtype, weight.device, pattern,
-           _wmeta(weight, pattern) if isinstance(weight, torch.Tensor) else None,
-           None if bias is None else (bias.shape, bias.dtype, bias.device))  # fmt: skip
+           _wmeta(weight, pattern), None if bias is None else (bias.shape, bias.dtype, bias.device))  # fmt: skip
     call = _calls.get(sig)
     if call is None:
         call = _miss(sig, input, weight, bias, pattern)

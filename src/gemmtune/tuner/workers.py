@@ -20,9 +20,9 @@ from multiprocessing.connection import wait
 
 import torch
 
+from ..plugins import PLUGINS_ENV, import_plugins
 from .search import CRASHED, TIMEOUT, DeviceLostError, TuneOptions, tune_shape
 
-PLUGINS_ENV = "GEMMTUNE_PLUGINS"  # comma list of modules to import (they register extra backends)
 MAX_ATTEMPTS = 4  # worker restarts allowed per key before the key is given up
 STARTUP_TIMEOUT = 600.0
 BAN_AFTER = 2  # a candidate that kills its worker on this many keys is skipped for the rest of the run
@@ -35,14 +35,6 @@ class ShapeFailure:
     key: tuple
     reason: str
     family: str = "a16w16"
-
-
-def import_plugins() -> None:
-    """Import the modules named in GEMMTUNE_PLUGINS (in the parent and in every worker)."""
-    import importlib
-
-    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
-        importlib.import_module(mod)
 
 
 # ---- messages -------------------------------------------------------------------------------------
