@@ -9,12 +9,19 @@ import click
 import torch
 
 from ..configs import ConfigTable
-from ..device import identity, parse_device
+from ..configs.table import ConfigStore, env_sources
+from ..device import identity
 from ..errors import GemmtuneError
+from ..plugins import import_plugins
 from ..tuner.bench import HEADER, bench_table, dispatch_overhead_us, summarize, summary_lines, write_outputs
-from ..tuner.runner import import_plugins
-from ..tuner.shapes import parse_nsets
 from ..tuner.timing import measure_ceilings
+from . import _validate as v
+
+
+def _prefix(ctx, param, value):
+    if value is not None:
+        v.output_file(ctx, param, value + ".csv")
+    return value
 
 
 @click.command("bench")
@@ -24,14 +31,15 @@ from ..tuner.timing import measure_ceilings
     "--out",
     "prefix",
     default=None,
+    callback=_prefix,
     help="Output prefix for PREFIX.csv/.json/.png (default: the table's path without .csv + '.bench').",
 )
 @click.option("--reps", type=click.IntRange(min=5), default=20, show_default=True, help="Graph replays (median).")
-@click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
+@click.option("--device", default=None, callback=v.device, help="cuda or cpu (default: cuda when available).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--plugin", multiple=True, help="Module to import that registers extra backends.")
+@click.option("--plugin", multiple=True, callback=v.plugins, help="Module to import that registers extra backends.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
-@click.option("--ms", default=None,
+@click.option("--ms", default=None, callback=v.nsets,
               help="Bench every shape of TUNED at these Ms, tuned or not (a comma list, LO..HI for the powers "
               "of two between, or both), e.g. 1..8192,3,12,24,48,96: the Ms a server runs.")  # fmt: skip
 def command(tuned, prefix, reps, device, seed, plugin, progress, ms) -> None:  # fmt: skip
@@ -43,23 +51,17 @@ def command(tuned, prefix, reps, device, seed, plugin, progress, ms) -> None:  #
 
         gemmtune bench tuned.csv -o results/llama8b --ms 1..4096,3,12,24,48,96,192,384,768,1536,3072
     """
-    import importlib
-
+    dev, ladder = device, ms
     try:
-        for mod in plugin:
-            importlib.import_module(mod)
         import_plugins()
-    except ImportError as exc:
-        raise click.ClickException(f"cannot import plugin module: {exc}") from None
-    try:
-        dev = parse_device(device)
-    except GemmtuneError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--device'") from None
-    try:
         table = ConfigTable.load([tuned])
-        ladder = parse_nsets(ms) if ms else None
-    except (GemmtuneError, ValueError) as exc:
+    except GemmtuneError as exc:
         raise click.ClickException(str(exc)) from None
+    try:
+        ConfigStore.from_env(os.environ)  # a GEMMTUNE_CONFIG* table that cannot load: say so now, not mid-run
+    except GemmtuneError as exc:
+        named = ", ".join(dict.fromkeys(var for var, _ in env_sources(os.environ))) or "GEMMTUNE_CONFIG"
+        raise click.ClickException(f"{named}: {exc} (bench times TUNED alone: unset {named} or fix it)") from None
     ident = identity(dev)
     here = table.rows_for(ident)
     if not here:

@@ -7,6 +7,17 @@ import sys
 import click
 
 from ..tuner.shapes import PRESETS
+from . import _validate as v
+
+
+def _device(ctx, param, value):
+    # Checked to exist here: a CPU-only torch asked for cuda is a usage error, not a traceback mid-run.
+    return None if value is None else str(v.device(ctx, param, value))
+
+
+def _dtype(ctx, param, value):
+    return None if value is None else str(v.gemm_dtype(ctx, param, value)).removeprefix("torch.")
+
 
 # On the CPU (CI, smoke tests) the defaults shrink so a tiny model runs in seconds.
 _GPU_DEFAULTS = {"prefill": "1x2048", "batches": "1,8", "ctx": 1024, "reps": 7}
@@ -41,8 +52,10 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
               help=f"config.json, a folder holding one, or a preset: {', '.join(sorted(PRESETS))}.")  # fmt: skip
 @click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Decoder layers to build.")
 @click.option("--table", default=None, help="Tuned table(s) for optimize() (a CSV; several joined by ':').")
-@click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
-@click.option("--dtype", default=None, help="Model dtype (default: bfloat16 on a GPU, float32 on the CPU).")
+@click.option("--device", default=None, callback=_device, help="cuda or cpu (default: cuda when available).")
+@click.option(
+    "--dtype", default=None, callback=_dtype, help="Model dtype (default: bfloat16 on a GPU, float32 on the CPU)."
+)
 @click.option("--prefill", default=None, help="BATCHxSEQ list [GPU 1x2048, CPU 1x64].")
 @click.option("--batches", default=None, help="Decode batch sizes [GPU 1,8, CPU 1,4].")
 @click.option("--ctx", type=click.IntRange(min=1), default=None, help="Decode context length [GPU 1024, CPU 64].")
@@ -60,7 +73,8 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
                    "'ref,rope=op'. Default: GEMMTUNE_COMPILE_OPS, else the built-in per-op defaults.")  # fmt: skip
 @click.option("--compile-backend", default=None, help="torch.compile backend [GPU inductor, CPU aot_eager].")
 @click.option("--no-profile", is_flag=True, help="Only time; no profile breakdown.")
-@click.option("-o", "--out", "out_dir", default=None, help="Report folder (default: bench-model-<model name>).")
+@click.option("-o", "--out", "out_dir", default=None, callback=v.output_folder,
+              help="Report folder (default: bench-model-<model name>).")  # fmt: skip
 def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, contenders, quantize, compile_ops,
             compile_backend, no_profile, out_dir) -> None:  # fmt: skip
     """Build MODEL with random weights (nothing downloaded) and time, in one process and interleaved:

@@ -10,10 +10,18 @@ import click
 
 from ..capture import check_capture_targets, read_shape_list
 from ..errors import GemmtuneError
+from . import _validate as v
 
 
 @click.command("capture", context_settings={"ignore_unknown_options": True})
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Shapes CSV to write/merge into.")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    callback=v.output_file,
+    help="Shapes CSV to write/merge into.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def capture(output: str, command: tuple[str, ...]) -> None:
     """Run COMMAND and record every GEMM shape it dispatches through gemmtune (with call counts).

@@ -7,11 +7,19 @@ import sys
 
 import click
 
+from . import _validate as v
+
+
+def _device(ctx, param, value):
+    # A GPU this torch cannot use is refused here; profiling the CPU instead would answer another question.
+    return None if value is None else v.device(ctx, param, value).type
+
 
 @click.command("profile", context_settings={"ignore_unknown_options": True})
 @click.option("-o", "--out", "out_dir", default="gemmtune-profile", show_default=True,
-              type=click.Path(file_okay=False), help="Folder for profile.json, trace.json, profile.png.")  # fmt: skip
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              type=click.Path(file_okay=False), callback=v.output_folder,
+              help="Folder for profile.json, trace.json, profile.png.")  # fmt: skip
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, callback=_device,
               help="Profile CUDA activity or only the CPU (default: CUDA when available).")  # fmt: skip
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Kernels listed per category.")
 @click.option("--no-annotate", is_flag=True, help="Do not name gemmtune.gemm calls by their shape in the trace.")

@@ -8,9 +8,8 @@ from .. import families
 from ..capture import key_to_record
 from ..configs.io import write_atomic
 from ..configs.schema import UNTUNED_COLUMNS
-from ..keys import parse_dtype
 from ..tuner.shapes import PRESETS, ModelConfigError, config_dtype, load_model_config, model_gemms, named_keys
-from ..tuner.shapes import parse_nsets as _parse_nsets
+from . import _validate as v
 
 DEFAULT_NSETS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
 _MODEL_HELP = f"config.json path, a folder holding one, or a preset: {', '.join(sorted(PRESETS))}."
@@ -20,15 +19,20 @@ _OUT_HELP = "Untuned CSV to write (aiter's M,N,K,bias,dtype,outdtype,...); defau
 @click.command("shapes")
 @click.option("--model", "-m", required=True, help=_MODEL_HELP)
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1), help="Tensor-parallel ranks.")
-@click.option("--nsets", default=DEFAULT_NSETS, show_default=True,
+@click.option("--nsets", default=DEFAULT_NSETS, show_default=True, callback=v.nsets,
               help="Token counts M: a comma list, LO..HI for powers of two between, or both.")  # fmt: skip
-@click.option("--dtype", default=None, help="Input dtype (default: the config's torch_dtype, else bfloat16).")
-@click.option("--outdtype", default=None, help="Output dtype (default: the input dtype).")
+@click.option(
+    "--dtype",
+    default=None,
+    callback=v.gemm_dtype,
+    help="Input dtype (default: the config's torch_dtype, else bfloat16).",
+)
+@click.option("--outdtype", default=None, callback=v.gemm_dtype, help="Output dtype (default: the input dtype).")
 @click.option("--no-lm-head", is_flag=True, help="Leave out the lm_head GEMM.")
 @click.option("--family", default="a16w16", show_default=True,
               help="GEMM family to emit: a16w16 (the linear layers) or another family the model runs "
               "(batched: DeepSeek MLA's per-head absorbed projections).")  # fmt: skip
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help=_OUT_HELP)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, callback=v.output_file, help=_OUT_HELP)
 def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> None:
     """The GEMM shapes a Hugging Face model runs (one TP rank), as aiter's untuned CSV.
 
@@ -38,9 +42,7 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> No
         gemmtune shapes --model llama-3-70b --tp 8 --nsets 1,16,256,4096 -o shapes.csv
     """
     try:
-        ms = _parse_nsets(nsets)
-        dt = parse_dtype(dtype) if dtype else None
-        odt = parse_dtype(outdtype) if outdtype else None
+        ms, dt, odt = nsets, dtype, outdtype
         config, source = load_model_config(model)
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None

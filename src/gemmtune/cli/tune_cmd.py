@@ -6,11 +6,10 @@ import os
 
 import click
 
-from ..device import parse_device
 from ..errors import GemmtuneError
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
 from ..tuner.search import MIN_GAIN, SEARCHES, TuneOptions
-from ..tuner.shapes import parse_nsets
+from . import _validate as v
 
 
 def _log(msg: str) -> None:
@@ -24,6 +23,7 @@ def _log(msg: str) -> None:
     "--output",
     required=True,
     type=click.Path(dir_okay=False),
+    callback=v.output_file,
     help="Tuned CSV (aiter's columns); existing rows for this GPU are kept and skipped.",
 )
 @click.option(
@@ -34,13 +34,13 @@ def _log(msg: str) -> None:
 )
 @click.option(
     "--err-ratio",
-    type=float,
+    type=v.Number(0, 1e6, lo_open=True),
     default=None,
     help="Max relative error ||y-ref||/||ref|| vs fp32 (default by dtype: bf16 1e-2, fp16 2e-3, fp32 1e-4).",
 )
 @click.option(
     "--min-gain",
-    type=float,
+    type=v.Number(0, 10),
     default=MIN_GAIN,
     show_default=True,
     help="A candidate replaces the default only if faster by more than this fraction (and the noise).",
@@ -68,7 +68,7 @@ def _log(msg: str) -> None:
 )
 @click.option(
     "--timeout",
-    type=float,
+    type=v.Number(0, 1e7, lo_open=True),
     default=60.0,
     show_default=True,
     help="Seconds a worker may spend on one step (a candidate's check, a timing group) "
@@ -87,13 +87,14 @@ def _log(msg: str) -> None:
     "--profile-file",
     type=click.Path(dir_okay=False),
     default=None,
+    callback=v.output_file,
     help="Append every candidate's result (status, error, screen and final us, reason) as CSV.",
 )
-@click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
+@click.option("--device", default=None, callback=v.device, help="cuda or cpu (default: cuda when available).")
 @click.option("--family", default=None,
               help="GEMM family of SHAPES (a16w16, batched, ...; default: from its header and file name). "
               "A list of another family is refused, never tuned as this one.")  # fmt: skip
-@click.option("--ms", default=None,
+@click.option("--ms", default=None, callback=v.nsets,
               help="Tune every shape of SHAPES at these Ms instead of the list's own: a comma list, LO..HI "
               "for the powers of two between, or both (e.g. 1..8192).")  # fmt: skip
 @click.option(
@@ -117,7 +118,8 @@ def _log(msg: str) -> None:
     show_default=True,
     help="Compile backends' kernels for all shapes in parallel processes first (GPU).",
 )
-@click.option("--plugin", multiple=True, help="Module to import (workers too) that registers more backends.")
+@click.option("--plugin", multiple=True, callback=v.plugins,
+              help="Module to import (workers too) that registers more backends.")  # fmt: skip
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
 @click.option("-v", "--verbose", is_flag=True, help="Per-shape and per-rejected-candidate lines.")
 def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, timeout, mp_workers, all_shapes,
@@ -134,23 +136,15 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
 
         gemmtune tune shapes.csv -o tuned.csv --profile-file profile.csv
     """
-    try:
-        dev = parse_device(device)
-    except GemmtuneError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--device'") from None
+    dev = device
     if plugin:
         os.environ[PLUGINS_ENV] = ",".join(filter(None, [os.environ.get(PLUGINS_ENV, ""), *plugin]))
     if mp_workers is None:
         mp_workers = 1 if dev.type == "cuda" else 0
     libs = [s.strip() for s in libtype.split(",") if s.strip()] if libtype else None
-    if err_ratio is not None and not err_ratio > 0:
-        raise click.BadParameter("must be > 0", param_hint="--err-ratio")
     opts = TuneOptions(libtypes=libs, err_ratio=err_ratio, min_gain=min_gain, top=top, reps=reps, batch=batch,
                        seed=seed, verify_range=verify_range, stage_limit=stage_limit, search=search)  # fmt: skip
-    try:
-        ladder = parse_nsets(ms) if ms else None
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--ms") from None
+    ladder = ms
     try:
         report = tune_file(shapes, output, opts, dev, mp_workers=mp_workers, timeout=timeout,
                            all_shapes=all_shapes, profile_file=profile_file, precompile=precompile,

@@ -531,16 +531,23 @@ def load_model_config(model: str) -> tuple[dict, str]:
     return config, path
 
 
+MAX_TOKENS = 1 << 24  # a token count beyond this is a typo, not a GEMM anyone runs (16M tokens)
+
+
 def parse_nsets(text: str) -> list[int]:
-    """'1,16,256' or '32..8192' (powers of two between) or a mix -> sorted unique token counts."""
+    """'1,16,256' or '32..8192' (powers of two between) or a mix -> sorted unique token counts in
+    [1, MAX_TOKENS]; ValueError naming the bad part for an empty item, a bad number or range."""
     out: set[int] = set()
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 1 and parts[-1] == "":
+        parts.pop()  # a trailing comma is harmless
+    for part in parts:
         try:
+            if not part:
+                raise ValueError
             if ".." in part:
                 lo, hi = (int(v) for v in part.split("..", 1))
-                if lo < 1 or hi < lo:
+                if not 1 <= lo <= hi <= MAX_TOKENS:
                     raise ValueError
                 m = lo
                 while m <= hi:
@@ -548,11 +555,11 @@ def parse_nsets(text: str) -> list[int]:
                     m *= 2
             else:
                 v = int(part)
-                if v < 1:
+                if not 1 <= v <= MAX_TOKENS:
                     raise ValueError
                 out.add(v)
         except ValueError:
-            raise ValueError(f"bad token count {part!r} in {text!r} (positive integers, or LO..HI)") from None
+            raise ValueError(f"bad token count {part!r} in {text!r} (integers 1..{MAX_TOKENS}, or LO..HI)") from None
     if not out:
         raise ValueError(f"no token counts in {text!r}")
     return sorted(out)
