@@ -113,7 +113,7 @@ def test_bench_cpu_default_row_not_slower(tmp_path, monkeypatch):
     res = CliRunner().invoke(cli, ["bench", str(path), "-o", str(tmp_path / "b"), "--no-progress"])
     assert res.exit_code == 0, res.output
     assert "SLOWER" not in res.output and "slower once" not in res.output
-    assert "slower beyond noise: 0" in res.output and "(= default: noise only)" in res.output
+    assert "no speedup to report" in res.output and "(= default: same kernel, no speedup)" in res.output
     assert len(calls) == 1  # no recheck
     row = json.loads((tmp_path / "b.json").read_text())["rows"][0]
     assert row["is_default"] is True and row["solution"] == "torch:native"

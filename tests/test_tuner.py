@@ -314,7 +314,7 @@ def test_crashing_and_hanging_candidates_in_workers_do_not_stop_the_run(fake, tm
         ("M,N,K\n1,2,3\n4,x,5\n", ":3: column 'N'"),
         ("M,N,K\n1,2,3\n0,2,3\n", ":3: column 'M'"),
         ("M,N,K\n1,2,-3\n", ":2: column 'K'"),
-        ("M,N,K\n1,2\n", ":2: 2 fields"),
+        ("M,N,K\n1,2\n", ":2: column 'K' is missing"),
         ("M,N,K,dtype\n1,2,3,int4\n", "unknown dtype"),
     ],
 )
@@ -386,8 +386,8 @@ def _with_timings(monkeypatch, adjust):
 
     real = search._timed
 
-    def timed(key, runners, device, reps, seed, inputs, heartbeat, phase, fam):
-        return adjust(phase, real(key, runners, device, reps, seed, inputs, heartbeat, phase, fam))
+    def timed(key, runners, device, reps, seed, inputs, heartbeat, phase, fam, tails=None):
+        return adjust(phase, real(key, runners, device, reps, seed, inputs, heartbeat, phase, fam, tails))
 
     monkeypatch.setattr(search, "_timed", timed)
 

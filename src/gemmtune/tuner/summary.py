@@ -41,7 +41,7 @@ def summary_lines(report, output: str) -> list[str]:
         width = max(28, *(len(_shape_text(r)) for r in report.results))
         lines.append(f"{'shape':<{width}} {'winner':<44} {'us':>9} {'default':>9} {'speedup':>8} {'roof':>6}")
         for r in report.results:
-            win = ("= " if r.kept_default else "") + r.winner.name
+            win = ("= " if r.kept_default else "") + r.winner.name + (" (busy)" if r.busy else "")
             roof = "-" if r.roof_pct != r.roof_pct else f"{r.roof_pct:.0f}%"
             lines.append(f"{_shape_text(r):<{width}} {win[:44]:<44} {r.us:>9.2f} {r.default_us:>9.2f} "
                          f"{r.speedup:>7.2f}x {roof:>6}")  # fmt: skip
@@ -62,6 +62,10 @@ def summary_lines(report, output: str) -> list[str]:
             f"tuned {n} shapes in {report.seconds:.1f}s -> {output}: default kept for {kept}, "
             f"winners {dict(libs)}, geomean speedup vs default {geo:.3f}x"
         )
+    busy = [r for r in report.results if r.busy]
+    if busy:
+        lines.append(f"{len(busy)} shapes timed on a busy machine even after re-measuring (e.g. {busy[0].busy}): "
+                     "their times are unreliable; retune them with --all when the machine is quiet")  # fmt: skip
     if bad:
         lines.append(f"candidates not timed: {dict(bad)}; e.g.")
         lines += [f"  {name}: {why}" for name, why in list(examples.items())[:8]]

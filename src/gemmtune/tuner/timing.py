@@ -53,6 +53,15 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def tail_ratio(xs: list[float]) -> float:
+    """p90 / median of a runner's samples: ~1 on a quiet machine; a long tail means other work shared it."""
+    if len(xs) < 5:
+        return 1.0
+    s = sorted(xs)
+    med = _median(s)
+    return s[min(len(s) - 1, int(0.9 * len(s)))] / med if med > 0 else math.nan
+
+
 def round_order(n: int, rep: int) -> list[int]:
     """The order of n contenders in round `rep`: the rows of a Williams square, cycled. Over n rounds
     (2n for odd n) every contender runs once in every position and right after every other contender
@@ -75,7 +84,8 @@ def round_order(n: int, rep: int) -> list[int]:
 
 
 def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_per_graph: int = 1,
-                eager: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:  # fmt: skip
+                eager: dict[str, Callable[[], object]] | None = None,
+                tails: dict[str, float] | None = None) -> dict[str, float]:  # fmt: skip
     """Capture each callable once in a CUDA graph, replay them interleaved `reps` times.
 
     Returns median milliseconds per replay / calls_per_graph for each name. A callable that raises
@@ -134,6 +144,8 @@ def time_graphs(calls: dict[str, Callable[[], object]], reps: int = 20, calls_pe
             torch.cuda.synchronize()
             eager_times[name].append(start.elapsed_time(end) / calls_per_graph)
     out = {n: (_median(times[n]) if n in times else float("nan")) for n in calls}
+    if tails is not None:
+        tails.update({n: tail_ratio(times[n]) for n in names})
     out.update({n: (_median(eager_times[n]) if n in eager_ok else float("nan")) for n in eager or {}})
     return out
 
@@ -160,12 +172,14 @@ def bench_gemm(
     seed: int = 0,
     inputs=None,
     family: Family | None = None,
+    tails: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Microseconds per call of each runner on `key`: graph replay over rotating cold input sets,
-    interleaved, median of `reps`. NaN for a runner that failed to run or capture."""
+    interleaved, median of `reps`. NaN for a runner that failed to run or capture. `tails`, when given,
+    receives each runner's tail_ratio (how noisy its samples were)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return _bench_cpu(key, runners, reps, seed, family)
+        return _bench_cpu(key, runners, reps, seed, family, tails)
     sets = inputs if inputs is not None else make_inputs(key, device, seed=seed, family=family)
 
     def calls_of(run):
@@ -175,11 +189,12 @@ def bench_gemm(
 
         return all_sets
 
-    ms = time_graphs({n: calls_of(r) for n, r in runners.items()}, reps=reps, calls_per_graph=len(sets))
+    ms = time_graphs({n: calls_of(r) for n, r in runners.items()}, reps=reps, calls_per_graph=len(sets), tails=tails)
     return {n: v * 1e3 for n, v in ms.items()}
 
 
-def _bench_cpu(key, runners: dict[str, Runner], reps: int, seed: int, family: Family | None) -> dict[str, float]:
+def _bench_cpu(key, runners: dict[str, Runner], reps: int, seed: int, family: Family | None,
+               tails: dict[str, float] | None = None) -> dict[str, float]:  # fmt: skip
     """Wall-clock median on the CPU (no graphs there); used by CPU tests and CPU-only tuning."""
     import time
 
@@ -201,6 +216,8 @@ def _bench_cpu(key, runners: dict[str, Runner], reps: int, seed: int, family: Fa
             times[name].append((time.perf_counter() - t0) * 1e6)
     for name in runners:
         out[name] = float("nan") if name in failed else _median(times[name])
+        if tails is not None and name not in failed:
+            tails[name] = tail_ratio(times[name])
     return out
 
 
