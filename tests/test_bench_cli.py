@@ -143,6 +143,7 @@ def test_bench_progress_eta_weighs_shapes_by_cost(tmp_path, monkeypatch, capsys)
         return bar
 
     monkeypatch.setattr(bench, "_progress_bar", recording_bar)
+    monkeypatch.setattr("gemmtune.tuner.runner.stderr_is_tty", lambda: True)  # the bar, as on a terminal
     monkeypatch.setattr(bench, "bench_gemm", lambda key, runners, **kw: {n: 1.0 for n in runners})
     table = ConfigTable.load([str(_table_file(tmp_path, [small, big]))])
     capsys.readouterr()

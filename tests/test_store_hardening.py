@@ -104,7 +104,8 @@ def test_empty_config_variable_means_no_table_everywhere(monkeypatch):
     assert len(ConfigStore.from_env({"GEMMTUNE_CONFIG": " : "})) == 0
 
 
-def test_eta_weighs_keys_by_cost():
+def test_eta_weighs_keys_by_cost(monkeypatch):
+    monkeypatch.setattr("gemmtune.tuner.runner.stderr_is_tty", lambda: True)  # the bar, as on a terminal
     fam = families.get("a16w16")
     small, big = GemmKey(1, 4096, 4096), GemmKey(4096, 28672, 4096)
     assert estimated_cost(fam, big) > 5 * estimated_cost(fam, small)

@@ -162,12 +162,21 @@ class Profile:
             plot([(title, self)], png)
             notes.append(f"wrote {png}")
         except ImportError:
-            notes.append("matplotlib is not installed: no PNG (pip install matplotlib)")
+            notes.append("matplotlib is not installed: no profile.png (pip install 'gemmtune[plot]', or matplotlib)")
         return notes
 
 
 COLORS = {"gemm": "#4c72b0", "attention": "#dd8452", "elementwise": "#55a868", "memory": "#c44e52",
           "other": "#8172b3", "idle": "#bbbbbb"}  # fmt: skip
+
+
+def _fit(title: str, width: int) -> str:
+    """A title that fits its panel: wrapped onto two lines, the middle elided beyond that."""
+    import textwrap
+
+    if len(title) > 2 * width:
+        title = title[: width - 2] + " ... " + title[-(width - 3) :]
+    return "\n".join(textwrap.wrap(title, width)) or title
 
 
 def plot(profiles: list[tuple[str, Profile]], path: str, title: str = "") -> None:
@@ -177,8 +186,10 @@ def plot(profiles: list[tuple[str, Profile]], path: str, title: str = "") -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    single = len(profiles) == 1
-    fig, axes = plt.subplots(1, 2 if single else 1, figsize=(12 if single else max(7, 1.2 * len(profiles) + 4), 5))
+    gemm_rows = [r for r in profiles[0][1].breakdown.gemms if r.ms > 0][:12] if len(profiles) == 1 else []
+    single = bool(gemm_rows)  # the GEMM panel only when there is a GEMM to show: never an empty panel
+    width = 13 if single else max(8, 1.2 * len(profiles) + 5)
+    fig, axes = plt.subplots(1, 2 if single else 1, figsize=(width, 5))
     ax = axes[0] if single else axes
     names = [n for n, _ in profiles]
     bottom = [0.0] * len(profiles)
@@ -187,17 +198,17 @@ def plot(profiles: list[tuple[str, Profile]], path: str, title: str = "") -> Non
         ax.bar(names, vals, bottom=bottom, color=COLORS[c], label=label(c, profiles[0][1].mode))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("ms per step")
-    ax.set_title(title or ("time by category" if single else ""))
-    ax.legend(fontsize=8)
-    if not single:
+    ax.set_title(_fit(title or "time by category", 45 if single else 70), fontsize=10)
+    # Outside the axes: inside, the legend covered the bars it explains.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    if len(profiles) > 1:
         ax.tick_params(axis="x", labelrotation=30)
     if single:
         ax2 = axes[1]
-        rows = [r for r in profiles[0][1].breakdown.gemms if r.ms > 0][:12]
-        labels = [r.call.describe() if r.call else "shapes unknown" for r in rows]
-        ax2.barh(labels[::-1], [r.ms for r in rows][::-1], color=COLORS["gemm"])
+        labels = [r.call.describe() if r.call else "shapes unknown" for r in gemm_rows]
+        ax2.barh(labels[::-1], [r.ms for r in gemm_rows][::-1], color=COLORS["gemm"])
         ax2.set_xlabel("ms per step")
-        ax2.set_title("GEMM shapes (top 12)")
+        ax2.set_title(f"GEMM shapes (top {len(gemm_rows)})", fontsize=10)
         ax2.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

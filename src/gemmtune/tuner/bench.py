@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -147,8 +148,12 @@ def _progress_bar(total: float, shapes: int, enabled: bool):
 
     # Cost-weighted: the bar and its ETA advance by each shape's estimated cost; the text counts shapes.
     fmt = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]"
+    # Not a terminal (a log file, CI): no bar redrawn with carriage returns; each shape's line is the progress.
+    from .runner import stderr_is_tty
+
+    tty = stderr_is_tty()
     return tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True, smoothing=0.1, bar_format=fmt,
-                disable=not (enabled and shapes))  # fmt: skip
+                disable=not (enabled and shapes and tty))  # fmt: skip
 
 
 def bench_keys(table: ConfigTable, ident, ms: list[int] | None = None) -> list[tuple]:
@@ -404,7 +409,7 @@ def write_outputs(rows: list[BenchRow], summary: dict, prefix: str, meta: dict) 
         plot(rows, prefix + ".png", meta.get("title", "gemmtune bench"))
         notes.append(f"wrote {prefix}.png")
     except ImportError:
-        notes.append("matplotlib is not installed: no plot (pip install matplotlib)")
+        notes.append(f"matplotlib is not installed: no {prefix}.png (pip install 'gemmtune[plot]', or matplotlib)")
     return notes
 
 
@@ -418,18 +423,24 @@ def plot(rows: list[BenchRow], path: str, title: str) -> None:
     for r in rows:
         label = f"{r.N}x{r.K}{'+b' if r.bias else ''}" if r.family == "a16w16" else r.shape
         shapes.setdefault(label, []).append(r)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    roofed = any(r.roof_us == r.roof_us and r.roof_us > 0 for r in rows)  # no roofline (CPU): no empty panel
+    fig, axes = plt.subplots(1, 2 if roofed else 1, figsize=(14 if roofed else 9, 5), squeeze=False)
+    ax1, ax2 = axes[0][0], (axes[0][1] if roofed else None)
     for label, rs in shapes.items():
         rs = sorted(rs, key=lambda r: r.M)
         ms = [r.M for r in rs]
         line = ax1.plot(ms, [r.speedup for r in rs], marker="o", label=label)[0]
-        if any(r.roof_us == r.roof_us for r in rs):
+        if ax2 is not None:
             ax2.plot(ms, [r.roof_pct(r.tuned_us) for r in rs], marker="o", color=line.get_color())
             ax2.plot(ms, [r.roof_pct(r.default_us) for r in rs], ls="--", color=line.get_color())
     ax1.axhline(1.0, color="gray", lw=0.8)
-    ax1.set(xscale="log", xlabel="M (tokens)", ylabel="speedup vs default (default us / tuned us)", title=title)
-    ax1.legend(fontsize=7, title="shape")
-    ax2.set(xscale="log", xlabel="M (tokens)", ylabel="% of roof (solid tuned, dashed default)", ylim=(0, 105))
+    ax1.set(xscale="log", xlabel="M (tokens)", ylabel="speedup vs default (default us / tuned us)")
+    ax1.set_title(textwrap.fill(title, 60), fontsize=10)
+    # The legend goes right of the last panel: inside, it covered the points.
+    (ax2 or ax1).legend(fontsize=7, title="shape", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                        borderaxespad=0.0, handles=ax1.get_legend_handles_labels()[0])  # fmt: skip
+    if ax2 is not None:
+        ax2.set(xscale="log", xlabel="M (tokens)", ylabel="% of roof (solid tuned, dashed default)", ylim=(0, 105))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

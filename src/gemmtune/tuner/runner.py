@@ -105,7 +105,10 @@ class _Progress:
     def __init__(self, family: Family, keys: list, enabled: bool, log):
         self.costs = {k: estimated_cost(family, k) for k in keys}
         self.bar = None
-        if enabled and keys:
+        # Not a terminal (a log file, CI): a plain line per finished key instead of carriage-return redraws.
+        self.plain = enabled and bool(keys) and not stderr_is_tty()
+        self.total, self.done_cost, self.count, self.t0 = sum(self.costs.values()), 0.0, 0, time.perf_counter()
+        if enabled and keys and not self.plain:
             from tqdm import tqdm
 
             fmt = "{l_bar}{bar}| {n:.0f}/{total:.0f} cost units [{elapsed}<{remaining}]"
@@ -114,6 +117,13 @@ class _Progress:
         self.say = (lambda m: self.bar.write(m, file=sys.stderr)) if self.bar is not None else log
 
     def done(self, item) -> None:
+        if self.plain:
+            self.count += 1
+            self.done_cost += self.costs.get(item.key, FIXED_COST)
+            spent = time.perf_counter() - self.t0
+            eta = spent * (self.total - self.done_cost) / self.done_cost if self.done_cost else 0.0
+            self.say(f"gemmtune: {self.count}/{len(self.costs)} keys done, {spent:.0f}s spent, ~{eta:.0f}s left")
+            return
         if self.bar is None:
             return
         self.bar.update(self.costs.get(item.key, FIXED_COST))
@@ -123,6 +133,14 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def stderr_is_tty() -> bool:
+    """Progress bars redraw with carriage returns: only on a terminal (else plain lines)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams (test runners, pipes torn down)
+        return False
 
 
 def tune_file(
