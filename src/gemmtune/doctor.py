@@ -70,4 +70,17 @@ def environment_report() -> dict[str, object]:
     for name, why in backends.import_errors().items():
         rows.setdefault(name, f"unavailable: {why}")
     report["backends"] = rows
+    report["GEMM families"] = family_status(dev)
     return report
+
+
+def family_status(dev: torch.device) -> dict[str, str]:
+    """Each family: the backends that run it here, or why its tables load but nothing runs from them."""
+    from . import families
+
+    out = {}
+    for fam in families.all_families():
+        here = [n for n, b in backends.all_backends(fam.name).items() if b.is_available(dev)]
+        why = fam.unrunnable or ("" if here else "no backend available here")
+        out[fam.name] = f"tables load, rows fall back: {why}" if why else f"runs here ({', '.join(here)})"
+    return out

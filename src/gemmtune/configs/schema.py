@@ -6,6 +6,7 @@ parsed values (key, libtype, us ...) for lookup. Errors name the file, line and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..device import ANY_GFX_SENTINEL
@@ -14,6 +15,7 @@ from ..families import Family, get
 from ..families.a16w16 import AITER_TUNED_COLUMNS
 from ..families.base import fmt_float, nonneg_float, positive_int
 from ..keys import GemmKey
+from .io import Verbatim
 
 _A16W16 = "a16w16"
 TUNED_COLUMNS = list(AITER_TUNED_COLUMNS)  # aiter's 18; gemmtune writes the family's (+ M_lo, M_hi)
@@ -59,6 +61,8 @@ class TunedRow:
     m_hi: int = 0
     # More columns a new row writes (a two-stage family's us1/err1/us2/err2); they win over computed ones.
     extra: dict[str, str] = field(default_factory=dict, repr=False)
+    # (fields, record text) as read: an unchanged row is written back exactly as it was.
+    text: tuple[list[str], Verbatim] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.family is None:
@@ -111,10 +115,49 @@ class TunedRow:
         return out
 
 
+@dataclass
+class InertRow:
+    """A record kept for write-back that answers no key: aiter reads it (pandas takes empty fields as
+    NaN), gemmtune cannot use it (a key field empty, a timing that is not a number, an empty range)."""
+
+    source: str
+    line: int
+    raw: dict[str, str]
+    text: tuple[list[str], Verbatim]
+    why: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
+
+
+class MissingValue(ConfigError):
+    """A required field left empty (or NaN, pandas' spelling of empty)."""
+
+
+# Larger than any GEMM dimension a kernel indexes (int32 offsets); a bigger value is a typo.
+MAX_DIM = 2**31 - 1
+_EMPTY = {"", "nan", "NaN", "NAN", "null", "NULL", "None"}
+
+
+def never_answers(row: TunedRow) -> str | None:
+    """Why a parsed row can never answer a key (None: it can)."""
+    if not math.isfinite(row.us):
+        return f"us={row.raw.get(row.family.roles.us, row.us)!r} is not a finite time"
+    big = [f for f, v in zip(row.key._fields, row.key) if type(v) is int and v > MAX_DIM]
+    if big:
+        return f"{big[0]}={getattr(row.key, big[0])} is beyond any GEMM (max {MAX_DIM})"
+    if row.m_lo and row.m_hi and row.m_lo > row.m_hi:
+        lo, hi = row.family.range_columns
+        return f"{lo}={row.m_lo} > {hi}={row.m_hi}: an empty M range"
+    return None
+
+
 def required_columns(family: Family) -> list[str]:
     """Columns a tuned table of `family` must have; the rest default (legacy files lack gfx, dtype ...)."""
     r = family.roles
-    need = ["cu_num"] + [c.name for c in family.key_columns if c.default is None] + [r.us]
+    need = ["cu_num"] if family.cu_num_required else []
+    need += [c.name for c in family.key_columns if c.default is None] + ([r.us] if family.us_required else [])
     if family.name == _A16W16:  # aiter's bf16 tables always name their solution
         need += [r.libtype, r.solidx]
     return list(dict.fromkeys(need))
@@ -139,9 +182,10 @@ def parse_column(raw: dict[str, str], column: str, conv, default, path: str, lin
     """raw[column] through conv; a missing/empty value takes `default` (None: required). Errors name
     path:line and the column, as `error` (ConfigError for tables, ShapesFileError for shape lists)."""
     text = raw.get(column)
-    if text is None or text.strip() == "":
+    if text is None or text.strip() in _EMPTY:
         if default is None:
-            raise error(f"{path}:{line}: column {column!r} is missing or empty")
+            cls = MissingValue if error is ConfigError else error
+            raise cls(f"{path}:{line}: column {column!r} is missing or empty")
         return default
     try:
         return conv(text.strip())
@@ -161,19 +205,19 @@ def parse_tuned_row(raw: dict[str, str], path: str, line: int, family: Family | 
     p = lambda col, conv, default=None: parse_column(raw, col, conv, default, path, line)  # noqa: E731
     key = parse_key(family, raw, path, line)
     if r.libtype and r.libtype in raw and not raw[r.libtype].strip():
-        raise ConfigError(f"{path}:{line}: column {r.libtype!r} is missing or empty")
+        raise MissingValue(f"{path}:{line}: column {r.libtype!r} is missing or empty")
     libtype = family.libtype_of(raw)
     lo_col, hi_col = family.range_columns
     return TunedRow(
         m_lo=p(lo_col, positive_int, 0),
         m_hi=p(hi_col, positive_int, 0),
         gfx=raw.get("gfx", ANY_GFX_SENTINEL).strip(),
-        cu_num=p("cu_num", positive_int),
+        cu_num=p("cu_num", positive_int, None if family.cu_num_required else 0),
         key=key,
         libtype=libtype,
         solidx=p(r.solidx, int, 0),
         splitk=p(r.splitk, int, 0),
-        us=p(r.us, nonneg_float),
+        us=p(r.us, nonneg_float, None if family.us_required else 0.0),
         kernel_name=family.kernel_name_of(raw),
         err_ratio=p(r.err_ratio, _err_value, 0.0),
         tflops=p(r.tflops, float, 0.0),

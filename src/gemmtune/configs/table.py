@@ -16,17 +16,33 @@ older gemmtune tables) answers its own M and the Ms aiter's own lookup pads up t
 from __future__ import annotations
 
 import bisect
+import glob
 import logging
+import math
+import os
 from dataclasses import dataclass, field
 
 from .. import families
 from ..device import DeviceIdentity
 from ..errors import ConfigError
 from ..families import Family
-from .io import CsvText, read_csv, write_atomic
-from .schema import TunedRow, normalize_header, parse_tuned_row
+from .io import CsvStyle, CsvText, Verbatim, read_csv, write_atomic
+from .recognize import NotATable, is_shape_list, refuse_foreign
+from .schema import InertRow, MissingValue, TunedRow, never_answers, normalize_header, parse_tuned_row
 
 log = logging.getLogger("gemmtune")
+_warned: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    """Log `msg` the first time this process sees it (a table read again says nothing new)."""
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+def _lines(items: list[str], n: int = 3) -> str:
+    return "; ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
 
 @dataclass
@@ -51,33 +67,50 @@ def _wins(new: TunedRow, old: TunedRow) -> bool:
 
 @dataclass
 class TableFile:
-    """One tuned CSV as read: its family, header as written, rows in file order."""
+    """One tuned CSV as read: its family, header as written, rows in file order, and the records it
+    keeps without using them (inert), so a rewrite is the file it read."""
 
     path: str
     family: Family
     raw_header: list[str]
     rows: list[TunedRow] = field(default_factory=list)
     final_newline: bool = True
+    style: CsvStyle = field(default_factory=CsvStyle)
+    inert: list[InertRow] = field(default_factory=list)
 
     @property
     def columns(self) -> list[str]:
         return families.normalize(self.family, [h.strip() for h in self.raw_header])
 
-    def write(self, path: str | None = None) -> None:
-        """Write the rows back with this file's own header: an unchanged table comes out byte-identical."""
-        cols = self.columns
-        write_atomic(path or self.path, self.raw_header, ([r.value(c) for c in cols] for r in self.rows),
-                     self.final_newline)  # fmt: skip
+    def records(self, header: list[str]) -> list[list[str] | Verbatim]:
+        """Every row as `header` lays it out; a row unchanged since it was read, as its own text."""
+        cols = families.normalize(self.family, [h.strip() for h in header])
+
+        def order(r):  # rows of this file in file order, new rows after them
+            return r.line if r.source == self.path and r.line else math.inf
+
+        out = []
+        for r in sorted([*self.rows, *self.inert], key=order):
+            vals = [r.raw.get(c, "") for c in cols] if isinstance(r, InertRow) else [r.value(c) for c in cols]
+            out.append(r.text[1] if r.text is not None and r.text[0] == vals else vals)
+        return out
+
+    def write(self, path: str | None = None, header: list[str] | None = None) -> None:
+        """Write the rows back with this file's header (or `header`): an unchanged table comes out
+        byte-identical (BOM, line ends, quoting, short rows and all)."""
+        header = list(header or self.raw_header)
+        write_atomic(path or self.path, header, self.records(header), self.final_newline, self.style)
 
 
 def family_of(text: CsvText, family: Family | str | None = None) -> Family:
     """The family `text` belongs to: the one named (its header must fit), else detected from the header."""
+    refuse_foreign(text.header, text.path)
     if family is not None:
         fam = families.get(family) if isinstance(family, str) else family
         if not families.fits(fam, text.header):
             found = families.detect(text.header, text.path, _kernel_names(text))
-            raise ConfigError(f"{text.path}:1: expected a {fam.name} table, but its columns are a {found.name} "
-                              f"table's ({','.join(text.header)})")  # fmt: skip
+            raise NotATable(f"{text.path}:1: expected a {fam.name} table, but its columns are a {found.name} "
+                            f"table's ({','.join(text.header)})")  # fmt: skip
         return fam
     return families.detect(text.header, text.path, _kernel_names(text))
 
@@ -86,19 +119,71 @@ def _kernel_names(text: CsvText) -> list[str]:
     return [rec.get("kernelName", rec.get("kernelName1", "")) for _, rec in text.records[:200]]
 
 
+def shape_list_error(path: str, fam: Family) -> NotATable:
+    return NotATable(
+        f"{path}: a shape list of the {fam.name} family (aiter's untuned CSV: no timing or kernel "
+        f"columns), not a tuned table; tune it (`gemmtune tune {path} -o tuned.csv`) and name the "
+        "tuned table instead"
+    )
+
+
 def read_table_file(path: str, family: Family | str | None = None, allow_empty: bool = False) -> TableFile:
     """A tuned table's family, header and rows, in file order. Never modifies the file. A header with
-    no rows is an error (a table that answers nothing is a mistake) unless `allow_empty`."""
+    no rows is an error (a table that answers nothing is a mistake) unless `allow_empty`. Records aiter
+    reads but no key can use (an empty key field, NaN timing, an empty M range) are kept, not used, and
+    named in one warning; rows shorter than the header read their missing fields as empty (one warning)."""
     text = read_csv(path)
     fam = family_of(text, family)
+    if is_shape_list(text.header):
+        raise shape_list_error(path, fam)
     columns = normalize_header(text.header, path, fam)
-    rows = []
+    tf = TableFile(path, fam, text.raw_header, final_newline=text.final_newline, style=text.style)
     for line, rec in text.records:
         raw = {columns[i]: rec[h] for i, h in enumerate(text.header)}
-        rows.append(parse_tuned_row(raw, path, line, fam))
-    if not rows and not allow_empty:
+        try:
+            row = parse_tuned_row(raw, path, line, fam)
+        except MissingValue as exc:
+            tf.inert.append(InertRow(path, line, raw, text.texts[line], str(exc).split(": ", 1)[1]))
+            continue
+        row.text = text.texts[line]
+        why = never_answers(row)
+        if why:
+            tf.inert.append(InertRow(path, line, raw, text.texts[line], why))
+        else:
+            tf.rows.append(row)
+    if not tf.rows and not allow_empty:
+        if tf.inert:
+            raise ConfigError(f"{tf.inert[0].where}: no row of {path} can answer a key ({tf.inert[0].why})")
         raise ConfigError(f"{path}: has a header but no rows (an empty table answers nothing)")
-    return TableFile(path, fam, text.raw_header, rows, text.final_newline)
+    if text.short:
+        warn_once(f"gemmtune: {path}: {len(text.short)} row(s) shorter than the header, read with the missing "
+                  "trailing fields empty as aiter's reader does: "
+                  + _lines([f"{path}:{n}" for n in text.short], 5))  # fmt: skip
+    if tf.inert:
+        warn_once(f"gemmtune: {path}: {len(tf.inert)} row(s) kept in the file but never used: "
+                  + _lines([f"{r.where}: {r.why}" for r in tf.inert]))  # fmt: skip
+    return tf
+
+
+def table_files(path: str, family: Family | str | None = None) -> list[TableFile]:
+    """The tables `path` names: the file itself, or every tuned table in a folder (of `family` when
+    named; shape lists, other families' tables and aiter's non-GEMM CSVs there are skipped, as aiter
+    merges only the tuned tables of its model_configs/ folder)."""
+    if not os.path.isdir(path):
+        return [read_table_file(path, family)]
+    out, skipped = [], []
+    for file in sorted(glob.glob(os.path.join(path, "*.csv"))):
+        try:
+            out.append(read_table_file(file, family))
+        except NotATable as exc:
+            skipped.append(str(exc))
+    if not out:
+        what = f"{families.get(family).name if isinstance(family, str) else family.name} " if family else ""
+        raise ConfigError(f"{path}: folder has no tuned {what}table (*.csv)")
+    if skipped:
+        log.info("gemmtune: %s: %d table(s) read, %d file(s) skipped: %s", path, len(out), len(skipped),
+                 _lines(skipped))  # fmt: skip
+    return out
 
 
 class ConfigTable:
@@ -120,16 +205,14 @@ class ConfigTable:
     def load(cls, paths: list[str] | str, family: Family | str | None = None) -> ConfigTable:
         """Read and merge `paths` (a list, or a ':'-separated string) into one family's table. The family
         is `family`, else the first file's; a file of another family is an error naming both."""
-        if isinstance(paths, str):
-            paths = [p for p in paths.split(":") if p.strip()]
-        table = None
-        for path in paths:
-            tf = read_table_file(path, family if family is not None else (table.family if table else None))
-            if table is None:
-                table = cls(family=tf.family)
-                if len(paths) == 1:
-                    table.columns = tf.columns  # a single file writes back with its own columns
-            table.add_file(tf)
+        table, files = None, []
+        for path in unique_paths(_split(paths)):
+            for tf in table_files(path, family if family is not None else (table.family if table else None)):
+                table = table or cls(family=tf.family)
+                table.add_file(tf)
+                files.append(tf)
+        if len(files) == 1:
+            table.columns = files[0].columns  # a single file writes back with its own columns
         table = table or cls(family=family or "a16w16")
         table.report_conflicts()
         return table
@@ -173,7 +256,7 @@ class ConfigTable:
     def rows_for(self, ident: DeviceIdentity) -> list[TunedRow]:
         """Rows that apply to this GPU: its cu_num and one of its gfx aliases (exact, bare arch, legacy)."""
         aliases = ident.gfx_aliases()
-        return [r for r in self._rows.values() if r.cu_num == ident.cu_num and r.gfx in aliases]
+        return [r for r in self._rows.values() if r.cu_num in (ident.cu_num, 0) and r.gfx in aliases]
 
     def _family_index(self, ident: DeviceIdentity):
         idx = self._index.get(ident)
@@ -221,6 +304,7 @@ class ConfigStore:
     def __init__(self) -> None:
         self.tables: dict[str, ConfigTable] = {}
         self.files: list[tuple[str, str]] = []  # (path, family name), in load order
+        self.table_files: list[TableFile] = []  # the files as read (their inert rows, style)
 
     def table(self, family: Family | str) -> ConfigTable:
         fam = families.get(family) if isinstance(family, str) else family
@@ -231,39 +315,71 @@ class ConfigStore:
 
     def add_file(self, path: str, family: Family | str | None = None) -> TableFile:
         tf = read_table_file(path, family)
-        self.table(tf.family).add_file(tf)
-        self.files.append((path, tf.family.name))
+        self.add_table(tf)
         return tf
+
+    def add_path(self, path: str, family: Family | str | None = None) -> list[TableFile]:
+        """A table file, or every tuned table in a folder, each to its family."""
+        tfs = table_files(path, family)
+        for tf in tfs:
+            self.add_table(tf)
+        return tfs
+
+    def add_table(self, tf: TableFile) -> None:
+        self.table(tf.family).add_file(tf)
+        self.files.append((tf.path, tf.family.name))
+        self.table_files.append(tf)
 
     @classmethod
     def load(cls, paths: list[str] | str, family: Family | str | None = None) -> ConfigStore:
-        """Read `paths`; each file goes to the family its header says (or to `family`, if named)."""
-        if isinstance(paths, str):
-            paths = [p for p in paths.split(":") if p.strip()]
+        """Read `paths` (files or folders); each table goes to the family its header says (or to
+        `family`, if named). A file named twice is read once."""
         store = cls()
-        for path in paths:
-            store.add_file(path, family)
+        for path in unique_paths(_split(paths)):
+            store.add_path(path, family)
         for tab in store.tables.values():
             tab.report_conflicts()
         return store
 
     @classmethod
     def from_env(cls, environ) -> ConfigStore:
-        """GEMMTUNE_CONFIG (files of any family, detected by header) and GEMMTUNE_CONFIG_<FAMILY>
-        (files of that family). An empty variable is the same as an unset one; a named file that does
-        not exist is an error, never silently 'no table'."""
+        """GEMMTUNE_CONFIG (files or folders of any family, detected by header) and GEMMTUNE_CONFIG_<FAMILY>
+        (files of that family; a folder gives its tables of that family). An empty variable is the same as
+        an unset one; a named file that does not exist is an error, never silently 'no table'."""
         store = cls()
+        seen: dict[str, str] = {}
         for fam in families.all_families():
-            value = environ.get(fam.env_var, "")
             forced = None if fam.name == "a16w16" else fam
-            for path in (p for p in value.split(":") if p.strip()):
-                store.add_file(path, forced)
+            for path in _split(environ.get(fam.env_var, "")):
+                real = os.path.realpath(path)
+                if real in seen:
+                    warn_once(f"gemmtune: {path} is named twice ({seen[real]} and {fam.env_var}); read once")
+                    continue
+                seen[real] = fam.env_var
+                store.add_path(path, forced)
         for tab in store.tables.values():
             tab.report_conflicts()
         return store
 
     def __len__(self) -> int:
         return sum(len(t) for t in self.tables.values())
+
+
+def _split(paths: list[str] | str) -> list[str]:
+    return [p for p in paths.split(":") if p.strip()] if isinstance(paths, str) else list(paths)
+
+
+def unique_paths(paths: list[str], where: str = "") -> list[str]:
+    """`paths` without repeats (one warning names a repeated one: its rows would all 'conflict')."""
+    seen, out = set(), []
+    for p in paths:
+        real = os.path.realpath(p)
+        if real in seen:
+            warn_once(f"gemmtune: {p} is named twice{where}; read once")
+            continue
+        seen.add(real)
+        out.append(p)
+    return out
 
 
 def env_sources(environ) -> list[tuple[str, str]]:

@@ -25,9 +25,17 @@ def register(family: Family) -> Family:
 
 
 def _load_builtins() -> None:
-    from . import a16w16, batched, epilogue, fmoe, quantized, sparse
+    from . import a16w16, aiter_moe, batched, epilogue, fmoe, quantized, sparse
 
-    for fam in (a16w16.FAMILY, batched.FAMILY, *quantized.FAMILIES, fmoe.FAMILY, epilogue.FAMILY, sparse.FAMILY):
+    for fam in (
+        a16w16.FAMILY,
+        batched.FAMILY,
+        *quantized.FAMILIES,
+        fmoe.FAMILY,
+        epilogue.FAMILY,
+        sparse.FAMILY,
+        *aiter_moe.FAMILIES,
+    ):
         _REGISTRY.setdefault(fam.name, fam)
 
 

@@ -66,6 +66,21 @@ def dtype_col(name: str, field: str | None = None, default: torch.dtype | None =
     return Column(name, field or name, parse_dtype, dtype_name, default)
 
 
+# 4-bit (fp4 e2m1 packed two per byte, int4) and MX e8m0 dtypes: aiter's fp4 / int4 MoE tables name
+# them for quantized operands only (absent from older torch builds).
+_LOW_BIT_NAMES = ("float4_e2m1fn_x2", "int4", "uint4", "float8_e8m0fnu")
+LOW_BIT: dict[str, torch.dtype] = {f"torch.{n}": getattr(torch, n) for n in _LOW_BIT_NAMES if hasattr(torch, n)}
+
+
+def parse_quant_dtype(text: str) -> torch.dtype:
+    """A quantized operand's dtype: any parse_dtype spelling, or one of the 4-bit / MX ones."""
+    return LOW_BIT.get(text.strip()) or parse_dtype(text)
+
+
+def quant_dtype_col(name: str, default: torch.dtype | None = torch.bfloat16) -> Column:
+    return Column(name, name, parse_quant_dtype, dtype_name, default)
+
+
 @dataclass(frozen=True)
 class Roles:
     """Header names of the solution and metric columns (aiter spells them differently per table)."""
@@ -107,6 +122,10 @@ class Family:
     default_libtype: str = "torch"
     # Why the family's op cannot run in this build (None: it can); tables still load either way.
     unrunnable: str | None = None
+    # aiter's tables of some families carry no timing (hand-picked kernels): their rows read as overrides.
+    us_required: bool = True
+    # A table without cu_num (aiter's mxscale table) applies to every CU count of its gfx (cu_num 0).
+    cu_num_required: bool = True
     # A model runs this family's GEMMs besides its linear layers (batched MLA, MoE experts), rather than
     # the same linear layers run another way (quantized, fused epilogue, sparse).
     own_model_gemms: bool = False
@@ -157,6 +176,10 @@ class Family:
         if callable(getattr(key, "describe", None)):
             return key.describe()
         return f"{self.name} " + " ".join(f"{c.name}={c.fmt(getattr(key, c.field))}" for c in self.key_columns)
+
+    def why_not_here(self, key) -> str | None:
+        """Why no kernel of this build computes `key` (None: one does); its rows then fall back."""
+        return self.unrunnable
 
     # ---- solution columns ---------------------------------------------------------------------
     def libtype_of(self, raw: dict[str, str]) -> str:

@@ -28,8 +28,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import NotRunnableError
 from ..keys import dtype_name, parse_bool
-from .base import Column, Family, Roles, dtype_col, generator, int_col, inv_sqrt, randn
+from .base import LOW_BIT, Column, Family, Roles, dtype_col, generator, int_col, inv_sqrt, quant_dtype_col, randn
 
 
 class MoeKey(NamedTuple):
@@ -125,7 +126,8 @@ class FusedMoe(Family):
     key_columns = (
         int_col("token"), int_col("model_dim"), int_col("inter_dim"), int_col("expert"), int_col("topk"),
         Column("act_type", "act_type", _text, str, "ActivationType.Silu"), dtype_col("dtype"),
-        dtype_col("q_dtype_a"), dtype_col("q_dtype_w"), Column("q_type", "q_type", _text, str, "QuantType.No"),
+        quant_dtype_col("q_dtype_a"), quant_dtype_col("q_dtype_w"),
+        Column("q_type", "q_type", _text, str, "QuantType.No"),
         Column("use_g1u1", "use_g1u1", _flag, _int01, True),
         Column("doweight_stage1", "doweight_stage1", _flag, _int01, False),
         Column("global_expert", "global_expert", _nonneg_int, str, 0),
@@ -140,6 +142,8 @@ class FusedMoe(Family):
     )  # fmt: skip
     untuned_columns = tuple(c.name for c in key_columns)
     signature = frozenset({"token", "model_dim", "inter_dim", "expert", "topk"})
+    # aiter's fused-hybrid and grouped MoE tables (families/aiter_moe.py) add these columns.
+    excludes = frozenset({"shared_expert_id", "hidden_pad", "gate_mode", "max_m", "tile_m"})
     name_hints = ("fmoe", "moe")
 
     stages = (1, 2)
@@ -164,11 +168,23 @@ class FusedMoe(Family):
         prefix = "" if libtype == self.implied_libtype else f"{libtype}:"
         return {"kernelName1": f"{prefix}{n1}", "kernelName2": n2}
 
+    def why_not_here(self, key: MoeKey) -> str | None:
+        """aiter's fp4 / int4 / MX MoE rows and activations no kernel here computes fall back."""
+        low = [d for d in (key.dtype, key.q_dtype_a, key.q_dtype_w) if d in LOW_BIT.values()]
+        if low:
+            return f"{dtype_name(low[0])} MoE needs kernels gemmtune has not (aiter's fp4 / int4 MoE)"
+        if not act_name(key.act_type):
+            return f"{key.act_type} has no kernel here (gemmtune computes {', '.join(ACT_TYPES.values())})"
+        return None
+
     # ---- computing ----------------------------------------------------------------------------
     def make_inputs(self, key: MoeKey, device, sets, seed):
         """(hidden, w1, w2, topk_weights, topk_ids, expert_map) with real top-k routing: softmax of
         random router logits, top-k, renormalized (Mixtral's router). Under EP this rank holds the
         first local experts of the global range."""
+        why = self.why_not_here(key)
+        if why:
+            raise NotRunnableError(f"{self.describe(key)}: {why}")
         gen = generator(device, seed)
         gated = 2 if key.use_g1u1 else 1
         out = []

@@ -86,6 +86,16 @@ class FP4Key(NamedTuple):
         return f"M={self.M} N={self.N} K={self.K} mxfp4 ->{dtype_name(self.outdtype)}"
 
 
+class BatchedMxKey(NamedTuple):
+    b: int
+    m: int
+    n: int
+    k: int
+
+    def describe(self) -> str:
+        return f"b={self.b} m={self.m} n={self.n} k={self.k} fp8 e8m0 mxscale ->bf16"
+
+
 _QROLES = Roles(libtype="libtype", solidx="kernelId", err_ratio="err_ratio")
 _MNK = (int_col("M"), int_col("N"), int_col("K"))
 _OUT = dtype_col("outdtype", default=torch.bfloat16)
@@ -297,11 +307,32 @@ class A4W4(_QuantFamily):
     key_columns = (*_MNK, _OUT)
     tuned_columns = ("gfx", "cu_num", "M", "N", "K", *_TAIL, "libtype", "outdtype")
     untuned_columns = ("M", "N", "K")
-    signature = frozenset({"M", "N", "K", "kernelId"})
-    excludes = frozenset({"B", "token", "q_dtype_w", "libtype", "solidx", "bias"})
+    # aiter's a4w4 shape lists are bare M,N,K (as block-scale's): the file name settles it.
+    signature = frozenset({"M", "N", "K"})
+    excludes = frozenset({"B", "token", "q_dtype_w", "libtype", "solidx", "bias", "scale", "dtype"})
     name_hints = ("a4w4_blockscale", "a4w4")
     kernel_hints = ("f4gemm", "fp4")
     unrunnable = "MXFP4 needs fp4 tensor cores (gfx950 / sm100); gemmtune has no fp4 GEMM"
 
 
-FAMILIES = (A8W8(), A8W8BPreshuffle(), Blockscale(), BlockscaleBPreshuffle(), BatchedA8W8(), A4W4())
+class BatchedMxScale(_QuantFamily):
+    """aiter's batched fp8 GEMM with e8m0 (MX) block scales; its table spells b,m,n,k in lower case and
+    has no cu_num column (a row applies to every CU count of its gfx)."""
+
+    name = "batched_a8w8_mxscale"
+    description = "batched fp8 GEMM with e8m0 (MX) block scales (aiter's batched_gemm_a8w8_blockscale_mxscale)"
+    ops = ("batched_gemm_a8w8_blockscale_mxscale",)
+    env_var = "GEMMTUNE_CONFIG_BATCHED_A8W8_MXSCALE"
+    aiter_tables = ("batched_gemm_a8w8_blockscale_mxscale_tuned.csv",)
+    key_type = BatchedMxKey
+    key_columns = (int_col("b"), int_col("m"), int_col("n"), int_col("k"))
+    m_field = "m"
+    cu_num_required = False
+    tuned_columns = ("gfx", "b", "m", "n", "k", "libtype", *_TAIL)
+    untuned_columns = ("b", "m", "n", "k")
+    signature = frozenset({"b", "m", "n", "k"})
+    name_hints = ("mxscale",)
+    unrunnable = "fp8 with e8m0 (MX) block scales needs MX tensor cores (gfx950 / sm100); gemmtune has no MX GEMM"
+
+
+FAMILIES = (A8W8(), A8W8BPreshuffle(), Blockscale(), BlockscaleBPreshuffle(), BatchedA8W8(), A4W4(), BatchedMxScale())

@@ -8,7 +8,7 @@ import math
 import os
 
 from .. import families
-from ..configs.io import locked, write_atomic
+from ..configs.io import locked
 from ..configs.schema import TunedRow
 from ..configs.table import TableFile, read_table_file
 from ..device import DeviceIdentity
@@ -60,8 +60,7 @@ def write_row(path: str, row: TunedRow) -> None:
         tf = existing_table(path, row.family)
         header = full_header(tf)  # old rows keep their meaning: a missing gfx is written empty (any GPU)
         tf.rows = [r for r in tf.rows if r.full_key != row.full_key] + [row]
-        cols = families.normalize(row.family, [h.strip() for h in header])
-        write_atomic(path, header, ([r.value(c) for c in cols] for r in tf.rows), tf.final_newline)
+        tf.write(path, header)  # unchanged rows keep their text (BOM, line ends, quoting)
 
 
 def _fmt(v: float) -> str:
