@@ -73,3 +73,29 @@ def clean_dispatch(monkeypatch):
     d.set_config(None)
     d.set_capture(None)
     d.set_online_tuning(None)
+
+
+class VirtualClock:
+    """The tuner's CPU timer plus a virtual offset: a fake "slow" kernel calls sleep(s), which advances
+    the clock by s without waiting, so a timing decision cannot race a loaded machine."""
+
+    def __init__(self):
+        import time
+
+        self._real = time.perf_counter
+        self.extra = 0.0
+
+    def __call__(self) -> float:
+        return self._real() + self.extra
+
+    def sleep(self, seconds: float) -> None:
+        self.extra += seconds
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch) -> VirtualClock:
+    from gemmtune.tuner import timing
+
+    clock = VirtualClock()
+    monkeypatch.setattr(timing, "CPU_CLOCK", clock)
+    return clock

@@ -18,6 +18,7 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_
 import gemmtune  # noqa: E402
 from gemmtune.models import attention as attn_mod  # noqa: E402
 from gemmtune.models import flex  # noqa: E402
+from gemmtune.models.hf_cache import cache_of, with_cache  # noqa: E402
 from gemmtune.profiling.stock_attention import ignored_features  # noqa: E402
 
 SOFTCAP = 2.0  # small enough to matter for the scaled-up q/k below (scores of O(10))
@@ -318,8 +319,8 @@ def check_gemma2(stock, opt, device, rtol, atol, compiled=None):
             ob = opt(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
             torch.testing.assert_close(ob.logits.float()[valid[:, :n]], oa.logits.float()[valid[:, :n]],
                                        rtol=rtol, atol=atol)  # fmt: skip
-            sa = stock(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], past_key_values=oa.past_key_values)
-            sb = opt(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], past_key_values=ob.past_key_values)
+            sa = stock(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], **with_cache(stock, cache_of(oa)))
+            sb = opt(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], **with_cache(opt, cache_of(ob)))
             torch.testing.assert_close(sb.logits.float(), sa.logits.float(), rtol=rtol, atol=atol)
 
 
@@ -454,11 +455,11 @@ def test_gemma2_flex_prefill_then_graph_decode_gpu(flex_gpu):
     flex._warm.clear()
 
     def step(cache):
-        return opt(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return opt(input_ids=tok, **with_cache(opt, cache), use_cache=True, logits_to_keep=1)
 
     with torch.no_grad():
         for c in caches:
-            opt(input_ids=ids[:, :n], past_key_values=c, use_cache=True, logits_to_keep=1)
+            opt(input_ids=ids[:, :n], **with_cache(opt, c), use_cache=True, logits_to_keep=1)
         assert flex._warm, "prefill did not run through flex"
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def rel_err(y, ref):
 @pytest.mark.parametrize("lead", [(), (7,), (3, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_linear(dtype, lead, with_bias):
-    g = torch.Generator().manual_seed(hash((str(dtype), lead, with_bias)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), lead, with_bias)).encode()))  # same every run
     N, K = 37, 53  # odd sizes on purpose
     x = torch.randn(*lead, K, generator=g).to(dtype)
     w = torch.randn(N, K, generator=g).to(dtype)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +11,7 @@ from gemmtune.backends.base import Backend, Solution, stable_solidx
 from gemmtune.backends.torch_backend import TorchBackend
 from gemmtune.configs import read_table_file
 from gemmtune.keys import GemmKey
+from gemmtune.tuner import timing
 from gemmtune.tuner.runner import range_floors, tune_file
 from gemmtune.tuner.search import TuneOptions, tune_shape
 
@@ -39,20 +38,26 @@ class FastAboveBackend(Backend):
     def make_runner(self, solution, key, device):
         def run(x, w, b):
             if x.numel() // x.shape[-1] < 8:
-                time.sleep(0.08)
+                timing.CPU_CLOCK.sleep(0.08)  # virtual: see slow_default
             return F.linear(x, w, b)
 
         return run
 
 
 def slow_default(monkeypatch, seconds=0.005):
+    """The default kernel takes `seconds` longer, on a virtual clock (conftest.VirtualClock) that the
+    tuner's CPU timer reads: no real sleep, so no race with a loaded machine."""
+    from conftest import VirtualClock
+
+    if not isinstance(timing.CPU_CLOCK, VirtualClock):
+        monkeypatch.setattr(timing, "CPU_CLOCK", VirtualClock())
     real = TorchBackend.make_runner
 
     def make(self, sol, k, dev):
         run = real(self, sol, k, dev)
 
         def slow(x, w, b):
-            time.sleep(seconds)
+            timing.CPU_CLOCK.sleep(seconds)
             return run(x, w, b)
 
         return slow

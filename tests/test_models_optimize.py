@@ -289,7 +289,8 @@ def test_deepcopy_of_optimized_model_restores_itself():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
 def test_optimized_model_compiles_fullgraph_and_matches(family):
-    """optimize() before torch.compile: no graph break, same logits on a padded batch."""
+    """optimize() before torch.compile: no graph break, same logits on a padded batch (its real tokens:
+    a padding position attends to nothing, and what each attention path leaves there is undefined)."""
     model = build(family)
     ids, mask = batch()
     ref = logits(model, ids, mask)
@@ -298,4 +299,5 @@ def test_optimized_model_compiles_fullgraph_and_matches(family):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         out = compiled(ids, attention_mask=mask, use_cache=False).logits
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-5)

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import gemmtune  # noqa: E402
 from gemmtune.models import attention as attn_mod  # noqa: E402
+from gemmtune.models.hf_cache import cache_of, with_cache  # noqa: E402
 from gemmtune.models.version import MAX_EXCLUSIVE, MIN_VERSION, _parse  # noqa: E402
 
 if not (MIN_VERSION <= _parse(transformers.__version__) < MAX_EXCLUSIVE):
@@ -93,6 +94,9 @@ def pair(family, device="cpu", dtype=torch.float32, **opts):
     return stock, opt, report
 
 
+NEW_TOKENS = 16
+
+
 def check_parity(stock, opt, device="cpu", rtol=1e-4, atol=1e-5):
     ids, mask = batch(device)
     valid = mask.bool()
@@ -101,20 +105,25 @@ def check_parity(stock, opt, device="cpu", rtol=1e-4, atol=1e-5):
         a = stock(ids, attention_mask=mask, use_cache=False).logits
         b = opt(ids, attention_mask=mask, use_cache=False).logits
         torch.testing.assert_close(b[valid], a[valid], rtol=rtol, atol=atol)
-        # KV cache: prefill then one token at a time (the decode path, q_len != k_len)
-        n = ids.shape[1] - 3
-        oa = stock(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
-        ob = opt(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
-        torch.testing.assert_close(ob.logits[valid[:, :n]], oa.logits[valid[:, :n]], rtol=rtol, atol=atol)
-        pa, pb = oa.past_key_values, ob.past_key_values
-        for t in range(n, ids.shape[1]):
-            sa = stock(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=pa, use_cache=True)
-            sb = opt(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=pb, use_cache=True)
-            torch.testing.assert_close(sb.logits, sa.logits, rtol=rtol, atol=atol)
-            pa, pb = sa.past_key_values, sb.past_key_values
-    ga = stock.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    gb = opt.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    # greedy generation with the KV cache: the same tokens
+    ga = stock.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    gb = opt.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    assert ga.shape[1] == ids.shape[1] + NEW_TOKENS
     assert torch.equal(ga, gb), f"greedy tokens differ:\n{ga}\n{gb}"
+    # teacher-forced cached decode of stock's tokens: per-step logits (q_len != k_len on every step)
+    full = torch.cat([mask, torch.ones_like(ga[:, ids.shape[1] :])], dim=1)
+    n = ids.shape[1]
+    with torch.no_grad():
+        oa = stock(ids, attention_mask=mask, use_cache=True)
+        ob = opt(ids, attention_mask=mask, use_cache=True)
+        torch.testing.assert_close(ob.logits[valid], oa.logits[valid], rtol=rtol, atol=atol)
+        for t in range(n, ga.shape[1]):
+            step = dict(input_ids=ga[:, t : t + 1], attention_mask=full[:, : t + 1], use_cache=True)
+            oa = stock(**step, **with_cache(stock, cache_of(oa)))
+            ob = opt(**step, **with_cache(opt, cache_of(ob)))
+            torch.testing.assert_close(
+                ob.logits, oa.logits, rtol=rtol, atol=atol, msg=lambda m, s=t - n: f"step {s}: {m}"
+            )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -230,8 +239,8 @@ def check_parity_bf16(stock, opt, device):
         n = ids.shape[1] - 2
         oa = stock(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
         ob = opt(ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
-        sa = stock(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], past_key_values=oa.past_key_values)
-        sb = opt(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], past_key_values=ob.past_key_values)
+        sa = stock(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], **with_cache(stock, cache_of(oa)))
+        sb = opt(ids[:, n : n + 1], attention_mask=mask[:, : n + 1], **with_cache(opt, cache_of(ob)))
         torch.testing.assert_close(sb.logits.float(), sa.logits.float(), rtol=3e-2, atol=3e-2)
 
 

@@ -176,8 +176,10 @@ def test_cli_bench_model_cpu_end_to_end(tmp_path):
                 <= 0.01 * cell["profile"]["total_ms"]
             )
     assert "argmax equal" in data["parity"]["optimize"]
+    for name, p in data["decode_parity"].items():  # teacher-forced decode, 16 steps by default
+        assert p["ok"] and len(p["step_rel_err"]) == 17 and all(p["greedy_equal"]), (name, p)
     md = (out / "report.md").read_text()
-    assert "| prefill 1x16 |" in md and "Time by category" in md
+    assert "| prefill 1x16 |" in md and "Time by category" in md and "Decode parity" in md
     assert (out / "report.png").stat().st_size > 0
 
 
@@ -205,6 +207,23 @@ def test_cli_bench_model_quantize_cpu(tmp_path):
     assert "## optimize(quantize='fp8'): what runs 8-bit" in md and "lm_head stays 16-bit" in md
     assert "| model.layers.*.self_attn.qkv_proj | 128x64 | 1 |" in md and "relative error vs stock" in md
     assert "rel err" in data["parity"]["quantize"]
+
+
+def test_cli_bench_model_decode_parity_failure_exits_nonzero(tmp_path):
+    """A contender whose decode ignores its KV cache (the test hook) fails parity: the run stops before
+    timing and exits 1; --keep-going times it anyway, marks its rows and exits 0."""
+    base = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
+            "--ctx", "16", "--batches", "1", "--reps", "1", "--contenders", "stock,optimize", "--no-profile",
+            "--decode-steps", "4", "--test-break", "optimize"]  # fmt: skip
+    res = CliRunner().invoke(cli, [*base, "-o", str(tmp_path / "stop")])
+    assert res.exit_code == 1, res.output
+    data = json.loads((tmp_path / "stop" / "report.json").read_text())
+    assert data["decode_parity"]["stock"]["ok"] and not data["decode_parity"]["optimize"]["ok"]
+    assert data["scenarios"] == [] and any("decode parity optimize" in e for e in data["errors"])
+    res = CliRunner().invoke(cli, [*base, "--keep-going", "-o", str(tmp_path / "go")])
+    assert res.exit_code == 0, res.output
+    md = (tmp_path / "go" / "report.md").read_text()
+    assert "PARITY FAIL" in md and "| optimize | FAILED |" in md
 
 
 def test_cli_bench_model_rejects_bad_input(tmp_path):

@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from conftest import VirtualClock
 from test_m_ranges import slow_default
 
 from gemmtune import backends
@@ -22,6 +22,7 @@ from gemmtune.cli.main import cli
 from gemmtune.configs.schema import UNTUNED_COLUMNS, throughput
 from gemmtune.configs.table import read_table_file
 from gemmtune.keys import GemmKey
+from gemmtune.tuner import timing
 from gemmtune.tuner.check import check_runner, reference, threshold_for
 from gemmtune.tuner.runner import EXIT_AFTER_ENV, PLUGINS_ENV, summary_lines, tune_file
 from gemmtune.tuner.search import TuneOptions, tune_shape
@@ -71,7 +72,9 @@ FAKE_BACKEND = textwrap.dedent(
                 if k == "strided" and (x.dim() != 2 or not x.is_contiguous()):  # wrong on padded rows only
                     return torch.zeros((*x.shape[:-1], w.shape[0]), dtype=key.outdtype, device=x.device)
                 if k == "slowgood":
-                    time.sleep(0.003)  # well apart from strided (a plain F.linear) even on a loaded CPU
+                    from gemmtune.tuner import timing
+
+                    timing.CPU_CLOCK.sleep(0.003)  # virtual (conftest.VirtualClock): the test installs it
                 if k == "partial":  # leaves the last output column unwritten
                     out = torch.empty((*x.shape[:-1], w.shape[0]), dtype=key.outdtype, device=x.device)
                     out[..., :-1] = F.linear(x, w[:-1], None if b is None else b[:-1])
@@ -214,11 +217,14 @@ def test_default_kept_unless_beaten_by_min_gain(fake, monkeypatch):
     # Make the default slow: now the candidate wins by far more than min-gain and noise.
     real = TorchBackend.make_runner
 
+    clock = VirtualClock()
+    monkeypatch.setattr(timing, "CPU_CLOCK", clock)
+
     def slow_default(self, sol, k, dev):
         run = real(self, sol, k, dev)
 
         def slow(x, w, b):
-            time.sleep(0.002)
+            clock.sleep(0.002)
             return run(x, w, b)
 
         return slow
@@ -418,7 +424,7 @@ def test_a_winner_that_loses_head_to_head_is_not_kept(fake, monkeypatch):
     assert not res.kept_default and res.winner.name == "fake:slowgood"
 
 
-def test_screen_ranks_candidates_relative_to_the_default_in_their_group(fake, monkeypatch):
+def test_screen_ranks_candidates_relative_to_the_default_in_their_group(fake, monkeypatch, virtual_clock):
     """Screen groups are separate runs; a run that measured everything far slower must not push its
     candidates behind a truly slow one: each group also times the default and is scaled by it."""
     import fake_backend  # noqa: F401

@@ -73,10 +73,22 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
                    "'ref,rope=op'. Default: GEMMTUNE_COMPILE_OPS, else the built-in per-op defaults.")  # fmt: skip
 @click.option("--compile-backend", default=None, help="torch.compile backend [GPU inductor, CPU aot_eager].")
 @click.option("--no-profile", is_flag=True, help="Only time; no profile breakdown.")
+@click.option("--decode-steps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Teacher-forced decode parity: cached steps each contender is checked on vs stock.")  # fmt: skip
+@click.option("--keep-going", is_flag=True,
+              help="Time contenders that fail decode parity too (marked PARITY FAIL) and exit 0; by default a "
+                   "failing or erroring contender stops the run before timing and the command exits 1.")  # fmt: skip
+@click.option(
+    "--test-break",
+    "test_break",
+    default=None,
+    hidden=True,
+    help="Test hook: this contender's attention ignores its KV cache (decode parity must catch it).",
+)
 @click.option("-o", "--out", "out_dir", default=None, callback=v.output_folder,
               help="Report folder (default: bench-model-<model name>).")  # fmt: skip
 def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, contenders, quantize, compile_ops,
-            compile_backend, no_profile, out_dir) -> None:  # fmt: skip
+            compile_backend, no_profile, decode_steps, keep_going, test_break, out_dir) -> None:  # fmt: skip
     """Build MODEL with random weights (nothing downloaded) and time, in one process and interleaved:
     stock Hugging Face, gemmtune.optimize(), torch.compile of stock and torch.compile of optimize(),
     for prefill (BATCHxSEQ, last-token logits) and CUDA-graph decode (static cache of CTX tokens, one
@@ -118,6 +130,9 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
             compile_ops=ops,
             compile_backend=compile_backend,
             profile=not no_profile,
+            decode_steps=decode_steps,
+            keep_going=keep_going,
+            break_contender=test_break,
         )
         res = bench_model.run(settings)
     except (GemmtuneError, ValueError) as exc:
@@ -128,3 +143,8 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
     click.echo(text)
     for note in bench_report.write(res, out, "gemmtune bench-model " + " ".join(sys.argv[2:])):
         click.echo(note, err=True)
+    failures = res.parity_failures() + ([] if res.decode_parity else ["decode parity was not checked"])
+    if (failures or res.errors) and not keep_going:
+        for line in failures or res.errors:
+            click.echo(f"bench-model: {line}", err=True)
+        sys.exit(1)

@@ -18,6 +18,7 @@ from torch import nn
 from . import attention as attn_mod
 from . import epilogue_mlp, families, fusion
 from . import moe as moe_mod
+from . import verify as verify_mod
 from .linear import RouteOptions, is_routed, linear_skip_reason, route_linear, unroute_linear
 from .report import OptimizeReport
 from .version import check_transformers
@@ -79,6 +80,8 @@ class _Planner:
         why = fusion.fuse_skip_reason(attn, fam.qkv, "qkv_proj")
         head_dim = getattr(attn, "head_dim", None)
         rope = families.rope_function(attn)
+        cache_arg, call_why = families.attention_call(type(attn))
+        why = why or call_why
         if why is None:
             missing = [
                 a for a in ("o_proj", "layer_idx", "scaling", "config", "attention_dropout") if not hasattr(attn, a)
@@ -109,6 +112,7 @@ class _Planner:
             pass_softcap=fam.softcap_kwarg,
             sliding_window=getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None)),
             rope_fused=self.rope_kind(rope, attn.qkv_proj.weight if hasattr(attn, "qkv_proj") else attn.q_proj.weight),
+            cache_arg=cache_arg,
         )
         kind = {"": "the family's rope", "full": "fused rope kernel", "any": "fused rope kernel"}[spec.rope_fused]
         qk_norms = _qk_norms_fusable(attn, qk_specs, head_dim) if spec.rope_fused else None
@@ -200,8 +204,11 @@ class _Planner:
                 return
             specs[n] = self.norm(_join(path, n), mod)
         add_norm = "post_attention_layernorm" if fam.layer == "prenorm" else "pre_feedforward_layernorm"
+        call_why = families.layer_call(type(layer))
         if "forward" in layer.__dict__:
             self.skip("layer", path, layer, "its forward is already overridden on the instance")
+        elif call_why is not None:
+            self.skip("layer", path, layer, call_why)
         elif specs[add_norm] is None or getattr(layer, add_norm)._forward_hooks:
             self.skip("layer", path, layer, f"{add_norm} not fusable with the residual add")
         else:
@@ -344,6 +351,77 @@ def _device(model):
     return None if p is None else p.device
 
 
+# ---- the cached-path check ----------------------------------------------------------------------
+def _inside(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
+class _CachedPathCheck:
+    """optimize()'s parity check (models/verify.py): the stock trace before the changes, the judgement
+    after; what disagrees is undone here and reported."""
+
+    def __init__(self, model, report: OptimizeReport):
+        from ..dispatch import get_dispatcher
+
+        spath, smod = families.decoder_stack(model)
+        self.paths = [_join(spath, "layers", str(i)) for i in range(len(smod.layers))]
+        self.layers = list(smod.layers)
+        self.quiet = get_dispatcher().quiet
+        self.probe = verify_mod.Probe.for_model(model)
+        self.tol = verify_mod.tolerance(model)
+        with self.quiet():
+            self.stock = verify_mod.run(model, self.layers, self.probe)
+
+    def finish(self, model, actions: list[Action], done: list[Action], report: OptimizeReport) -> None:
+        def revert(pick) -> int:
+            picked = [a for a in reversed(done) if pick(a)]
+            for a in picked:
+                _undo(model, a)
+                done.remove(a)
+                actions.remove(a)
+            return len(picked)
+
+        try:
+            with self.quiet():
+                opt = verify_mod.run(model, self.layers, self.probe, teacher=self.stock)
+        except Exception as e:  # noqa: BLE001 - a patched path that cannot even run: nothing stays patched
+            revert(lambda a: True)
+            report.withdraw("")
+            report.entries = [e for e in report.entries if e.section == "left alone"]
+            report.changed.clear()
+            report.notes.append(f"cached-path check failed to run the optimized model ({type(e).__name__}: {e}); "
+                                "every change was undone")  # fmt: skip
+            return
+        bad, logits = verify_mod.compare(self.stock, opt, self.probe, self.tol)
+        for f in bad:
+            prefix = self.paths[f.index]
+            if revert(lambda a, p=prefix: _inside(a.path, p)):
+                report.withdraw(prefix)
+                why = f"differs from stock at {f.where()} (relative error {f.error:.2e} > {self.tol:g})"
+                report.skip("verify", prefix, type(self.layers[f.index]).__name__, why)
+        last_ok = not bad or bad[-1].index != len(self.layers) - 1
+        if logits is not None and last_ok:  # the final norm or lm_head path, outside every layer
+            outside = lambda a: a.kind != "config" and not any(_inside(a.path, p) for p in self.paths)  # noqa: E731
+            reverted = [a.path for a in done if outside(a)]
+            revert(outside)
+            for p in reverted:
+                report.withdraw(p)
+            why = f"logits differ from stock at {logits.where()} (relative error {logits.error:.2e} > {self.tol:g})"
+            report.skip("verify", "", type(model).__name__, why + ": changes outside the decoder layers undone")
+        n = len(self.layers)
+        secs = self.stock.seconds + opt.seconds
+        report.notes.append(
+            f"cached-path check: {n - len(bad)}/{n} decoder layers agree with stock (prefill of {verify_mod.PREFILL}"
+            f" + {verify_mod.DECODE_STEPS} cached decode steps, batch {verify_mod.BATCH} left-padded, relative"
+            f" error <= {self.tol:g}; worst layer {_worst_error(self.stock, opt, self.probe):.1e}); took {secs:.2f} s"
+        )
+
+
+def _worst_error(stock, opt, probe) -> float:
+    found = [verify_mod._worst(i, w, g, probe) for i, (w, g) in enumerate(zip(stock.outputs, opt.outputs))]
+    return max((f.error for f in found if f is not None), default=0.0)
+
+
 # ---- public -------------------------------------------------------------------------------------
 def optimize(
     model,
@@ -358,6 +436,7 @@ def optimize(
     route_linears: bool = True,
     quantize: str | None = None,
     quantize_lm_head: bool = False,
+    verify: bool = True,
 ) -> OptimizeReport:
     """Optimize a loaded Hugging Face causal LM in place (call before torch.compile).
 
@@ -371,6 +450,9 @@ def optimize(
     quantize: "fp8" / "int8" (per-channel weights, per-token activations) or "fp8-block" (128x128 /
     1x128) runs the linears through the 8-bit ops (models/quantize.py); lm_head only with
     quantize_lm_head.
+    verify: check every changed decoder layer against stock on a tiny left-padded prefill plus cached
+    decode steps (models/verify.py) before quantizing; a layer that disagrees is put back to stock and
+    reported (its cost is in the report's notes).
     Returns an OptimizeReport; gemmtune.restore(model) (or report.undo()) gives the original back.
     """
     version = check_transformers()
@@ -383,7 +465,7 @@ def optimize(
     opts = dict(
         fuse_qkv=bool(fuse_qkv), fuse_gate_up=bool(fuse_gate_up), fused_ops=bool(fused_ops),
         attention=attention, m_threshold=m_threshold, split_bias=bool(split_bias),
-        route_linears=bool(route_linears), config=None if config is None else repr(config),
+        route_linears=bool(route_linears), config=None if config is None else repr(config), verify=bool(verify),
     )  # fmt: skip
     if quantize is not None:
         from .quantize import check_mode
@@ -419,6 +501,12 @@ def optimize(
             report.notes.append("triton is not installed: fused ops run their PyTorch references")
     actions = _Planner(model, fam, opts, report).plan(tier)
     route = RouteOptions(m_threshold, bool(split_bias))
+    check = None
+    if verify and fam is not None and families.decoder_stack(model) is not None and actions:
+        try:
+            check = _CachedPathCheck(model, report)
+        except Exception as e:  # noqa: BLE001 - the stock model itself cannot run the probe
+            report.notes.append(f"cached-path check not run: the stock model failed on its probe ({e})")
     if config is not None:
         from ..dispatch import set_config
 
@@ -429,6 +517,8 @@ def optimize(
         for a in actions:
             _apply(model, a, route)
             done.append(a)
+        if check is not None:
+            check.finish(model, actions, done, report)
         if quantize is not None:
             from .quantize import quantize_linears
 

@@ -1,6 +1,6 @@
 """Per-family knowledge: module layout, and the replacement forwards installed on instances.
 
-Every replacement forward reproduces the stock forward of transformers 5.17-5.23 op for op, except
+Every replacement forward reproduces the stock forward of transformers 5.17-5.24 op for op, except
 where a fused op stands in for several (one GEMM for q/k/v or gate/up, one kernel for a norm, for
 residual add + norm, for act(gate) * up, for rope or q/k norms + rope). Layouts are checked per
 instance before anything changes (class names, attribute names, sizes), and norm/activation formulas
@@ -10,6 +10,7 @@ is skipped, not guessed.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -170,6 +171,7 @@ class AttnSpec:
     rope_fused: str = ""  # "": the family's own function; "full": the kernel when R == D; "any": always
     # (q_norm, k_norm) formulas when both norms and the fused rope run in one kernel, else None
     qk_norms: tuple[NormSpec, NormSpec] | None = None
+    cache_arg: str = "past_key_values"  # the stock forward's name for the KV cache (see attention_call)
 
 
 def rope_function(attn: nn.Module):
@@ -196,6 +198,61 @@ def detect_rope(fn, device, dtype) -> str:
     return found
 
 
+# Names the stock forwards have used for the KV cache: 5.17-5.23 `past_key_values`, 5.24 `cache` (with
+# `past_key_values` still accepted through a deprecation shim). The patched forwards accept both.
+CACHE_ARGS = ("cache", "past_key_values")
+_ATTN_PARAMS = {"hidden_states", "position_embeddings", "attention_mask"}
+_LAYER_PARAMS = {"hidden_states", "attention_mask", "position_ids", "use_cache", "position_embeddings"}
+
+
+def _named_params(fn) -> tuple[list[str], bool] | str:
+    """(named parameters after self, takes **kwargs) of a stock forward, read through its decorators."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]
+    except (TypeError, ValueError) as e:
+        return f"its forward's signature cannot be read ({e})"
+    named = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def _signature_reason(cls, known: set[str]) -> tuple[str, str | None]:
+    """(cache parameter name, None) when the patched forward understands every parameter of the stock
+    `cls.forward`; else ("", why). A parameter it does not know would be dropped, so the module stays stock."""
+    got = _named_params(cls.forward)
+    if isinstance(got, str):
+        return "", got
+    named, var_kw = got
+    caches = [n for n in named if n in CACHE_ARGS]
+    unknown = [n for n in named if n not in known and n not in CACHE_ARGS]
+    if unknown:
+        return "", f"{cls.__name__}.forward takes {', '.join(unknown)}, which the patched forward does not handle"
+    if len(caches) != 1:
+        return "", f"{cls.__name__}.forward names its KV cache {caches or 'nowhere'} (expected one of {CACHE_ARGS})"
+    if not var_kw:
+        return "", f"{cls.__name__}.forward takes no **kwargs (the attention interface needs them)"
+    return caches[0], None
+
+
+def attention_call(cls) -> tuple[str, str | None]:
+    """(cache parameter name, None) if the patched attention forward can stand in for `cls.forward`."""
+    return _signature_reason(cls, _ATTN_PARAMS)
+
+
+def layer_call(cls) -> str | None:
+    """None if the patched decoder-layer forward can stand in for `cls.forward`, else why not."""
+    return _signature_reason(cls, _LAYER_PARAMS)[1]
+
+
+def _pop_cache(kwargs: dict, name: str):
+    """The KV cache under the stock name, or under the other name a caller may still use."""
+    cache = kwargs.pop(name, None)
+    for other in CACHE_ARGS:
+        if other != name and other in kwargs:
+            alias = kwargs.pop(other)
+            cache = alias if cache is None else cache
+    return cache
+
+
 def _eager_default(*args, **kwargs):
     from .attention import eager_attention
 
@@ -205,14 +262,13 @@ def _eager_default(*args, **kwargs):
 _interface: list = []  # transformers' ALL_ATTENTION_FUNCTIONS, imported on first use
 
 
-def _attention_forward(
-    self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs
-):
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     if not _interface:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         _interface.append(ALL_ATTENTION_FUNCTIONS)
     s = self._gemmtune_attn
+    cache = _pop_cache(kwargs, s.cache_arg)
     input_shape = hidden_states.shape[:-1]
     qkv = self.qkv_proj(hidden_states)  # one GEMM; gemmtune capture sees N = q + k + v
     q, k, v = qkv.split(s.sizes, dim=-1)
@@ -236,8 +292,9 @@ def _attention_forward(
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if not fused_rope:
         q, k = self._gemmtune_rope(q, k, cos, sin)
-    if past_key_values is not None:
-        k, v = past_key_values.update(k, v, self.layer_idx)
+    if cache is not None:
+        # 5.24 hands the layer's kwargs to the cache (its layers may read them); earlier releases did not
+        k, v = cache.update(k, v, self.layer_idx, **({"kwargs": kwargs} if s.cache_arg == "cache" else {}))
     fn = _interface[0].get_interface(self.config._attn_implementation, _eager_default)
     extra = {"softcap": self.attn_logit_softcapping} if s.pass_softcap else {}
     out, weights = fn(

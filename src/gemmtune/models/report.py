@@ -39,6 +39,7 @@ _NOT_DONE = {
     "epilogue mlp": "MLP epilogue not fused",
     "quantize": "not quantized",
     "fp8": "fp8 checkpoint weight not routed",
+    "verify": "put back to stock",
 }
 _MAX_PATHS = 3
 
@@ -83,6 +84,15 @@ class OptimizeReport:
         self.skipped.append((f"{kind}: {path}" if path else kind, why))
         not_done = _NOT_DONE.get(kind)
         self.entries.append(Entry("left alone", module_type, path, f"{not_done}: {why}" if not_done else why))
+
+    def withdraw(self, prefix: str) -> None:
+        """Forget the changes made to `prefix` and the modules under it (they were undone)."""
+
+        def inside(path: str) -> bool:
+            return path == prefix or path.startswith(prefix + ".")
+
+        self.changed = [c for c in self.changed if not inside(c.split(": ", 2)[1] if c.count(": ") >= 2 else "")]
+        self.entries = [e for e in self.entries if e.section == "left alone" or not inside(e.path)]
 
     def undo(self):
         """Give the model its original behaviour back (same as gemmtune.restore(model))."""

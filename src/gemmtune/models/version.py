@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import re
 
-# Tested: 5.17 (the GPU machine) and 5.23. 5.x keeps the AttentionInterface / mask-interface and
-# cache.update(k, v, layer_idx) contract this code relies on; 4.x passed rope tensors to the cache.
+# Exactly what CI tests (.ci/run): the pinned 5.24 (constraints.txt), the minimum 5.17 and the newest
+# the registry serves. 5.24 renamed the cache argument (`cache=`); the patched forwards read the stock
+# signatures (models/families.py). A release past the range is refused until CI has run on it.
 MIN_VERSION = (5, 17)
-MAX_EXCLUSIVE = (6, 0)
+MAX_EXCLUSIVE = (5, 25)
 SKIP_ENV = "GEMMTUNE_SKIP_VERSION_CHECK"
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import statistics
 import time
 import traceback
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.compile_mode import compile_ops
+from ..models.hf_cache import with_cache
 from ..tuner.timing import round_order
 from .collect import profile
 from .report import Profile
@@ -54,6 +56,9 @@ class Settings:
     compile_backend: str | None = None  # default: inductor on a GPU, aot_eager on the CPU
     profile: bool = True
     seed: int = 0
+    decode_steps: int = 16  # teacher-forced decode parity: steps checked per contender
+    keep_going: bool = False  # time contenders that fail parity too (marked) instead of stopping
+    break_contender: str | None = None  # test hook: this contender's attention ignores its KV cache
 
     def __post_init__(self):
         bad = [c for c in self.contenders if c not in CONTENDERS]
@@ -72,6 +77,10 @@ class Settings:
             raise ValueError(f"batches {self.batches}, prefill {self.prefill} and ctx {self.ctx} must be positive")
         if self.reps < 1:
             raise ValueError(f"reps must be >= 1, got {self.reps}")
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.break_contender is not None and self.break_contender not in self.contenders:
+            raise ValueError(f"break_contender {self.break_contender!r} is not among {', '.join(self.contenders)}")
 
 
 @dataclass
@@ -114,6 +123,10 @@ class Result:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # what the reader must know to compare (stock_attention)
     quant: dict | None = None  # the quantized copy: mode, optimize summary, per-GEMM and logits errors
+    decode_parity: dict[str, DecodeParity] = field(default_factory=dict)
+
+    def parity_failures(self) -> list[str]:
+        return [f"{n}: {p.verdict()}" for n, p in self.decode_parity.items() if not p.ok]
 
 
 def log(*a) -> None:
@@ -224,8 +237,9 @@ class Decode:
         # Every call (replays too) advances the cache by one token: room for all of them.
         self.cache = StaticCache(config=c.module.config, max_cache_len=ctx + steps)
         self.c = c
+        self.cache_kw = with_cache(c.module, self.cache)
         with torch.no_grad(), c.context():
-            c.module(input_ids=prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            c.module(input_ids=prompt, **with_cache(c.module, self.cache), use_cache=True, logits_to_keep=1)
             for _ in range(2):  # compiles here, outside any capture
                 self.step()
         self.graph = None
@@ -242,13 +256,101 @@ class Decode:
 
     def step(self):
         with torch.no_grad(), self.c.context():
-            return self.c.call(input_ids=self.tok, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            return self.c.call(input_ids=self.tok, **self.cache_kw, use_cache=True, logits_to_keep=1)
 
     def replay(self):
         if self.graph is None:
             self.step()
         else:
             self.graph.replay()
+
+
+# ---- decode parity ------------------------------------------------------------------------------
+# Relative L2 error of a contender's per-step logits against stock's. 16-bit contenders: a few ulps of
+# the model dtype through 4 layers; 8-bit ones add the weight and activation rounding of every GEMM
+# (fp8 e4m3 keeps 3 mantissa bits: about 3-6% per GEMM, not compounding much over 4 layers).
+DECODE_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+QUANT_DECODE_TOL = 0.15
+PARITY_PROMPT = (2, 32)  # batch, prompt tokens
+
+
+@dataclass
+class DecodeParity:
+    """One contender's teacher-forced decode against stock: stock's greedy tokens are fed to both."""
+
+    tolerance: float
+    errors: list[float] = field(default_factory=list)  # per step, prefill's last token first
+    agree: list[bool] = field(default_factory=list)  # per step: greedy (argmax) token equals stock's
+    failure: str = ""  # the contender raised
+
+    @property
+    def ok(self) -> bool:
+        return not self.failure and bool(self.errors) and max(self.errors) <= self.tolerance
+
+    def verdict(self) -> str:
+        if self.failure:
+            return f"FAILED: {self.failure}"
+        worst = max(self.errors)
+        tokens = f"greedy tokens {sum(self.agree)}/{len(self.agree)} equal (prompt's last + each step)"
+        word = "ok" if self.ok else "MISMATCH"
+        return f"{word}: max step rel err {worst:.3g} (tolerance {self.tolerance:g}), {tokens}"
+
+    def as_dict(self) -> dict:
+        errs = [e if math.isfinite(e) else None for e in self.errors]  # JSON has no inf / NaN
+        return {"ok": self.ok, "tolerance": self.tolerance, "step_rel_err": errs,
+                "greedy_equal": self.agree, "failure": self.failure}  # fmt: skip
+
+
+def _decode_logits(c: Contender, prompt: torch.Tensor, feed: torch.Tensor | None, steps: int):
+    """Per-step last-token logits of c on a static cache: the prompt, then `feed`'s tokens one by one
+    (None: its own greedy tokens). Returns (logits [steps + 1, B, V], tokens fed [B, steps])."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=c.module.config, max_cache_len=prompt.shape[1] + steps + 1)
+    kw = with_cache(c.module, cache)
+    out, fed = [], []
+    with torch.no_grad(), c.context():
+        logits = c.call(input_ids=prompt, **kw, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        for t in range(steps):
+            out.append(logits)
+            tok = logits.argmax(-1, keepdim=True) if feed is None else feed[:, t : t + 1]
+            fed.append(tok)
+            logits = c.call(input_ids=tok, **kw, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        out.append(logits)
+    return torch.stack(out), torch.cat(fed, dim=1)
+
+
+def decode_parity(contenders: list[Contender], stock, s: Settings, vocab: int, device) -> dict[str, DecodeParity]:
+    """Teacher-forced decode of s.decode_steps steps for every contender against the stock model."""
+    prompt = _ids(*PARITY_PROMPT, vocab, device, s.seed + 7)
+    ref_c = Contender("stock", stock, stock)
+    want, tokens = _decode_logits(ref_c, prompt, None, s.decode_steps)
+    dtype = next(stock.parameters()).dtype
+    out = {}
+    for c in contenders:
+        tol = QUANT_DECODE_TOL if c.name in _QUANT else DECODE_TOL.get(dtype, 3e-2)
+        p = out[c.name] = DecodeParity(tol)
+        try:
+            got, _ = _decode_logits(c, prompt, tokens, s.decode_steps)
+        except Exception as exc:  # noqa: BLE001 - reported per contender
+            p.failure = f"{type(exc).__name__}: {exc}"
+            continue
+        p.errors = [_rel(g, w) for g, w in zip(got, want)]
+        p.agree = [bool(torch.equal(g.argmax(-1), w.argmax(-1))) for g, w in zip(got, want)]
+    return out
+
+
+def break_decode(module: torch.nn.Module) -> None:
+    """Test hook (bench-model --test-break): every attention module of `module` loses its KV cache
+    argument, the failure a cache-argument rename causes; prefill stays right, decode goes wrong."""
+    from ..models.families import CACHE_ARGS
+
+    def drop(mod, args, kwargs):
+        return args, {k: v for k, v in kwargs.items() if k not in CACHE_ARGS}
+
+    for name, mod in module.named_modules():
+        if name.endswith("self_attn"):
+            mod.register_forward_pre_hook(drop, with_kwargs=True)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -337,6 +439,14 @@ def run(s: Settings) -> Result:
         qreport = gemmtune.optimize(quant, config=s.table, quantize=s.quantize)
         log(str(qreport))
     contenders = make_contenders(stock, opt, s, backend, quant)
+    if s.break_contender is not None:  # on a copy: the contenders sharing its module stay intact
+        i = [c.name for c in contenders].index(s.break_contender)
+        c = contenders[i]
+        broken = copy.deepcopy(c.module)
+        break_decode(broken)
+        call = broken if c.call is c.module else _compile(broken, backend)
+        contenders[i] = Contender(c.name, broken, call, c.ops)
+        log(f"test hook: {c.name}'s attention ignores its KV cache")
     meta = _meta(s, desc, backend, cuda)
     vocab = stock.config.vocab_size
     errors: list[str] = []
@@ -345,6 +455,16 @@ def run(s: Settings) -> Result:
     parity, rel = _parity(contenders, ids0)
     for name, text in parity.items():
         log(f"parity {name}: {text}")
+    dparity = decode_parity(contenders, stock, s, vocab, device)
+    for name, p in dparity.items():
+        log(f"decode parity {name} ({s.decode_steps} teacher-forced steps vs stock): {p.verdict()}")
+    failing = [n for n, p in dparity.items() if not p.ok]
+    if failing and not s.keep_going:
+        res = Result(s, meta, summary, parity, [], [f"decode parity {n}: {dparity[n].verdict()}" for n in failing],
+                     notes=notes, decode_parity=dparity)  # fmt: skip
+        res.seconds = time.perf_counter() - t0
+        log("stopping before timing: a contender fails decode parity (--keep-going times it anyway, marked)")
+        return res
     qinfo = None
     if quant is not None:
         qinfo = _quant_info(quant, qreport, s.quantize, ids0)
@@ -378,7 +498,7 @@ def run(s: Settings) -> Result:
         del decs
         if cuda:
             torch.cuda.empty_cache()
-    res = Result(s, meta, summary, parity, scenarios, errors, notes=notes, quant=qinfo)
+    res = Result(s, meta, summary, parity, scenarios, errors, notes=notes, quant=qinfo, decode_parity=dparity)
     res.seconds = time.perf_counter() - t0
     return res
 

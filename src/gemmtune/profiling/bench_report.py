@@ -40,6 +40,7 @@ def markdown(res: Result, command: str = "") -> str:
     lines += _quant_section(res)
     lines += ["Parity (prefill, last-token logits vs the first contender):", ""]
     lines += [f"- {k}: {v}" for k, v in res.parity.items()] + [""]
+    lines += _decode_parity_section(res)
     lines += [f"Note: {n}" for n in res.notes] + ([""] if res.notes else [])
     lines += ["## Speed: median ms per call (speedup vs stock)", ""]
     lines += ["| scenario | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
@@ -47,12 +48,13 @@ def markdown(res: Result, command: str = "") -> str:
         row = []
         for n in names:
             c = sc.cells.get(n)
+            mark = "" if res.decode_parity.get(n) is None or res.decode_parity[n].ok else " PARITY FAIL"
             if c is None or c.error:
-                row.append("error" if c is not None else "-")
+                row.append(("error" if c is not None else "-") + mark)
             elif n == "stock":
-                row.append(_f(c.ms))
+                row.append(_f(c.ms) + mark)
             else:
-                row.append(f"{_f(c.ms)} ({_f(_speedup(sc, n), 2)}x)")
+                row.append(f"{_f(c.ms)} ({_f(_speedup(sc, n), 2)}x){mark}")
         lines.append(f"| {sc.name} | " + " | ".join(row) + " |")
     lines.append("")
     prof_rows = [(sc, n, sc.cells[n].profile) for sc in res.scenarios for n in names
@@ -80,6 +82,23 @@ def markdown(res: Result, command: str = "") -> str:
     if command:
         lines += [f"Command: `{command}`", ""]
     return "\n".join(lines)
+
+
+def _decode_parity_section(res: Result) -> list[str]:
+    dp = res.decode_parity
+    if not dp:
+        return []
+    steps = res.settings.decode_steps
+    out = [f"Decode parity (teacher-forced: stock's greedy tokens fed to every contender on a static cache, "
+           f"{steps} steps; relative L2 error of each step's logits vs stock):", ""]  # fmt: skip
+    out += ["| contender | verdict | max step rel err | greedy tokens equal | tolerance |", "|---|---|---|---|---|"]
+    for n, p in dp.items():
+        worst = _f(max(p.errors), 4) if p.errors else "-"
+        agree = f"{sum(p.agree)}/{len(p.agree)}" if p.agree else "-"
+        verdict = "ok" if p.ok else ("FAILED" if p.failure else "MISMATCH")
+        out.append(f"| {n} | {verdict} | {worst} | {agree} | {p.tolerance:g} |")
+    out.append("")
+    return out
 
 
 def _quant_section(res: Result) -> list[str]:
@@ -160,9 +179,12 @@ def to_dict(res: Result) -> dict:
             "contenders": list(s.contenders),
             "quantize": s.quantize,
             "compile_ops": list(s.compile_ops),
+            "decode_steps": s.decode_steps,
+            "keep_going": s.keep_going,
         },  # fmt: skip
         "optimize": res.optimize_summary,
         "parity": res.parity,
+        "decode_parity": {n: _clean(p.as_dict()) for n, p in res.decode_parity.items()},
         "quantize": _clean(res.quant),
         "notes": res.notes,
         "scenarios": scen,

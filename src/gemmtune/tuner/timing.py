@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -193,11 +194,14 @@ def bench_gemm(
     return {n: v * 1e3 for n, v in ms.items()}
 
 
+# The CPU timer: a module attribute so tests can put a virtual clock here (a "slow" fake kernel
+# advances it instead of sleeping, which a loaded CI machine would race).
+CPU_CLOCK: Callable[[], float] = time.perf_counter
+
+
 def _bench_cpu(key, runners: dict[str, Runner], reps: int, seed: int, family: Family | None,
                tails: dict[str, float] | None = None) -> dict[str, float]:  # fmt: skip
     """Wall-clock median on the CPU (no graphs there); used by CPU tests and CPU-only tuning."""
-    import time
-
     args = make_inputs(key, torch.device("cpu"), sets=1, seed=seed, family=family)[0]
     out: dict[str, float] = {}
     times: dict[str, list[float]] = {n: [] for n in runners}
@@ -211,9 +215,9 @@ def _bench_cpu(key, runners: dict[str, Runner], reps: int, seed: int, family: Fa
         for name, run in runners.items():
             if name in failed:
                 continue
-            t0 = time.perf_counter()
+            t0 = CPU_CLOCK()
             run(*args)
-            times[name].append((time.perf_counter() - t0) * 1e6)
+            times[name].append((CPU_CLOCK() - t0) * 1e6)
     for name in runners:
         out[name] = float("nan") if name in failed else _median(times[name])
         if tails is not None and name not in failed:

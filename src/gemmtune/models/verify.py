@@ -1,0 +1,164 @@
+"""optimize()'s parity check on the cached path, run on the model's own device and dtype.
+
+Before anything changes, the stock model runs a tiny probe: a left-padded batch of 2 (prefill of
+PREFILL tokens, then DECODE_STEPS one-token steps on the KV cache the prefill returned), and every
+decoder layer's input and output at every call is recorded. After the changes the same probe runs
+again with each decoder layer fed the stock layer's input (teacher forcing), so each layer is judged
+on its own: an error in layer 3 does not make layer 4 look wrong. A layer whose output at any call
+differs from stock beyond the dtype's tolerance (relative L2 over the real, unpadded tokens) is put
+back to stock by the caller, and the logits check does the same for what lies outside the layers
+(final norm, lm_head).
+
+The probe's GEMMs are neither captured nor tuned online (Dispatcher.quiet).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .hf_cache import cache_of, with_cache
+
+PREFILL = 5
+DECODE_STEPS = 3
+BATCH = 2
+LEFT_PAD = 2  # padding of the second row: the mask path of every attention tier is exercised
+
+# Relative L2 error a layer output (or the logits) may have against stock. The bugs this catches (a
+# decode step that ignores its cache, a dropped argument) give errors of order 1.
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+DEFAULT_TOLERANCE = 3e-2
+
+
+@dataclass
+class Probe:
+    ids: torch.Tensor  # [BATCH, PREFILL + DECODE_STEPS]
+    mask: torch.Tensor  # same shape, 0 on the left padding
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> Probe:
+        emb = model.get_input_embeddings()
+        vocab, device = emb.num_embeddings, emb.weight.device
+        gen = torch.Generator(device="cpu").manual_seed(20251125)
+        ids = torch.randint(0, vocab, (BATCH, PREFILL + DECODE_STEPS), generator=gen).to(device)
+        mask = torch.ones_like(ids)
+        mask[1, :LEFT_PAD] = 0
+        return cls(ids, mask)
+
+    def valid(self, call: int) -> torch.Tensor:
+        """Which rows / tokens of call `call` (0: prefill) are real tokens: [BATCH, tokens] bool."""
+        if call == 0:
+            return self.mask[:, :PREFILL].bool()
+        return torch.ones(BATCH, 1, dtype=torch.bool, device=self.mask.device)
+
+
+@dataclass
+class Trace:
+    inputs: list[list[torch.Tensor]]  # per layer, per call: the hidden states it received
+    outputs: list[list[torch.Tensor]]  # per layer, per call: what it returned
+    logits: list[torch.Tensor] = field(default_factory=list)  # per call
+    seconds: float = 0.0
+
+
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def run(model: nn.Module, layers: list[nn.Module], probe: Probe, teacher: Trace | None = None) -> Trace:
+    """Prefill + DECODE_STEPS cached steps, recording each layer's inputs and outputs; with `teacher`,
+    each layer is fed the teacher's input of the same call instead of its predecessor's output."""
+    trace = Trace([[] for _ in layers], [[] for _ in layers])
+    handles = []
+
+    def pre_hook(i):
+        def hook(mod, args, kwargs):
+            calls = trace.inputs[i]
+            if teacher is not None:
+                h = teacher.inputs[i][len(calls)]
+                if args:
+                    args = (h, *args[1:])
+                else:
+                    kwargs = {**kwargs, "hidden_states": h}
+            calls.append(_hidden(args, kwargs).detach().clone())
+            return args, kwargs
+
+        return hook
+
+    def post_hook(i):
+        def hook(mod, args, kwargs, out):
+            trace.outputs[i].append((out[0] if isinstance(out, tuple) else out).detach().clone())
+
+        return hook
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post_hook(i), with_kwargs=True))
+    start = time.perf_counter()
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=probe.ids[:, :PREFILL], attention_mask=probe.mask[:, :PREFILL], use_cache=True)
+            trace.logits.append(out.logits.detach().float())
+            for t in range(PREFILL, PREFILL + DECODE_STEPS):
+                out = model(
+                    input_ids=probe.ids[:, t : t + 1],
+                    attention_mask=probe.mask[:, : t + 1],
+                    use_cache=True,
+                    **with_cache(model, cache_of(out)),
+                )
+                trace.logits.append(out.logits.detach().float())
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    trace.seconds = time.perf_counter() - start
+    return trace
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor) -> float:
+    """Relative L2 error over the real tokens (padding rows hold whatever each path leaves there)."""
+    g, w = got.float()[valid], want.float()[valid]
+    if not torch.isfinite(g).all():
+        return float("inf")
+    return float((g - w).norm() / w.norm().clamp_min(1e-30))
+
+
+@dataclass
+class Finding:
+    index: int  # layer index, or -1 for the logits
+    call: int  # 0: prefill, 1..: decode step
+    error: float
+
+    def where(self) -> str:
+        return "prefill" if self.call == 0 else f"cached decode step {self.call}"
+
+
+def compare(stock: Trace, opt: Trace, probe: Probe, tol: float) -> tuple[list[Finding], Finding | None]:
+    """(layers that disagree, logits disagreement or None): the worst call of each."""
+    bad = []
+    for i, (want, got) in enumerate(zip(stock.outputs, opt.outputs)):
+        worst = _worst(i, want, got, probe)
+        if worst is not None and worst.error > tol:
+            bad.append(worst)
+    logits = _worst(-1, stock.logits, opt.logits, probe)
+    return bad, logits if logits is not None and logits.error > tol else None
+
+
+def _worst(index: int, want: list, got: list, probe: Probe) -> Finding | None:
+    if len(got) != len(want):  # a layer skipped or called twice: as wrong as it gets
+        return Finding(index, min(len(got), len(want)), float("inf"))
+    found = None
+    for call, (w, g) in enumerate(zip(want, got)):
+        err = rel_error(g, w, probe.valid(call)) if g.shape == w.shape else float("inf")
+        if found is None or err > found.error:
+            found = Finding(index, call, err)
+    return found
+
+
+def tolerance(model: nn.Module) -> float:
+    p = next(model.parameters(), None)
+    return TOLERANCE.get(p.dtype if p is not None else None, DEFAULT_TOLERANCE)
