@@ -72,8 +72,9 @@ def _real(v) -> bool:
 
 def validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout) -> None:
     """Raise naming the shapes / dtypes / devices for anything gemm_epilogue cannot compute."""
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
-        raise TypeError(f"gemmtune.gemm_epilogue: x and w must be tensors, got {type(x).__name__}, {type(w).__name__}")
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemmtune.gemm_epilogue: {name} must be a tensor, got {type(t).__name__}")
     for name, t in (("bias", bias), ("c", c)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"gemmtune.gemm_epilogue: {name} must be a tensor or None, got {type(t).__name__}")
@@ -213,12 +214,16 @@ def gemm_epilogue(
     tolerance."""
     if _is_compiling():
         return torch.ops.gemmtune.gemm_epilogue(x, w, bias, c, act, float(alpha), float(beta), out_dtype, w_layout)
-    sig = (
-        x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, _meta(bias), _meta(c), act, alpha != 1, beta != 0,
-        out_dtype, w_layout,
-        _grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
-                             or (c is not None and c.requires_grad)),
-    )  # fmt: skip
+    try:
+        sig = (
+            x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, _meta(bias), _meta(c), act, alpha != 1, beta != 0,
+            out_dtype, w_layout,
+            _grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
+                                 or (c is not None and c.requires_grad)),
+        )  # fmt: skip
+    except AttributeError:  # a non-tensor argument: validate names it
+        validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
+        raise
     call = _calls.get(sig)
     if call is None:
         call = _miss(sig, x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
