@@ -8,6 +8,7 @@ from .dispatch import get_dispatcher, resolve, set_capture, set_config, set_onli
 from .keys import GemmKey
 from .ops import (
     batched_gemm,
+    batched_gemm_a8w8,
     cutlass_gemm,
     fused_moe,
     gemm,
@@ -52,6 +53,7 @@ __all__ = [
     "ConfigTable",
     "GemmKey",
     "batched_gemm",
+    "batched_gemm_a8w8",
     "cutlass_gemm",
     "fused_moe",
     "gemm",

@@ -39,6 +39,7 @@ _BUILTIN = {
     "gemmtune.backends.epilogue": ("TorchEpilogueBackend", "TritonEpilogueBackend"),
     "gemmtune.backends.blaslt_epilogue": ("BlasLtEpilogueBackend",),
     "gemmtune.backends.sparse": ("TorchSparseBackend",),
+    "gemmtune.backends.batched_a8w8": ("TorchBatchedA8W8Backend", "TritonBatchedA8W8Backend"),
 }
 
 _registry: dict[tuple[str, str], Backend] = {}

@@ -280,9 +280,11 @@ class BlockscaleBPreshuffle(Blockscale):
     kernel_hints = ("blockscale_BpreShuffle", "blockscale_bpreshuffle")
 
 
-class BatchedA8W8(_QuantFamily):
+class BatchedA8W8(_ScaledQuantFamily):
+    """Runners take (xq [B, M, K], wq [B, N, K], x_scale [B, M, 1], w_scale [B, 1, N]), scales fp32."""
+
     name = "batched_a8w8"
-    description = "batched int8 GEMM with per-token x per-channel scales (batched_gemm_a8w8)"
+    description = "batched int8 / fp8 GEMM with per-token x per-channel scales (batched_gemm_a8w8)"
     ops = ("batched_gemm_a8w8",)
     env_var = "GEMMTUNE_CONFIG_BATCHED_A8W8"
     aiter_tables = ("a8w8_tuned_batched_gemm.csv",)
@@ -294,7 +296,39 @@ class BatchedA8W8(_QuantFamily):
     excludes = frozenset({"token", "transA", "transB"})
     name_hints = ("a8w8_tuned_batched", "a8w8_untuned_batched", "a8w8_batched", "batched_a8w8")
     kernel_hints = ("a8w8_batched",)
-    unrunnable = "no batched a8w8 op in gemmtune yet"
+
+    def output_shape(self, key: BatchedQuantKey):
+        return (key.B, key.M, key.N)
+
+    def flops(self, key: BatchedQuantKey) -> int:
+        return 2 * key.B * key.M * key.N * key.K
+
+    def _operands(self, key: BatchedQuantKey, device, gen):
+        x = randn((key.B * key.M, key.K), device, gen, torch.float32)
+        w = randn((key.B * key.N, key.K), device, gen, torch.float32, inv_sqrt(key.K))
+        return x, w
+
+    def _quantized_set(self, key: BatchedQuantKey, device, gen, x, w) -> tuple:
+        # Per-token and per-channel scales are per row, so quantizing the stacked batches is per batch.
+        xq, xs = quantize.quantize_per_token(x, key.q_dtype_w)
+        wq, ws = quantize.quantize_per_channel(w, key.q_dtype_w)
+        b, m, n, k = key.B, key.M, key.N, key.K
+        return xq.reshape(b, m, k), wq.reshape(b, n, k), xs.reshape(b, m, 1), ws.reshape(b, 1, n)
+
+    def reference(self, key: BatchedQuantKey, inputs):
+        xq, wq, xs, ws = inputs
+        x = xq.to(torch.float32) * xs.reshape(key.B, key.M, 1)
+        w = wq.to(torch.float32) * ws.reshape(key.B, key.N, 1)
+        return torch.stack([fp32_matmul(x[i], w[i].t()) for i in range(key.B)])
+
+    def set_bytes(self, key: BatchedQuantKey) -> int:
+        return key.B * super().set_bytes(key)
+
+    def bytes(self, key: BatchedQuantKey) -> int:
+        return self.set_bytes(key) + key.B * key.M * key.N * key.outdtype.itemsize + self._side_bytes(key)
+
+    def _side_bytes(self, key: BatchedQuantKey) -> int:
+        return 4 * key.B * (key.M + key.N)
 
 
 class A4W4(_QuantFamily):

@@ -2,6 +2,7 @@
 
 from .attention import softcap_attention
 from .batched import batched_gemm
+from .batched_a8w8 import batched_gemm_a8w8
 from .epilogue import cutlass_gemm, gemm_bias, gemm_epilogue, gemm_gelu, gemm_relu
 from .gemm import gemm, key_of, validate
 from .moe import fused_moe, grouped_gemm, prepare_expert_weights
@@ -16,6 +17,7 @@ from .sparse import prune_2_4, sparse_gemm
 
 __all__ = [
     "batched_gemm",
+    "batched_gemm_a8w8",
     "cutlass_gemm",
     "fused_moe",
     "gemm",
