@@ -388,6 +388,15 @@ OP_CASES = [
         r"budget_s .* got '5'",
     ),
     ("set_online_tuning path int", lambda: gemmtune.set_online_tuning(5), TypeError, r"path must be a str"),
+    (
+        "set_online_tuning libtypes str",
+        lambda: gemmtune.set_online_tuning("x.csv", libtypes="torch"),
+        TypeError,
+        r"libtypes must be a list .* got 'torch'",
+    ),
+    ("set_capture int", lambda: gemmtune.set_capture(123), TypeError, r"set_capture: path must be a str or None"),
+    ("set_config int", lambda: gemmtune.set_config(123), TypeError, r"set_config: config must be .* got int"),
+    ("set_config missing", lambda: gemmtune.set_config("/no/such/table.csv"), ValueError, r"/no/such/table.csv"),
 ]
 
 

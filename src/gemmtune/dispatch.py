@@ -115,6 +115,11 @@ class Dispatcher:
     def set_config(self, config: ConfigStore | ConfigTable | str | list[str] | None) -> ConfigStore:
         """Use `config` from now on: a store, one family's table, paths (each file to its family), or
         None for no tables; clears the runner caches."""
+        if config is not None and not isinstance(config, (ConfigStore, ConfigTable, str, os.PathLike, list)):
+            raise TypeError(f"gemmtune.set_config: config must be a path, a list of paths, a ConfigStore, a "
+                            f"ConfigTable or None, got {type(config).__name__}")  # fmt: skip
+        if isinstance(config, os.PathLike):
+            config = os.fspath(config)
         if isinstance(config, (str, list)):
             config = ConfigStore.load(config)
         elif isinstance(config, ConfigTable):
@@ -137,6 +142,9 @@ class Dispatcher:
 
     def set_capture(self, path: str | None) -> CaptureSet | None:
         """Record shapes into `path` (None stops); clears the caches so counting wrappers apply."""
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"gemmtune.set_capture: path must be a str or None, got {type(path).__name__}")
+        path = os.fspath(path) if path is not None else None
         if self._capture is not None:
             self._capture.flush()
         self._capture = CaptureSet(path) if path else None
@@ -154,6 +162,9 @@ class Dispatcher:
     def set_online_tuning(self, path: str | None, budget_s: float | None = None,
                           libtypes: list[str] | None = None) -> OnlineTuner | None:  # fmt: skip
         """Tune keys no table answers at their first eager call into `path` (None: off)."""
+        if libtypes is not None and (isinstance(libtypes, str) or not all(isinstance(x, str) for x in libtypes)):
+            raise TypeError(f"gemmtune.set_online_tuning: libtypes must be a list of backend names or None, "
+                            f"got {libtypes!r}")  # fmt: skip
         self._online = OnlineTuner(path, 20.0 if budget_s is None else budget_s, libtypes) if path else None
         self._online_from_env = False
         self._env_errors.pop("GEMMTUNE_TUNE_ONLINE", None)
