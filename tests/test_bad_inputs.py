@@ -485,6 +485,12 @@ ENV_CASES = [
         r"GEMMTUNE_TUNE_ONLINE_BUDGET='inf'",
     ),
     (
+        "online libtypes unknown",
+        {"GEMMTUNE_TUNE_ONLINE": "o.csv", "GEMMTUNE_TUNE_ONLINE_LIBTYPES": "torch,nosuchlib"},
+        EnvVarError,
+        r"GEMMTUNE_TUNE_ONLINE_LIBTYPES='torch,nosuchlib': unknown backend\(s\) nosuchlib",
+    ),
+    (
         "plugin missing",
         {"GEMMTUNE_PLUGINS": "no_such_gemmtune_plugin"},
         EnvVarError,

@@ -69,6 +69,14 @@ class OnlineTuner:
             raise EnvVarError(f"{BUDGET_ENV}={text!r}: expected a positive number of seconds per key (default "
                               f"{DEFAULT_BUDGET_S:g})")  # fmt: skip
         libs = [s.strip() for s in environ.get(LIBTYPES_ENV, "").split(",") if s.strip()] or None
+        if libs:
+            from . import backends
+
+            known = {n for fam in backends.families_with_backends() for n in backends.all_backends(fam)}
+            unknown = [n for n in libs if n not in known]
+            if unknown:
+                raise EnvVarError(f"{LIBTYPES_ENV}={environ.get(LIBTYPES_ENV)!r}: unknown backend(s) "
+                                  f"{', '.join(unknown)} (known: {', '.join(sorted(known))})")  # fmt: skip
         return cls(path, budget, libs)
 
     def table_path(self, family: Family) -> str:
