@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 
 from ..models.report import fold_path
 from .bench_model import Result
@@ -200,7 +201,11 @@ def plot(res: Result, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = _names(res)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5))
+    bars = [(f"{sc.name}\n{n}", sc.cells[n].profile) for sc in res.scenarios for n in names
+            if n in sc.cells and sc.cells[n].profile is not None]  # fmt: skip
+    # The profile panel only when something was profiled (--no-profile: one panel, never an empty one).
+    fig, axes = plt.subplots(1, 2 if bars else 1, figsize=(16 if bars else 9, 5.5), squeeze=False)
+    ax1, ax2 = axes[0][0], (axes[0][1] if bars else None)
     width = 0.8 / max(1, len(names))
     for i, n in enumerate(names):
         xs = [j + i * width for j in range(len(res.scenarios))]
@@ -209,11 +214,10 @@ def plot(res: Result, path: str) -> None:
     ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(res.scenarios))], [sc.name for sc in res.scenarios],
                    fontsize=8)  # fmt: skip
     ax1.set_ylabel("speedup vs stock (stock ms / ms)")
-    ax1.set_title(res.meta["model"][:80], fontsize=9)
-    ax1.legend(fontsize=8)
-    bars = [(f"{sc.name}\n{n}", sc.cells[n].profile) for sc in res.scenarios for n in names
-            if n in sc.cells and sc.cells[n].profile is not None]  # fmt: skip
-    if bars:
+    ax1.set_title(textwrap.fill(str(res.meta["model"]), 50), fontsize=9)
+    # Legends sit outside the axes: inside, they covered the bars.
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(4, max(1, len(names))))
+    if ax2 is not None:
         bottom = [0.0] * len(bars)
         xs = list(range(len(bars)))
         for c in CATEGORIES:
@@ -222,8 +226,8 @@ def plot(res: Result, path: str) -> None:
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax2.set_xticks(xs, [b for b, _ in bars], fontsize=6, rotation=90)
         ax2.set_ylabel("ms per call (profiled)")
-        ax2.set_title("time by category")
-        ax2.legend(fontsize=7)
+        ax2.set_title("time by category", fontsize=9)
+        ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -243,5 +247,5 @@ def write(res: Result, out_dir: str, command: str = "") -> list[str]:
         plot(res, os.path.join(out_dir, "report.png"))
         notes.append(f"wrote {os.path.join(out_dir, 'report.png')}")
     except ImportError:
-        notes.append("matplotlib is not installed: no PNG (pip install matplotlib)")
+        notes.append("matplotlib is not installed: no report.png (pip install 'gemmtune[plot]', or matplotlib)")
     return notes
