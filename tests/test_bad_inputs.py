@@ -326,6 +326,25 @@ OP_CASES = [
         TypeError,
         r"gemm_a8w8_blockscale_bpreshuffle: XQ must be",
     ),
+    (
+        "batched_gemm_a8w8 XQ None",
+        lambda: ops.batched_gemm_a8w8(None, t(2, 5, 8, dtype=F8), t(2, 3, 1), t(2, 1, 5)),
+        TypeError,
+        r"batched_gemm_a8w8: XQ must be a tensor, got NoneType",
+    ),
+    (
+        "batched_gemm_a8w8 WQ list",
+        lambda: ops.batched_gemm_a8w8(t(2, 3, 8, dtype=F8), [1], t(2, 3, 1), t(2, 1, 5)),
+        TypeError,
+        r"batched_gemm_a8w8: WQ must be a tensor, got list",
+    ),
+    (
+        "prepare_expert_weights 2-D",
+        lambda: ops.prepare_expert_weights(t(4, 5)),
+        ValueError,
+        r"prepare_expert_weights: weights must be \(E, K, N\)",
+    ),
+    ("gemm_relu w None", lambda: ops.gemm_relu(t(2, 8), None), TypeError, r"\bw must be a tensor, got NoneType"),
     # epilogue ops
     ("epilogue act", lambda: ops.gemm_epilogue(t(2, 8), t(4, 8), act="swish"), ValueError, r"unknown act 'swish'"),
     ("epilogue x None", lambda: ops.gemm_epilogue(None, t(4, 8)), TypeError, r"\bx must be a tensor, got NoneType"),
