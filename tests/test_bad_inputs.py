@@ -11,6 +11,7 @@ from __future__ import annotations
 import pathlib
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -54,7 +55,9 @@ GEMM = dict(x=t(2, 8), w=t(4, 8))
 BATCHED = dict(a=t(2, 3, 8), b=t(2, 8, 5))
 MOE = dict(hidden_states=t(3, 4), w1=t(2, 8, 4), w2=t(2, 4, 4), topk_weights=t(3, 1), topk_ids=ids(3, 1, hi=2))
 GROUPED = dict(input=t(3, 4), weights=t(2, 4, 5), expert_ids=ids(3, 2, hi=2))
-CSR = torch.eye(4).to_sparse_csr()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # torch's "sparse CSR support is in beta" notice
+    CSR = torch.eye(4).to_sparse_csr()
 SPARSE = dict(input=t(2, 4), weight=CSR, sparsity_pattern="csr")
 A8 = dict(XQ=t(2, 8, dtype=F8), WQ=t(4, 8, dtype=F8), x_scale=t(1), w_scale=t(1))
 BLOCK = dict(XQ=t(2, 128, dtype=F8), WQ=t(4, 128, dtype=F8), x_scale=t(2, 1), w_scale=t(1, 1))
