@@ -177,7 +177,7 @@ def _costing(run, us: float):
     return costed
 
 
-def _fake_bench(key, runners, device="cpu", reps=20, seed=0, inputs=None, family=None):
+def _fake_bench(key, runners, device="cpu", reps=20, seed=0, inputs=None, family=None, tails=None):
     """The tuner's timing with a fake clock: each runner runs once (it must work) and costs its cost_us."""
     (args,) = (family or fmoe.FAMILY).make_inputs(key, CPU, 1, seed)
     out = {}
