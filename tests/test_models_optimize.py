@@ -269,9 +269,11 @@ def test_forced_flash_without_flash_attn_raises(monkeypatch):
 
 def test_version_check_message(monkeypatch):
     monkeypatch.delenv(version.SKIP_ENV, raising=False)
-    with pytest.raises(RuntimeError, match=r"supports transformers >=5\.17,<6\.0, found 4\.46\.0"):
+    with pytest.raises(RuntimeError, match=r"supports transformers >=5\.17,<5\.25, found 4\.46\.0"):
         version.check_transformers("4.46.0")
-    assert version.check_transformers("5.20.1") == "5.20.1"
+    with pytest.raises(RuntimeError, match=r"found 5\.25\.0"):  # newer than what CI has tested
+        version.check_transformers("5.25.0")
+    assert version.check_transformers("5.20.1") == "5.20.1" and version.check_transformers("5.24.0") == "5.24.0"
     monkeypatch.setenv(version.SKIP_ENV, "1")
     assert version.check_transformers("6.3.0") == "6.3.0"
 
