@@ -1,8 +1,9 @@
 """Every aiter CSV format as aiter reads it: each file of tests/data/aiter-configs (and, with
 GEMMTUNE_AITER_TREE=<aiter checkout>, every CSV under its aiter/configs/) loads into its family with
-`gemmtune show-config` rc 0 and writes back byte-identically; aiter's non-GEMM CSVs get a one-line error
-naming them. Also: the CSV reader's record splitting, BOM / CRLF / quoting round trips, the rows aiter
-reads but no key can use, folders in GEMMTUNE_CONFIG, a file named twice."""
+`gemmtune show-config` rc 0 and writes back byte-identically; aiter's non-GEMM CSVs are named in one
+line by show-config (rc 0) and refused in one line where a table is expected. Also: the CSV reader's
+record splitting, BOM / CRLF / quoting round trips, the rows aiter reads but no key can use, folders in
+GEMMTUNE_CONFIG, a file named twice."""
 
 from __future__ import annotations
 
@@ -52,11 +53,15 @@ def _fresh_warnings():
 
 
 def _check_file(path: pathlib.Path, tmp: pathlib.Path) -> str:
-    """'refused' (one-line error naming the file) or the family; asserts rc 0 and a byte-identical rewrite."""
+    """'refused' (aiter's non-GEMM CSV: show-config names it in one line, rc 0, and loading it as a table
+    is a one-line error) or the family; asserts rc 0 and a byte-identical rewrite."""
     res = CliRunner().invoke(cli, ["show-config", "--no-conflicts", str(path)])
-    if res.exit_code != 0:
+    assert res.exit_code == 0, res.output
+    if "gemmtune has no use for it" in res.output:
         msg = res.output.strip()
-        assert len(msg.splitlines()) == 1 and str(path) in msg and "gemmtune has no use for it" in msg, msg
+        assert len(msg.splitlines()) == 1 and str(path) in msg, msg
+        with pytest.raises(ConfigError, match="gemmtune has no use for it"):
+            read_any(str(path))
         return "refused"
     got = read_any(str(path))
     out = tmp / path.name

@@ -10,6 +10,8 @@ import click
 
 from .. import backends, families
 from ..configs import ConfigStore
+from ..configs.io import read_csv
+from ..configs.recognize import NotATable, refuse_foreign
 from ..configs.shapes import ShapeListFile, read_any
 from ..configs.table import TableFile, env_sources, unique_paths
 from ..device import default_device, identity
@@ -22,15 +24,21 @@ def _unrunnable(fam) -> str | None:
     return fam.unrunnable or "it has no op here"
 
 
-def _load(paths: tuple[str, ...]) -> tuple[ConfigStore, list[TableFile], list[ShapeListFile]]:
-    """PATHS (files or folders) -> the store of their tables, the tables as read, and the shape lists."""
+def _load(paths: tuple[str, ...]) -> tuple[ConfigStore, list[TableFile], list[ShapeListFile], list[str]]:
+    """PATHS (files or folders) -> the store of their tables, the tables as read, the shape lists, and
+    what each of aiter's non-GEMM CSVs named is (shown, not refused: show-config only describes)."""
     if not paths:
         store = ConfigStore.from_env(os.environ)
-        return store, store.table_files, []
-    store, lists = ConfigStore(), []
+        return store, store.table_files, [], []
+    store, lists, foreign = ConfigStore(), [], []
     for path in unique_paths(list(paths)):
         if os.path.isdir(path):
             store.add_path(path)
+            continue
+        try:
+            refuse_foreign(read_csv(path).header, path)
+        except NotATable as exc:
+            foreign.append(str(exc))
             continue
         got = read_any(path)
         if isinstance(got, ShapeListFile):
@@ -39,7 +47,7 @@ def _load(paths: tuple[str, ...]) -> tuple[ConfigStore, list[TableFile], list[Sh
             store.add_table(got)
     for tab in store.tables.values():
         tab.report_conflicts()
-    return store, store.table_files, lists
+    return store, store.table_files, lists, foreign
 
 
 @click.command("show-config")
@@ -50,15 +58,17 @@ def show_config(paths: tuple[str, ...], conflicts: bool) -> None:
     GEMMTUNE_CONFIG* variables): each file's GEMM family and row count, what applies to this GPU,
     what cannot run here, and duplicate keys."""
     try:
-        store, tables, lists = _load(paths)
+        store, tables, lists, foreign = _load(paths)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    for line in foreign:
+        click.echo(line)
     for sl in lists:
         click.echo(f"{sl.path}: {sl.family.name} shape list (aiter's untuned CSV), {len(sl.keys)} shapes: the "
                    "input of `gemmtune tune`, nothing dispatches from it"
                    + (f"; {len(sl.inert)} with an empty key field, kept" if sl.inert else ""))  # fmt: skip
     if not store.files:
-        if not lists:
+        if not lists and not foreign:
             names = ", ".join(f.env_var for f in families.all_families())
             click.echo(f"No table in effect (none of {names} names a file): every GEMM uses its family's default.")
         return
