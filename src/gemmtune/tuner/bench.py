@@ -36,7 +36,7 @@ from ..dispatch import get_dispatcher, resolve, set_config
 from ..families import Family
 from ..keys import GemmKey, dtype_name
 from ..ops.gemm import gemm
-from .search import NOISE_FLOOR, REMEASURE, busy_reason, shape_seed
+from .search import NOISE_FLOOR, quietest, shape_seed
 from .timing import Ceilings, bench_gemm, measure_ceilings, roof_us
 
 # NOISE_FLOOR (search.py): the smallest difference this method resolves. Rows that dispatch to the
@@ -265,22 +265,11 @@ def bench_table(
 
 
 def _quietest(key, runners, device, reps: int, seed: int, fam: Family) -> tuple[dict[str, float], str]:
-    """bench_gemm, repeated up to REMEASURE times while the machine looks busy (search.busy_reason);
-    the quietest run's times and, when even that one was disturbed, why."""
-    best = None
-    for _ in range(1 + REMEASURE):
-        tails: dict[str, float] = {}
-        t = bench_gemm(key, runners, device=device, reps=reps, seed=seed, family=fam, tails=tails)
-        d1, d2 = t["default"], t["default#2"]
-        if not (d1 == d1 and d2 == d2):
-            return t, ""
-        why = busy_reason(d1, d2, tails)
-        rank = abs(d1 - d2) / min(d1, d2) + max(tails.values(), default=1.0)
-        if best is None or rank < best[0]:
-            best = (rank, t, why)
-        if not why:
-            break
-    return best[1], best[2]
+    """bench_gemm, repeated while the machine looks busy (search.quietest): the quietest run's times and,
+    when even that one was disturbed, why."""
+    times, why = quietest(lambda tails: bench_gemm(key, runners, device=device, reps=reps, seed=seed, family=fam,
+                                                   tails=tails))  # fmt: skip
+    return times, why or ""
 
 
 def _unbenchable(fam: Family, key, torch_backend) -> str:

@@ -368,25 +368,36 @@ def busy_reason(d1: float, d2: float, tails: dict[str, float]) -> str:
     return ""
 
 
-def _final(fam, key, device, opts, pool: _Pool, finalists, default, default_runner, seed, inputs, heartbeat):
-    """The finalists and the default in one accurate run; the default is two contenders, and their
-    spread is the run's noise. A run on a busy machine (busy_reason) is repeated up to REMEASURE times
-    and the quietest kept; pool.busy says why when even that one was disturbed. Returns (default_us, noise)."""
-    final = {"default": default_runner, **{n: pool.runners[n] for n in finalists}, "default#2": default_runner}
+def quietest(measure: Callable[[dict[str, float]], dict[str, float]]) -> tuple[dict[str, float], str | None]:
+    """measure(tails) (times with "default" and "default#2"), repeated up to REMEASURE times while the
+    machine looks busy (busy_reason): the quietest run's times and why even it was disturbed ('' when
+    it was not; None when the default could not be timed, returned at once)."""
     best = None
     for _ in range(1 + REMEASURE):
         tails: dict[str, float] = {}
-        times = _timed(key, final, device, opts.reps, seed, inputs, heartbeat, "final", fam, tails)
+        times = measure(tails)
         d1, d2 = times["default"], times["default#2"]
         if not (d1 == d1 and d2 == d2):
-            raise RuntimeError(f"{fam.describe(key)}: the default ({default.name}) could not be timed")
+            return times, None
         why = busy_reason(d1, d2, tails)
         rank = abs(d1 - d2) / min(d1, d2) + max(tails.values(), default=1.0)
         if best is None or rank < best[0]:
             best = (rank, times, why)
         if not why:
             break
-    _, times, pool.busy = best
+    return best[1], best[2]
+
+
+def _final(fam, key, device, opts, pool: _Pool, finalists, default, default_runner, seed, inputs, heartbeat):
+    """The finalists and the default in one accurate run; the default is two contenders, and their
+    spread is the run's noise. A run on a busy machine (busy_reason) is repeated up to REMEASURE times
+    and the quietest kept; pool.busy says why when even that one was disturbed. Returns (default_us, noise)."""
+    final = {"default": default_runner, **{n: pool.runners[n] for n in finalists}, "default#2": default_runner}
+    times, why = quietest(lambda tails: _timed(key, final, device, opts.reps, seed, inputs, heartbeat, "final",
+                                               fam, tails))  # fmt: skip
+    if why is None:
+        raise RuntimeError(f"{fam.describe(key)}: the default ({default.name}) could not be timed")
+    pool.busy = why
     d1, d2 = times["default"], times["default#2"]
     # On a busy machine extra time is all the load adds: the faster copy is the less disturbed one.
     default.us = min(d1, d2) if pool.busy else (d1 + d2) / 2
