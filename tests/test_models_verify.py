@@ -15,6 +15,7 @@ from test_models_parity import FAMILIES, batch, build, pair  # noqa: E402
 
 import gemmtune  # noqa: E402
 from gemmtune.models import families, verify  # noqa: E402
+from gemmtune.models.hf_cache import CACHE_ARGS  # noqa: E402
 
 
 def _greedy(model, n=8):
@@ -36,7 +37,7 @@ def _drop_cache(monkeypatch):
     real = families._attention_forward
 
     def forgetful(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        for name in families.CACHE_ARGS:
+        for name in CACHE_ARGS:
             kwargs.pop(name, None)
         return real(self, hidden_states, position_embeddings, attention_mask, **kwargs)
 
@@ -136,7 +137,7 @@ def test_installed_transformers_forwards_are_understood():
         model = build(fam)
         layer = model.model.layers[0]
         name, why = families.attention_call(type(layer.self_attn))
-        assert why is None and name in families.CACHE_ARGS, (fam, why)
+        assert why is None and name in CACHE_ARGS, (fam, why)
         assert families.layer_call(type(layer)) is None, fam
 
 
@@ -165,7 +166,7 @@ def test_patched_attention_takes_either_cache_name():
     gemmtune.optimize(model)
     attn = model.model.layers[0].self_attn
     spec = attn._gemmtune_attn
-    other = next(n for n in families.CACHE_ARGS if n != spec.cache_arg)
+    other = next(n for n in CACHE_ARGS if n != spec.cache_arg)
     kwargs = {other: "the cache"}
     assert families._pop_cache(kwargs, spec.cache_arg) == "the cache" and not kwargs
 

@@ -34,6 +34,11 @@ def output_file(ctx, param, value):
     return value
 
 
+def output_file_option(*names: str, **kwargs):
+    """A click option naming a file to write, checked by output_file."""
+    return click.option(*names, type=click.Path(dir_okay=False), callback=output_file, **kwargs)
+
+
 def output_folder(ctx, param, value):
     """A folder to write into: it may be made, but only inside a folder that exists."""
     if value is None:

@@ -14,14 +14,7 @@ from . import _validate as v
 
 
 @click.command("capture", context_settings={"ignore_unknown_options": True})
-@click.option(
-    "-o",
-    "--output",
-    required=True,
-    type=click.Path(dir_okay=False),
-    callback=v.output_file,
-    help="Shapes CSV to write/merge into.",
-)
+@v.output_file_option("-o", "--output", required=True, help="Shapes CSV to write/merge into.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def capture(output: str, command: tuple[str, ...]) -> None:
     """Run COMMAND and record every GEMM shape it dispatches through gemmtune (with call counts).

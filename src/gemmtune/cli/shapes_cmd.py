@@ -32,7 +32,7 @@ _OUT_HELP = "Untuned CSV to write (aiter's M,N,K,bias,dtype,outdtype,...); defau
 @click.option("--family", default="a16w16", show_default=True,
               help="GEMM family to emit: a16w16 (the linear layers) or another family the model runs "
               "(batched: DeepSeek MLA's per-head absorbed projections).")  # fmt: skip
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, callback=v.output_file, help=_OUT_HELP)
+@v.output_file_option("-o", "--output", default=None, help=_OUT_HELP)
 def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> None:
     """The GEMM shapes a Hugging Face model runs (one TP rank), as aiter's untuned CSV.
 

@@ -18,14 +18,8 @@ def _log(msg: str) -> None:
 
 @click.command("tune")
 @click.argument("shapes", type=click.Path(dir_okay=False))
-@click.option(
-    "-o",
-    "--output",
-    required=True,
-    type=click.Path(dir_okay=False),
-    callback=v.output_file,
-    help="Tuned CSV (aiter's columns); existing rows for this GPU are kept and skipped.",
-)
+@v.output_file_option("-o", "--output", required=True,
+                      help="Tuned CSV (aiter's columns); existing rows for this GPU are kept and skipped.")  # fmt: skip
 @click.option(
     "--libtype",
     default=None,
@@ -83,12 +77,8 @@ def _log(msg: str) -> None:
     "cannot end the run; 0 on the CPU). 0 tunes in this process.",
 )
 @click.option("--all", "all_shapes", is_flag=True, help="Retune shapes already in the output.")
-@click.option(
-    "--profile-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    callback=v.output_file,
-    help="Append every candidate's result (status, error, screen and final us, reason) as CSV.",
+@v.output_file_option(
+    "--profile-file", default=None, help="Append each candidate's result (status, error, screen/final us, reason), CSV."
 )
 @click.option("--device", default=None, callback=v.device, help="cuda or cpu (default: cuda when available).")
 @click.option("--family", default=None,

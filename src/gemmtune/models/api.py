@@ -386,13 +386,13 @@ class _CachedPathCheck:
                 opt = verify_mod.run(model, self.layers, self.probe, teacher=self.stock)
         except Exception as e:  # noqa: BLE001 - a patched path that cannot even run: nothing stays patched
             revert(lambda a: True)
-            report.withdraw("")
             report.entries = [e for e in report.entries if e.section == "left alone"]
             report.changed.clear()
             report.notes.append(f"cached-path check failed to run the optimized model ({type(e).__name__}: {e}); "
                                 "every change was undone")  # fmt: skip
             return
-        bad, logits = verify_mod.compare(self.stock, opt, self.probe, self.tol)
+        verdict = verify_mod.compare(self.stock, opt, self.probe, self.tol)
+        bad, logits = verdict.bad, verdict.logits
         for f in bad:
             prefix = self.paths[f.index]
             if revert(lambda a, p=prefix: _inside(a.path, p)):
@@ -413,13 +413,8 @@ class _CachedPathCheck:
         report.notes.append(
             f"cached-path check: {n - len(bad)}/{n} decoder layers agree with stock (prefill of {verify_mod.PREFILL}"
             f" + {verify_mod.DECODE_STEPS} cached decode steps, batch {verify_mod.BATCH} left-padded, relative"
-            f" error <= {self.tol:g}; worst layer {_worst_error(self.stock, opt, self.probe):.1e}); took {secs:.2f} s"
+            f" error <= {self.tol:g}; worst layer {verdict.worst_layer:.1e}); took {secs:.2f} s"
         )
-
-
-def _worst_error(stock, opt, probe) -> float:
-    found = [verify_mod._worst(i, w, g, probe) for i, (w, g) in enumerate(zip(stock.outputs, opt.outputs))]
-    return max((f.error for f in found if f is not None), default=0.0)
 
 
 # ---- public -------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from ..kernels.activations import act_mul
 from ..kernels.norms import add_rmsnorm, rmsnorm, rmsnorm_ref
 from ..kernels.qk_norm_rope import qk_norm_rope
 from ..kernels.rope import rope, rope_ref
+from .hf_cache import CACHE_ARGS
 
 
 @dataclass(frozen=True)
@@ -198,9 +199,8 @@ def detect_rope(fn, device, dtype) -> str:
     return found
 
 
-# Names the stock forwards have used for the KV cache: 5.17-5.23 `past_key_values`, 5.24 `cache` (with
-# `past_key_values` still accepted through a deprecation shim). The patched forwards accept both.
-CACHE_ARGS = ("cache", "past_key_values")
+# The patched forwards accept every name of hf_cache.CACHE_ARGS (5.24 `cache`, before `past_key_values`,
+# still accepted by 5.24 through a deprecation shim).
 _ATTN_PARAMS = {"hidden_states", "position_embeddings", "attention_mask"}
 _LAYER_PARAMS = {"hidden_states", "attention_mask", "position_ids", "use_cache", "position_embeddings"}
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import inspect
 
+# Every name a stock forward has taken the KV cache under, newest first.
+CACHE_ARGS = ("cache", "past_key_values")
+
 
 def cache_kwarg(model) -> str:
     """The name `type(model).forward` takes the KV cache under."""
     params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return next((n for n in CACHE_ARGS if n in params), CACHE_ARGS[-1])
 
 
 def with_cache(model, cache) -> dict:

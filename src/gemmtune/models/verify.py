@@ -137,15 +137,22 @@ class Finding:
         return "prefill" if self.call == 0 else f"cached decode step {self.call}"
 
 
-def compare(stock: Trace, opt: Trace, probe: Probe, tol: float) -> tuple[list[Finding], Finding | None]:
-    """(layers that disagree, logits disagreement or None): the worst call of each."""
-    bad = []
-    for i, (want, got) in enumerate(zip(stock.outputs, opt.outputs)):
-        worst = _worst(i, want, got, probe)
-        if worst is not None and worst.error > tol:
-            bad.append(worst)
+@dataclass
+class Verdict:
+    bad: list[Finding]  # the layers that disagree, each at its worst call
+    logits: Finding | None  # the logits' worst call when it disagrees, else None
+    worst_layer: float  # the largest layer error seen, agreeing or not
+
+
+def compare(stock: Trace, opt: Trace, probe: Probe, tol: float) -> Verdict:
+    worst = [_worst(i, want, got, probe) for i, (want, got) in enumerate(zip(stock.outputs, opt.outputs))]
+    found = [f for f in worst if f is not None]
     logits = _worst(-1, stock.logits, opt.logits, probe)
-    return bad, logits if logits is not None and logits.error > tol else None
+    return Verdict(
+        bad=[f for f in found if f.error > tol],
+        logits=logits if logits is not None and logits.error > tol else None,
+        worst_layer=max((f.error for f in found), default=0.0),
+    )
 
 
 def _worst(index: int, want: list, got: list, probe: Probe) -> Finding | None:

@@ -169,11 +169,10 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         sig = (hidden_states.shape, w1.shape, w2.shape, topk_ids.shape, topk_weights.shape, hidden_states.dtype,
                w1.dtype, w2.dtype, topk_ids.dtype, topk_weights.dtype, hidden_states.device, w1.device, w2.device,
                topk_ids.device, topk_weights.device, activation, doweight_stage1, em, num_shared_experts)  # fmt: skip
-        hash(sig)
+        run = _runners.get(sig)  # hashes sig: an unhashable argument raises here, not later
     except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
         validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
         raise
-    run = _runners.get(sig)
     if run is None:
         run = _fused_miss(sig, hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1,
                           expert_map, num_shared_experts)  # fmt: skip
@@ -312,14 +311,16 @@ def grouped_gemm(input: torch.Tensor, weights: torch.Tensor, expert_ids: torch.T
     """(T, topk, N): each token's rows times its experts' weights (see the module doc)."""
     if _is_compiling():
         return torch.ops.gemmtune.grouped_gemm(input, weights, expert_ids, topk, weights_transposed)
-    if not all(isinstance(t, torch.Tensor) for t in (input, weights, expert_ids)):
-        validate_grouped(input, weights, expert_ids, topk, weights_transposed)  # raises naming the argument
-    if expert_ids.dim() == 1:
-        _check_flat_topk(input, weights, expert_ids, topk)
-        expert_ids = expert_ids.view(-1, topk)
+    try:
+        if expert_ids.dim() == 1:
+            _check_flat_topk(input, weights, expert_ids, topk)
+            expert_ids = expert_ids.view(-1, topk)
+        sig = (input.shape, weights.shape, expert_ids.shape, input.dtype, weights.dtype, expert_ids.dtype,
+               input.device, weights.device, expert_ids.device, topk, weights_transposed)  # fmt: skip
+    except AttributeError:  # a non-tensor argument: validate names it
+        validate_grouped(input, weights, expert_ids, topk, weights_transposed)
+        raise
     k_top = expert_ids.shape[-1] if expert_ids.dim() == 2 else topk
-    sig = (input.shape, weights.shape, expert_ids.shape, input.dtype, weights.dtype, expert_ids.dtype, input.device,
-           weights.device, expert_ids.device, topk, weights_transposed)  # fmt: skip
     run = _grouped_runners.get(sig)
     if run is None:
         run = _grouped_miss(sig, input, weights, expert_ids, topk, weights_transposed)

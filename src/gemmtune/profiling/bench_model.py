@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.compile_mode import compile_ops
-from ..models.hf_cache import with_cache
+from ..models.hf_cache import CACHE_ARGS, with_cache
 from ..tuner.timing import round_order
 from .collect import profile
 from .report import Profile
@@ -343,7 +343,6 @@ def decode_parity(contenders: list[Contender], stock, s: Settings, vocab: int, d
 def break_decode(module: torch.nn.Module) -> None:
     """Test hook (bench-model --test-break): every attention module of `module` loses its KV cache
     argument, the failure a cache-argument rename causes; prefill stays right, decode goes wrong."""
-    from ..models.families import CACHE_ARGS
 
     def drop(mod, args, kwargs):
         return args, {k: v for k, v in kwargs.items() if k not in CACHE_ARGS}
