@@ -11,8 +11,10 @@ arch (`sm90`) still applies to every sm90 GPU with its SM count, after the exact
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -33,7 +35,106 @@ class DeviceIdentity(NamedTuple):
 
 
 def is_rocm() -> bool:
+    """Is this PyTorch a ROCm build (its "cuda" devices are AMD GPUs)?"""
     return torch.version.hip is not None
+
+
+# ---- the device vocabulary: every layer asks these, nobody reads torch.version.hip itself --------
+NVIDIA, AMD, CPU = "nvidia", "amd", "cpu"
+
+
+def _as_device(device) -> torch.device:
+    return torch.device(device) if device is not None else default_device()
+
+
+def vendor(device: torch.device | str | None = None) -> str:
+    """Who made `device`: NVIDIA or AMD for a GPU PyTorch can use, CPU otherwise."""
+    device = _as_device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return CPU
+    return AMD if is_rocm() else NVIDIA
+
+
+def is_gpu(device: torch.device | str | None = None) -> bool:
+    return vendor(device) != CPU
+
+
+def capability(device: torch.device | str | None = None) -> tuple[int, int]:
+    """(major, minor) of a GPU (gfx9 is (9, x) on ROCm); (0, 0) off a GPU."""
+    return facts(device).capability if is_gpu(device) else (0, 0)
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter() -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run on CPU tensors through Triton's interpreter (slow; fp32
+    and fp16 are right there, bf16 is not). Read at each call: tests switch it per test."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def triton_runs_on(device: torch.device | str | None = None) -> bool:
+    """Can a Triton kernel run on `device`: a GPU with triton installed, or the CPU with the interpreter."""
+    return not triton_reason(device)
+
+
+def triton_reason(device: torch.device | str | None = None) -> str:
+    """Why Triton kernels cannot run on `device` ("" when they can)."""
+    device = _as_device(device)
+    if not triton_installed():
+        return "triton is not installed"
+    if is_gpu(device) or (device.type == "cpu" and interpreter()):
+        return ""
+    if device.type == "cuda":
+        return "no GPU is visible to PyTorch"
+    return f"Triton runs on GPUs (or on the CPU with TRITON_INTERPRET=1), not on {device.type}"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a backend or kernel needs of the device; availability and the reason derive from it.
+
+    vendors: who may run it (CPU included means it runs anywhere torch does); triton: its kernels are
+    Triton (the CPU then qualifies only through the interpreter, and only with `interpreter_ok`);
+    min_capability: the least GPU capability (NVIDIA's sm, e.g. (9, 0)) on NVIDIA; modules: Python
+    modules that must be importable (optional extras, e.g. "nvmath")."""
+
+    vendors: frozenset[str] = frozenset({NVIDIA, AMD, CPU})
+    triton: bool = False
+    interpreter_ok: bool = True
+    min_capability: tuple[int, int] | None = None
+    modules: tuple[str, ...] = ()
+
+    def missing(self, device: torch.device | str | None = None) -> str:
+        """"" when `device` has everything needed, else the first thing it lacks, in words."""
+        device = _as_device(device)
+        who = vendor(device)
+        for mod in self.modules:
+            if importlib.util.find_spec(mod.split(".")[0]) is None:
+                return f"python module {mod!r} is not installed"
+        if self.triton:
+            why = triton_reason(device)
+            if why:
+                return why
+            if who == CPU and not self.interpreter_ok:
+                return "its Triton kernels do not run in Triton's interpreter; it needs a GPU"
+        if who not in self.vendors and not (self.triton and who == CPU and self.interpreter_ok):
+            allowed = " or ".join(v if v == CPU else f"an {v.upper()} GPU" for v in sorted(self.vendors))
+            return f"it needs {allowed}, not {_vendor_words(who, device)}"
+        if self.min_capability and who == NVIDIA and capability(device) < self.min_capability:
+            major, minor = self.min_capability
+            got = "%d.%d" % capability(device)
+            return f"it needs an NVIDIA GPU of capability >= {major}.{minor} (sm{major}{minor}), this one is {got}"
+        return ""
+
+
+def _vendor_words(who: str, device: torch.device) -> str:
+    return f"{device.type} ({'no GPU visible' if device.type == 'cuda' else 'CPU'})" if who == CPU else f"an {who.upper()} GPU"
+
+
+GPU_ONLY = frozenset({NVIDIA, AMD})
 
 
 class DeviceFacts(NamedTuple):
