@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..keys import dtype_name
+from ..quant.semi_structured import prune_2_4_dense, semi_structured
 from .base import Column, Family, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
 
 PATTERNS = ("csr", "coo", "bsr", "2:4")
@@ -97,18 +98,7 @@ def to_pattern(dense: torch.Tensor, pattern: str, block: str = "") -> torch.Tens
     if pattern == "bsr":
         r, _, c = block.partition("x")
         return dense.to_sparse_bsr((int(r), int(c)))
-    from ..ops.sparse import semi_structured
-
     return semi_structured(dense)
-
-
-def prune_2_4_dense(w: torch.Tensor) -> torch.Tensor:
-    """Keep the 2 largest-magnitude values of every 4 consecutive along K, zero the other 2."""
-    n, k = w.shape
-    groups = w.reshape(n, k // 4, 4)
-    idx = groups.abs().topk(2, dim=-1).indices
-    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, idx, True)
-    return (groups * mask).reshape(n, k)
 
 
 class Sparse(Family):
