@@ -19,7 +19,7 @@ the L2 in all) are captured in a CUDA graph and replayed, contenders interleaved
 (where flex starts to beat the eager tier: flex.FLEX_MIN_Q); --sweep adds one contender per kernel
 config at the Gemma-2 prefill rows (default list: SWEEP, those that fit 227 KB of shared memory).
 
-    python benchmarks/bench_attention_softcap.py --out benchmarks/results/h100/attention_softcap.md
+    python benchmarks/bench_attention_softcap.py --out OUT_DIR/attention_softcap.md
     python benchmarks/bench_attention_softcap.py --sweep --decode 1,16,17,64 --prefill 1x2048
 """
 

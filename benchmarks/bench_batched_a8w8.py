@@ -6,7 +6,7 @@ Writes OUT/shapes.csv, tunes it into OUT/tuned.csv (`gemmtune tune`: torch and T
 default kept unless a candidate wins beyond noise) and runs `gemmtune bench` on the table (tuned vs default
 per shape, with roof) into OUT/bench.csv / .json / .png. GPU only.
 
-    python benchmarks/bench_batched_a8w8.py -o benchmarks/results/h100/batched_a8w8
+    python benchmarks/bench_batched_a8w8.py -o OUT_DIR
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def write_shapes(path: str, q_dtypes: list[str]) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("-o", "--out", default="benchmarks/results/batched_a8w8", help="output folder")
+    p.add_argument("-o", "--out", default="batched_a8w8_out", help="output folder")
     p.add_argument("--q-dtypes", default="torch.float8_e4m3fn,torch.int8", help="8-bit operand dtypes")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -7,7 +7,7 @@ Each compiled layer is captured in a CUDA graph and all variants are replayed in
 rounds), at a prefill shape (1 x 2048 tokens, causal) and a decode-like one (8 sequences x 1 token).
 An op whose "ref,OP=op" row beats "ref" is faster as a custom op in that shape.
 
-    python benchmarks/bench_compile_ops.py --model llama-3-8b --out benchmarks/results/compile_ops_h100.md
+    python benchmarks/bench_compile_ops.py --model llama-3-8b --out OUT_DIR/compile_ops.md
 """
 
 from __future__ import annotations

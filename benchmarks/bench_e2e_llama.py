@@ -10,7 +10,7 @@ needs no data files) with random weights and a few layers, bf16:
   decode   batch 1 and 8, one token per step on a 1024-token KV cache: eager with a DynamicCache,
            eager with a StaticCache, and CUDA-graph replays of one step with a StaticCache.
 
-    python benchmarks/bench_e2e_llama.py --layers 4 --out benchmarks/results/e2e_h100.md
+    python benchmarks/bench_e2e_llama.py --layers 4 --out OUT_DIR/e2e.md
     python benchmarks/bench_e2e_llama.py --skip prefill,eager,profile    # only the CUDA-graph decode rows
     python benchmarks/bench_e2e_llama.py --device cpu --tiny     # smoke test of the script itself
 """

@@ -26,9 +26,9 @@ grouped_mm = the default of transformers 5.x, batched_mm): decode b=1 and b=8 on
 graphs; the eager loop eagerly), and prefill of 2048 tokens (eager, last-token logits). x_hf_best is
 the speedup over the fastest of them, x_hf_default over the model's default. --table applies here too.
 
-    python benchmarks/bench_moe.py --part op --out benchmarks/results/h100/moe              # ~5-8 min on an H100
+    python benchmarks/bench_moe.py --part op --out OUT_DIR                                   # ~5-8 min on an H100
     python benchmarks/bench_moe.py --part op --table tuned_fmoe.csv --out ...                # tuned = the table's rows
-    python benchmarks/bench_moe.py --part e2e --out benchmarks/results/h100/moe             # ~2-3 min
+    python benchmarks/bench_moe.py --part e2e --out OUT_DIR                                  # ~2-3 min
     python benchmarks/bench_moe.py --device cpu --tiny --out /tmp/moe                        # smoke test (CPU, tiny)
 """
 

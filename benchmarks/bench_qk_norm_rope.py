@@ -7,7 +7,7 @@
    the fused kernel vs optimize() with it turned off, interleaved rounds; "host" is the time until
    Python returns, "wall" until the GPU is done (this prefill is host-bound). Eager figures.
 
-    python benchmarks/bench_qk_norm_rope.py | tee benchmarks/results/h100/qk_norm_rope.txt
+    python benchmarks/bench_qk_norm_rope.py | tee qk_norm_rope.txt
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ qwen3-32b (tp 1); decode M in 1, 8, 16; prefill M in 1024, 2048, 4096. Contender
   configs, the skinny split-K configs for M <= 16, the torch solutions) on a screen (8 repeats),
   re-timed against the others (20 repeats) on fresh inputs: what the tuner would pick;
 - tuned+q: tuned plus the dynamic per-token (or 1x128) activation quantization kernel before it.
-Method (BENCHMARKING.md): CUDA-graph replay over rotating cold input sets > 2x L2, contenders
+Method (docs/benchmarking.md): CUDA-graph replay over rotating cold input sets > 2x L2, contenders
 interleaved in one process, median of repeats; ceilings (read bandwidth, bf16 matmul) measured in the
 same run; the 8-bit roof takes twice the bf16 matmul rate.
 

@@ -14,8 +14,8 @@
 # <suite>_bench.{json,png}, <suite>.log, and everything (profiles, bench CSVs) in $OUT/<suite>.tar.gz.
 # Extra arguments for `gemmtune tune` go in $TUNE_ARGS (e.g. "--libtype torch,skinny --top 3").
 # Models can be given after the suite name to split a long suite over calls, e.g.
-#   TUNED=benchmarks/results/prefill_tuned.csv benchmarks/tune_suites.sh prefill llama-3-8b:1
-#   TUNED=benchmarks/results/prefill_tuned.csv benchmarks/tune_suites.sh prefill llama-3-70b:8
+#   TUNED=$PWD/prefill_tuned.csv benchmarks/tune_suites.sh prefill llama-3-8b:1
+#   TUNED=$PWD/prefill_tuned.csv benchmarks/tune_suites.sh prefill llama-3-70b:8
 # With $TUNED set, that table is resumed (shapes already in it are skipped) and updated in place; copy
 # the returned <suite>_tuned.csv there between calls. Set NOBENCH=1 to skip the bench step.
 set -euo pipefail

@@ -3,7 +3,7 @@
 last wave, the flattened persistent grid, int8's 256-deep tiles).
 
 On the CPU the choice is checked as it resolves on an H100 (the CUDA checks patched; device facts off
-a GPU are an H100's), against the measured winners in benchmarks/results/h100/quant/s6/: the skinny
+a GPU are an H100's), against the measured winners in benchmarks/results/h100/a8w8_vs_bf16/: the skinny
 default must pick the winner's split wherever its tile won a decode point, the int8 prefill default
 must be the config that won most points. On a GPU: the new candidates pass the family check and replay
 bit-equal in a CUDA graph, and an untuned key at M = 8 and 1024 runs its default, captured in a graph
@@ -22,7 +22,7 @@ from kernel_cases import assert_replays_bit_equal, check_every_candidate
 
 from gemmtune.families.quantized import FP8, QuantKey
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/h100/quant/s6"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/h100/a8w8_vs_bf16"
 CPU = torch.device("cpu")
 _Q = {"int8": torch.int8, "fp8": FP8}
 
@@ -123,7 +123,7 @@ def test_skinny_default_takes_the_winners_split_where_its_tile_won(h100):
     from gemmtune.backends.skinny_quant import DEFAULT_TILE
 
     tile = "a8w8_skinny_{}_bn{}_bk{}_".format(*DEFAULT_TILE[:3])
-    rows = [r for r in _rows("decode_skinny8/quant_decode.md") if r["winner"].startswith(tile)]
+    rows = [r for r in _rows("decode_fp8_int8.md") if r["winner"].startswith(tile)]
     assert len(rows) >= 40  # 47 of the 72 fp8 / int8 decode points
     for r in rows:
         key = QuantKey(r["M"], r["N"], r["K"], r["q"], "per_token", False, torch.bfloat16)
@@ -135,7 +135,7 @@ def test_skinny_default_takes_the_winners_split_where_its_tile_won(h100):
 def test_int8_prefill_default_is_the_config_that_won_most_points(h100):
     from gemmtune.backends import a8w8_tg
 
-    rows = [r for r in _rows("prefill_tg8/quant_prefill.md") if r["q"] == torch.int8]
+    rows = [r for r in _rows("prefill_int8.md") if r["q"] == torch.int8]
     assert len(rows) == 36
     most = collections.Counter(r["winner"] for r in rows).most_common(1)[0][0]
     assert a8w8_tg.DEFAULT.name == most

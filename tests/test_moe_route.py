@@ -132,7 +132,7 @@ def run_cases(sort_cases, router_cases, device) -> dict:
 def host_counts() -> dict:
     """aten ops and Triton launches of the grouped_mm pair (Triton glue) and of a whole optimized
     Qwen3-MoE block (router + experts); needs Triton to run (GPU, or the interpreter)."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"))
     from exp_moe_ops import OpCounter, count_block, count_triton, tiny_block
     from moe_cases import make_case
 

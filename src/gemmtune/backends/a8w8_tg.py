@@ -96,7 +96,7 @@ def make_runner(kernel_name: str, key, device: torch.device) -> Runner:
 # What an untuned 8-bit key above M = 32 runs (backends/quantized.py's native, int8; fp8 keeps cuBLASLt):
 # the config that won 22 of the 36 int8 prefill points on an H100 (M 1024-4096, Llama-3-8B /
 # Llama-3-70B tp8 / Qwen3-32B shapes; its non-TMA twin 2 more, the 128x256 4-stage tile 9:
-# benchmarks/results/h100/quant/s6/prefill_tg8/quant_prefill.md), as that twin where TMA cannot run
+# benchmarks/results/h100/a8w8_vs_bf16/prefill_int8.md), as that twin where TMA cannot run
 # (K % 16 != 0, pre-Hopper).
 DEFAULT = A8W8TGConfig(128, 128, 128, 8, 8, 3, tma=True)
 

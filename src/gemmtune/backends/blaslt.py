@@ -17,7 +17,7 @@ with A = w (transposed), B = x, D = y^T (the layout cuBLAS uses for F.linear).
 `GEMMTUNE_BLASLT_SEARCH=wide` adds the whole space the library lists for the key's types (every
 algorithm id x tile x stages x cluster shape that cublasLtMatmulAlgoCheck accepts, ~700 on an H100
 for bf16): measured over the prefill suite's 40 points with 32 <= M <= 512, it gained 0.5% geomean
-over the default list (up to 5% at one point; benchmarks/results/prefill_h100.md), for ~10x the
+over the default list (up to 5% at one point; benchmarks/results/h100/prefill_triton_blaslt_vs_cublas/), for ~10x the
 tuning time, so it is opt-in.
 
 On ROCm the hipBLASLt equivalent would live here; it needs an AMD GPU to build and test, so this

@@ -82,7 +82,7 @@ def _torch_at_least(major: int, minor: int) -> bool:
 
 
 # Untuned keys with many tokens per expert run the grouped_mm pair (with the Triton glue): measured on
-# an H100 (benchmarks/results/h100/moe/op_mixtral_s7, op_qwen3), the tuner picked it for every key with
+# an H100 (benchmarks/results/h100/fused_moe_op/), the tuner picked it for every key with
 # >= 64 slots per expert hit and >= 1024 slots (Mixtral-8x7B tp1/tp2 and Qwen3-30B-A3B, T 1024 and
 # 4096: 1.07-1.49x over the Triton heuristic pair). Below that the Triton pair won or tied, except on
 # Mixtral tp2 at T 64 and 256 (grouped_mm 1.05-1.16x): tuning finds those.

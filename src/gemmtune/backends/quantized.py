@@ -163,7 +163,7 @@ def native_a8w8_choice(key, device) -> tuple[str, str]:
 
 
 def _native_a8w8(key, device) -> Runner:
-    """What an untuned a8w8 key runs (CUDA; measured on an H100, benchmarks/results/h100/quant/s6/):
+    """What an untuned a8w8 key runs (CUDA; measured on an H100, benchmarks/results/h100/a8w8_vs_bf16/):
     - M <= 16, fp8 and int8: the 8-bit skinny kernel's default tile (skinny_quant.DEFAULT_TILE: the
       skinny kernels won all 72 decode points, 1.6x over torch._scaled_mm, decode_skinny8/);
     - fp8 above that: cuBLASLt (torch._scaled_mm) where it applies;

@@ -10,7 +10,7 @@ variants (`_pdl2`, `_pdl3`: see kernels/skinny.py), so 27 to 54 per shape.
 
 PDL variants gain when the kernel before the GEMM triggers its dependents early (gemmtune's own norm,
 activation and GEMM kernels do) and lose a little behind one that does not (a torch kernel, SDPA):
-measured in benchmarks/results/skinny_h100.md. GEMMTUNE_PDL=0 runs every PDL row as its plain config.
+measured in benchmarks/results/h100/skinny_vs_cublas_decode/. GEMMTUNE_PDL=0 runs every PDL row as its plain config.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SPLITS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 
 # Tensor-core tiles (block_n, block_k, num_warps, num_stages). Measured on an H100 and an H200
-# (benchmarks/results/skinny_h100.md): the winners were whole-K or lightly split tiles of 64 rows,
-# with the grid at most one wave; 2 partial waves or a stream-K split lost 10-25%.
+# (benchmarks/results/h100/skinny_vs_cublas_decode/, and h200/): the winners were whole-K or lightly
+# split tiles of 64 rows, with the grid at most one wave; 2 partial waves or a stream-K split lost 10-25%.
 _DOT_TILES = (
     (16, 256, 4, 4),
     (16, 512, 4, 3),
-    (32, 256, 4, 3),  # +2% over the rest on 4096x4096 at M 4-16 (exp_skinny_splits.py --families tiles)
+    (32, 256, 4, 3),  # +2% over the rest on 4096x4096 at M 4-16 (experiments/exp_skinny_splits.py --families tiles)
     (32, 256, 4, 4),
     (64, 128, 4, 4),
     (64, 256, 4, 3),
@@ -55,7 +55,7 @@ _DOT_TILES = (
 _GEMV_TILES = ((8, 512, 4), (8, 1024, 4), (16, 512, 8), (16, 256, 4))
 # Programmatic-dependent-launch variants offered per config (1 or 2 weight tiles prefetched into L2
 # before waiting): on an H100 these won 25 of 36 decode cases, by up to 1.2x on 16-25 MB weights
-# (benchmarks/results/skinny_h100.md), when the kernel before them triggers early.
+# (benchmarks/experiments/exp_pdl.py), when the kernel before them triggers early.
 _PDL_VARIANTS = (2, 3)
 
 

@@ -55,7 +55,7 @@ def solution(cfg: ks.SkinnyConfig, prefix: str = PREFIX) -> Solution:
 
 # What an untuned 8-bit key at M <= MAX_TUNE_M runs on a CUDA GPU (backends/quantized.py's native). On
 # an H100 the 8-bit skinny kernels won all 72 decode points (fp8 and int8, 12 shapes x M 1, 8, 16:
-# benchmarks/results/h100/quant/s6/decode_skinny8/quant_decode.md), 1.6x over torch._scaled_mm; the
+# benchmarks/results/h100/a8w8_vs_bf16/decode_fp8_int8.md), 1.6x over torch._scaled_mm; the
 # 64-wide, 512-deep dot tile (4 warps; 3 stages won 31, 4 stages 16) won 47 of them, each with the
 # split backends/skinny.py's one-wave rule picks (1 where N / 64 tiles fill most SMs, 2 for N 4096 x
 # K 14336, 6 for N 1280). PDL variants won 51 of 72; pdl2 runs plain where PDL is off.

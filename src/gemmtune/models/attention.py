@@ -61,7 +61,7 @@ KERNEL_MASKED = True
 # gemmtune's kernel with the mask (bf16 / fp16 on NVIDIA CUDA, head dims MASKED_PREFILL_MIN_D..256,
 # >= KERNEL_MIN_Q queries, no dropout, no attention weights); "sdpa" keeps SDPA-with-mask, which cannot
 # use the flash kernel. Measured on an H100 at Llama-3-8B shapes (1x2048, causal mask): 103.5 us vs
-# SDPA-with-mask 288.1 us (benchmarks/results/h100/bench_model/attention_masked_s7.md).
+# SDPA-with-mask 288.1 us (benchmarks/results/h100/softcap_attention/bench_attention_softcap.md).
 # GEMMTUNE_MASKED_PREFILL=triton|sdpa picks; set_masked_prefill for benchmarks.
 MASKED_PREFILL_MODES = ("sdpa", "triton")
 MASKED_PREFILL_MIN_D = 64
@@ -72,8 +72,8 @@ PACK_MAX_Q = 16  # fold query heads into rows up to this many query tokens (deco
 #   "fold_efficient": the same, forced onto the memory-efficient kernel; "repeat": repeat_kv copies.
 # On an H100 with torch 2.11, one CUDA-graph decode step of a 4-layer Llama-3-8B took 1.213 / 1.296 /
 # 1.393 / 1.350 ms at batch 1 and 1.286 / 1.385 / 1.431 / 2.057 ms at batch 8 in that order
-# (benchmarks/results/e2e_h100.md). Older torch may run enable_gqa-with-mask on the math kernel, so
-# it folds; GEMMTUNE_SDPA_DECODE overrides.
+# (benchmarks/results/h100/e2e_llama_decode/llama-3-8b_default_dispatch.md). Older torch may run
+# enable_gqa-with-mask on the math kernel, so it folds; GEMMTUNE_SDPA_DECODE overrides.
 MASKED_DECODE_MODES = ("gqa", "fold", "fold_efficient", "repeat")
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _HAS_ENABLE_GQA = _TORCH >= (2, 5)

@@ -27,7 +27,7 @@ log = logging.getLogger("gemmtune")
 
 # Decode-sized calls (up to 16 query tokens: decode, speculative steps) keep the caller's path: the
 # grouped eager matmul is the measured decode path (a 4-layer Gemma-2-9B CUDA-graph decode step spends
-# 0.036-0.070 ms in it on an H100, benchmarks/results/h100/bench_model/gemma-2-9b/report.md); flex's
+# 0.036-0.069 ms in it on an H100, benchmarks/results/h100/bench_model_default_dispatch/gemma-2-9b.md); flex's
 # decode kernel has not been measured against it.
 FLEX_MIN_Q = 17
 # Devices where flex_attention runs as a fused (Triton) kernel. On the CPU it is a C++ template that
