@@ -94,7 +94,7 @@ def test_auto_tier_per_model_and_device(no_flash, monkeypatch):
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
     assert tier == "flex" and "no Triton tier: gemmtune's Triton attention runs on NVIDIA CUDA only" in note
     assert f"< {flex.FLEX_MIN_Q} query tokens (decode) run the eager tier" in note
-    monkeypatch.setattr(flex, "_HAS_TRITON", False)
+    monkeypatch.setattr(gemmtune.device, "triton_installed", lambda: False)
     tier, note = attn_mod.resolve_tier("auto", 50.0, "cuda")
     assert tier == "eager" and "triton is not installed" in note
     monkeypatch.setattr(flex, "_MISSING", "torch 2.4 has no torch.nn.attention.flex_attention (needs >= 2.5)")
@@ -401,7 +401,7 @@ def flex_gpu(gpu, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_flex_head_dim_256_gpu(flex_gpu, dtype):
     """Gemma-2-9B's attention shape (16 q heads, 8 kv heads, head dim 256) compiles and is right."""
     q, k, v = qkv(1, 16, 8, 1000, 1000, 256, flex_gpu, dtype)
@@ -431,6 +431,7 @@ def test_gemma2_flex_tier_bf16_gpu(flex_gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gemma2_flex_tier_inductor_gpu(flex_gpu):
     stock, opt, _ = gemma2_pair(flex_gpu, torch.bfloat16)
     torch._dynamo.reset()
@@ -479,6 +480,7 @@ def test_gemma2_flex_prefill_then_graph_decode_gpu(flex_gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_flex_new_prefill_lengths_keep_flex_gpu(flex_gpu):
     """A second and third prefill length recompile flex (dynamic shapes) instead of falling back."""
     _, opt, _ = gemma2_pair(flex_gpu, torch.bfloat16)

@@ -6,6 +6,20 @@ different memory bandwidth, and their winners differ (an H100 table's skinny row
 0.92-0.97x on an H200), so one must not silently use the other's rows. A row written with the bare
 arch (`sm90`) still applies to every sm90 GPU with its SM count, after the exact rows. On the CPU
 `gfx` is `cpu` and `cu_num` the logical core count.
+
+It is also the one place that asks what the device is: `vendor` (NVIDIA, AMD or CPU), `is_gpu`,
+`is_rocm` / `rocm_version` (the torch build), `capability`, and where Triton kernels run. Nothing else
+reads torch.version.hip or TRITON_INTERPRET.
+
+Where Triton kernels run. A GPU with triton installed compiles them (`triton_on_gpu`). With
+TRITON_INTERPRET=1, Triton's interpreter also runs them on CPU tensors (`triton_runs_on` counts that):
+slowly, and bf16 comes out wrong there (fp32 and fp16 are right). So the rule is:
+- automatic choices (`impl="auto"` of the elementwise kernels, the public ops' eager paths, the
+  attention tiers) take a Triton kernel only where `triton_on_gpu` holds; on the CPU they run the
+  PyTorch reference, interpreter or not. The interpreter runs such a kernel only when a caller forces
+  it (`impl="triton"`: the interpreter tests);
+- kernels whose work is exact in the interpreter and which CPU CI is meant to exercise (MoE routing
+  and glue, Triton GEMM backends declaring `Needs(triton=True)`) follow `triton_runs_on`.
 """
 
 from __future__ import annotations
@@ -34,9 +48,14 @@ class DeviceIdentity(NamedTuple):
         return tuple(dict.fromkeys((self.gfx, self.gfx.split("-", 1)[0], ANY_GFX_SENTINEL)))
 
 
+def rocm_version() -> str | None:
+    """The ROCm (HIP) version this PyTorch was built with; None for a CUDA or CPU-only build."""
+    return torch.version.hip
+
+
 def is_rocm() -> bool:
     """Is this PyTorch a ROCm build (its "cuda" devices are AMD GPUs)?"""
-    return torch.version.hip is not None
+    return rocm_version() is not None
 
 
 # ---- the device vocabulary: every layer asks these, nobody reads torch.version.hip itself --------
@@ -44,6 +63,8 @@ NVIDIA, AMD, CPU = "nvidia", "amd", "cpu"
 
 
 def _as_device(device) -> torch.device:
+    if isinstance(device, torch.device):  # the hot path: a tensor's device
+        return device
     return torch.device(device) if device is not None else default_device()
 
 
@@ -75,6 +96,12 @@ def interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+def triton_on_gpu(device: torch.device | str | None = None) -> bool:
+    """Does Triton compile kernels for `device`: a GPU with triton installed (the interpreter does not
+    count). What automatic kernel choices ask; see the module docstring."""
+    return is_gpu(device) and triton_installed()
+
+
 def triton_runs_on(device: torch.device | str | None = None) -> bool:
     """Can a Triton kernel run on `device`: a GPU with triton installed, or the CPU with the interpreter."""
     return not triton_reason(device)
@@ -97,7 +124,8 @@ class Needs:
     """What a backend or kernel needs of the device; availability and the reason derive from it.
 
     vendors: who may run it (CPU included means it runs anywhere torch does); triton: its kernels are
-    Triton (the CPU then qualifies only through the interpreter, and only with `interpreter_ok`);
+    Triton (the CPU then qualifies only through the interpreter, and only with `interpreter_ok`,
+    whatever `vendors` says);
     min_capability: the least GPU capability (NVIDIA's sm, e.g. (9, 0)) on NVIDIA; modules: Python
     modules that must be importable (optional extras, e.g. "nvmath")."""
 
@@ -108,30 +136,39 @@ class Needs:
     modules: tuple[str, ...] = ()
 
     def missing(self, device: torch.device | str | None = None) -> str:
-        """"" when `device` has everything needed, else the first thing it lacks, in words."""
+        """The first thing `device` lacks, in words; "" when it has everything needed."""
         device = _as_device(device)
         who = vendor(device)
         for mod in self.modules:
             if importlib.util.find_spec(mod.split(".")[0]) is None:
                 return f"python module {mod!r} is not installed"
-        if self.triton:
-            why = triton_reason(device)
-            if why:
-                return why
-            if who == CPU and not self.interpreter_ok:
-                return "its Triton kernels do not run in Triton's interpreter; it needs a GPU"
-        if who not in self.vendors and not (self.triton and who == CPU and self.interpreter_ok):
-            allowed = " or ".join(v if v == CPU else f"an {v.upper()} GPU" for v in sorted(self.vendors))
-            return f"it needs {allowed}, not {_vendor_words(who, device)}"
+        if self.triton and not triton_installed():
+            return "triton is not installed"
+        if who == CPU:
+            interpreted = self.triton and self.interpreter_ok and device.type == "cpu"
+            if interpreted and interpreter():
+                return ""  # Triton's interpreter runs its kernels on the CPU
+            if device.type == "cuda":
+                return "no GPU is visible to PyTorch"
+            if interpreted:
+                return f"Triton runs on GPUs (or on the CPU with TRITON_INTERPRET=1), not on {device.type}"
+            if CPU not in self.vendors or self.triton:
+                return f"it needs {self._gpus()}, not {device.type}"
+            return ""
+        if who not in self.vendors:
+            allowed = "the CPU" if self.vendors == {CPU} else self._gpus()
+            return f"it needs {allowed}, not an {who.upper()} GPU"
         if self.min_capability and who == NVIDIA and capability(device) < self.min_capability:
-            major, minor = self.min_capability
-            got = "%d.%d" % capability(device)
-            return f"it needs an NVIDIA GPU of capability >= {major}.{minor} (sm{major}{minor}), this one is {got}"
+            (major, minor), (got_major, got_minor) = self.min_capability, capability(device)
+            return (
+                f"it needs an NVIDIA GPU of capability >= {major}.{minor} (sm{major}{minor}), "
+                f"this one is {got_major}.{got_minor}"
+            )
         return ""
 
-
-def _vendor_words(who: str, device: torch.device) -> str:
-    return f"{device.type} ({'no GPU visible' if device.type == 'cuda' else 'CPU'})" if who == CPU else f"an {who.upper()} GPU"
+    def _gpus(self) -> str:
+        gpus = sorted(self.vendors - {CPU})
+        return " or ".join(f"an {v.upper()} GPU" for v in gpus) if gpus else "a GPU"
 
 
 GPU_ONLY = frozenset({NVIDIA, AMD})
@@ -191,7 +228,7 @@ def _identity_of(device_type: str, index: int | None) -> DeviceIdentity:
 def _check_cuda(device: torch.device) -> None:
     # torch raises AssertionError / RuntimeError deep inside torch.cuda for these; say what is wrong.
     if not torch.cuda.is_available():
-        if torch.version.cuda is None and torch.version.hip is None:
+        if torch.version.cuda is None and not is_rocm():
             why = f"this PyTorch build ({torch.__version__}) has no CUDA/ROCm support"
         else:
             why = "no GPU is visible to PyTorch (torch.cuda.is_available() is False)"

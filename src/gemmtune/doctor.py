@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 
 import torch
 
 from . import backends
-from .device import default_device, facts, identity, is_rocm
+from .device import default_device, facts, identity, rocm_version, vendor
 
 
 def _version(dist: str) -> str:
@@ -20,17 +19,10 @@ def _version(dist: str) -> str:
 
 
 def _pdl_status(dev: torch.device) -> str:
-    from .kernels._common import HAS_PDL, HAS_TRITON, pdl_enabled
+    from .kernels._common import pdl_reason
 
-    if not HAS_TRITON:
-        return "off (triton not installed)"
-    if pdl_enabled(dev):
-        return "on (GEMMTUNE_PDL=0 turns it off)"
-    if not HAS_PDL:
-        return "off (this Triton has no gdc_wait)"
-    if os.environ.get("GEMMTUNE_PDL", "1") == "0":
-        return "off (GEMMTUNE_PDL=0)"
-    return "off (needs CUDA sm90+)"
+    why = pdl_reason(dev)
+    return f"off ({why})" if why else "on (GEMMTUNE_PDL=0 turns it off)"
 
 
 def environment_report() -> dict[str, object]:
@@ -45,7 +37,7 @@ def environment_report() -> dict[str, object]:
         "transformers": _version("transformers"),
         "nvmath-python": _version("nvmath-python"),
         "cuda (torch built with)": torch.version.cuda or "-",
-        "rocm/hip (torch built with)": torch.version.hip or "-",
+        "rocm/hip (torch built with)": rocm_version() or "-",
         "device": str(dev),
         "gfx": ident.gfx,
         "cu_num": ident.cu_num,
@@ -53,15 +45,15 @@ def environment_report() -> dict[str, object]:
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         report["device name"] = props.name
-        report["vendor"] = "AMD" if is_rocm() else "NVIDIA"
+        report["vendor"] = vendor(dev).upper()
         report["memory GiB"] = round(props.total_memory / 2**30, 1)
         report["L2 MiB"] = round(facts(dev).l2_bytes / 2**20, 1)
         report["gpu count"] = torch.cuda.device_count()
     else:
         report["device name"] = platform.processor() or "cpu"
     report["programmatic dependent launch"] = _pdl_status(dev)
-    if dev.type == "cuda":  # runs a few small GEMMs once (backends/blockwise.py)
-        from .backends.blockwise import cuda_support
+    if dev.type == "cuda":  # runs a few small GEMMs once (backends/lib/scaled_mm_blockwise.py)
+        from .backends.lib.scaled_mm_blockwise import cuda_support
 
         report["fp8 block-scaled torch._scaled_mm"] = cuda_support(dev.index).describe()
     rows = {}

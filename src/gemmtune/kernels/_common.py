@@ -1,4 +1,7 @@
-"""What the elementwise kernels (norms, activations, rope) share: optional Triton, dtypes, output alloc."""
+"""What the elementwise kernels (norms, activations, rope) share: optional Triton, dtypes, output alloc.
+
+HAS_TRITON says the triton module imported here (it guards the kernel definitions); whether a kernel
+runs on a device is device.py's question (`triton_on_gpu`, `triton_runs_on`)."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import os
 
 import torch
 
-from ..device import facts
+from ..device import NVIDIA, Needs
 
 try:
     import triton
@@ -32,6 +35,22 @@ except ImportError:
     HAS_PDL = False
 
 
+# PDL's device side: an NVIDIA GPU of sm90+ compiling the kernel (the interpreter has no PDL).
+PDL_NEEDS = Needs(vendors=frozenset({NVIDIA}), triton=True, interpreter_ok=False, min_capability=(9, 0))
+
+
+def pdl_reason(device: torch.device) -> str:
+    """Why PDL launches are off on `device` ("" when they are on)."""
+    why = PDL_NEEDS.missing(device)
+    if why:
+        return why
+    if not HAS_PDL:
+        return "this Triton has no gdc_wait"
+    if os.environ.get("GEMMTUNE_PDL", "1") == "0":
+        return "GEMMTUNE_PDL=0"
+    return ""
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """PDL launches need CUDA sm90+ and a Triton with gdc_wait; GEMMTUNE_PDL=0 turns them off
     everywhere (tuned PDL rows then run as their plain configs). Decided once per device (the
@@ -39,14 +58,7 @@ def pdl_enabled(device: torch.device) -> bool:
     key = (device.type, device.index)
     on = _pdl_on.get(key)
     if on is None:
-        on = _pdl_on[key] = (
-            HAS_PDL
-            and not torch.version.hip
-            and device.type == "cuda"
-            and os.environ.get("GEMMTUNE_PDL", "1") != "0"
-            and torch.cuda.is_available()
-            and facts(device).capability >= (9, 0)
-        )
+        on = _pdl_on[key] = not pdl_reason(device)
     return on
 
 

@@ -2,9 +2,10 @@
 
 Rounding follows the model's two ops: act(gate) is rounded to the input dtype, then the product is
 rounded again, so the fused result matches `act_fn(gate_proj(x)) * up_proj(x)` up to the activation's
-own last-bit differences. `silu_mul` / `gelu_tanh_mul` use Triton for CUDA/ROCm tensors and the
-reference otherwise; `impl="triton"` forces the kernel (interpreter tests on CPU). Under torch.compile
-`act_mul` follows compile_mode: the reference (fused by inductor) or the custom op `gemmtune::act_mul`.
+own last-bit differences. `silu_mul` / `gelu_tanh_mul` use Triton where it compiles for the tensor's
+device (a GPU: device.triton_on_gpu) and the reference otherwise; `impl="triton"` forces the kernel
+(interpreter tests on CPU). Under torch.compile `act_mul` follows compile_mode: the reference (fused by
+inductor) or the custom op `gemmtune::act_mul`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..device import triton_installed, triton_on_gpu
 from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
@@ -102,12 +104,13 @@ def act_mul(gu: torch.Tensor, act: str, *, impl: str = "auto") -> torch.Tensor:
     _check_even(gu)  # (a shape check only: splitting would be one more op per call)
     if impl == "auto" and _is_compiling():
         return _traced(gu, act)
-    ok = HAS_TRITON and gu.dtype in _KERNEL_DTYPES
-    if impl == "ref" or (impl == "auto" and not (ok and gu.is_cuda)):
+    ok = triton_installed() and gu.dtype in _KERNEL_DTYPES
+    if impl == "ref" or (impl == "auto" and not (ok and triton_on_gpu(gu.device))):
         return _REFS[act](gu)
     if not ok:
         raise ValueError(
-            f"act_mul: the Triton kernel cannot run {gu.dtype}{'' if HAS_TRITON else ' (triton is not installed)'}"
+            f"act_mul: the Triton kernel cannot run {gu.dtype}"
+            f"{'' if triton_installed() else ' (triton is not installed)'}"
         )
     return _launch(gu, act)
 
@@ -135,7 +138,7 @@ def _traced(gu: torch.Tensor, act: str) -> torch.Tensor:
 
 @torch.library.custom_op("gemmtune::act_mul", mutates_args=())
 def _act_mul_op(gu: torch.Tensor, act: str) -> torch.Tensor:
-    if gu.is_cuda and HAS_TRITON:
+    if triton_on_gpu(gu.device):
         return _launch(gu, act)
     return _REFS[act](gu).contiguous()
 

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..device import NVIDIA, triton_installed, vendor
 from ._common import HAS_TRITON, tl, triton
 from ._common import empty_out as _empty
 
@@ -367,7 +368,7 @@ def validate(q, k, v, softcap, causal: bool, window, mask=None) -> None:
 
 
 def _fast_tanh(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.version.hip is None
+    return vendor(t.device) == NVIDIA
 
 
 def softcap_attention(q, k, v, *, scaling=None, softcap=None, causal=True, window=None, mask=None, config=None):
@@ -379,7 +380,7 @@ def softcap_attention(q, k, v, *, scaling=None, softcap=None, causal=True, windo
     if softcap is not None and softcap <= 0:
         softcap = None
     validate(q, k, v, softcap, causal, window, mask)
-    if not HAS_TRITON:
+    if not triton_installed():
         raise RuntimeError("softcap_attention: triton is not installed")
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]

@@ -8,16 +8,18 @@ Two weight conventions cover the Hugging Face families:
 Statistics are always computed in fp32. The residual add rounds its sum to the input dtype before the
 norm reads it, as `residual + hidden_states` does in the model.
 
-`rmsnorm` / `add_rmsnorm` pick the Triton kernel for CUDA/ROCm tensors and the reference otherwise
-(CPU, or dtype mixes the kernel does not reproduce exactly); `impl="triton"` forces the kernel
-(used by the interpreter tests on CPU). Under torch.compile they follow compile_mode: the reference
-(fused by inductor) or the custom ops `gemmtune::rmsnorm` / `gemmtune::add_rmsnorm`.
+`rmsnorm` / `add_rmsnorm` pick the Triton kernel where Triton compiles for the tensor's device (a GPU:
+device.triton_on_gpu) and the reference otherwise (CPU, or dtype mixes the kernel does not reproduce
+exactly); `impl="triton"` forces the kernel (used by the interpreter tests on CPU). Under torch.compile
+they follow compile_mode: the reference (fused by inductor) or the custom ops `gemmtune::rmsnorm` /
+`gemmtune::add_rmsnorm`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..device import triton_installed, triton_on_gpu
 from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
@@ -170,14 +172,14 @@ def _kernel_dtypes_ok(x, weight, residual, cast_before_weight) -> bool:
 
 
 def _use_kernel(x, weight, residual, cast_before_weight, impl: str) -> bool:
-    if impl == "ref" or (impl == "auto" and not x.is_cuda):
+    if impl == "ref" or (impl == "auto" and not triton_on_gpu(x.device)):
         return False
-    ok = HAS_TRITON and _kernel_dtypes_ok(x, weight, residual, cast_before_weight)
+    ok = triton_installed() and _kernel_dtypes_ok(x, weight, residual, cast_before_weight)
     if impl == "triton":
         if not ok:
             raise ValueError(
                 f"rmsnorm: the Triton kernel cannot run x {x.dtype}, weight {weight.dtype}"
-                f"{'' if HAS_TRITON else ' (triton is not installed)'}"
+                f"{'' if triton_installed() else ' (triton is not installed)'}"
             )
         return True
     return ok
@@ -247,7 +249,7 @@ def _traced(x, residual, weight, eps, offset, cast_before_weight):
 def _rmsnorm_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_before_weight: bool
 ) -> torch.Tensor:
-    if x.is_cuda and HAS_TRITON:
+    if triton_on_gpu(x.device):
         return _launch(x, None, weight, eps, offset, cast_before_weight)
     return rmsnorm_ref(x, weight, eps, offset=offset, cast_before_weight=cast_before_weight).contiguous()
 
@@ -261,7 +263,7 @@ def _rmsnorm_fake(x, weight, eps, offset, cast_before_weight):
 def _add_rmsnorm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_before_weight: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.is_cuda and HAS_TRITON:
+    if triton_on_gpu(x.device):
         return _launch(x, residual, weight, eps, offset, cast_before_weight)
     y, s = add_rmsnorm_ref(x, residual, weight, eps, offset=offset, cast_before_weight=cast_before_weight)
     return y.contiguous(), s.contiguous()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import triton_installed, triton_on_gpu
 from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import empty_out as _empty
 from ._common import pdl_kwargs as _pdl_kwargs
@@ -103,7 +104,7 @@ def _check(q, k, wq, wk, cos, sin) -> None:
 def _kernel_fits(q, k, wq, wk, cos, sin, cast_before_weight) -> bool:
     """The dtype mixes and layouts the kernel reproduces exactly: those the rope and rmsnorm kernels take."""
     return (
-        HAS_TRITON
+        triton_installed()
         and rope_fits(q, k, cos, sin)
         and norm_dtypes_ok(q, wq, None, cast_before_weight)
         and norm_dtypes_ok(k, wk, None, cast_before_weight)
@@ -126,21 +127,22 @@ def qk_norm_rope(
 ):
     """rope(rmsnorm(q, wq), rmsnorm(k, wk)) as (q_out, k_out), contiguous [B, S, H, D].
 
-    impl: "auto" (the kernel for CUDA tensors it fits, else the unfused ops), "ref" (the reference),
+    impl: "auto" (the kernel for GPU tensors it fits, else the unfused ops), "ref" (the reference),
     "triton" (the kernel or an error; the interpreter tests use it on the CPU).
     """
     _check(q, k, wq, wk, cos, sin)
     kw = {"offset": offset, "cast_before_weight": cast_before_weight}
     if impl == "ref":
         return qk_norm_rope_ref(q, k, wq, wk, cos, sin, eps_q, eps_k, **kw)
-    if impl == "auto" and (_is_compiling() or not q.is_cuda):
+    if impl == "auto" and (_is_compiling() or not triton_on_gpu(q.device)):
         return _unfused(q, k, wq, wk, cos, sin, eps_q, eps_k, kw)
     if _kernel_fits(q, k, wq, wk, cos, sin, cast_before_weight):
         return _launch(q, k, wq, wk, cos, sin, eps_q, eps_k, offset, cast_before_weight)
     if impl == "triton":
         raise ValueError(
             f"qk_norm_rope: the Triton kernel cannot run q {q.dtype} {tuple(q.stride())}, k {k.dtype}, "
-            f"weights {wq.dtype}/{wk.dtype}, cos {cos.dtype}{'' if HAS_TRITON else ' (triton is not installed)'}"
+            f"weights {wq.dtype}/{wk.dtype}, cos {cos.dtype}"
+            f"{'' if triton_installed() else ' (triton is not installed)'}"
         )
     return _unfused(q, k, wq, wk, cos, sin, eps_q, eps_k, kw)
 

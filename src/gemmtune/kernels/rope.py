@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import triton_installed, triton_on_gpu
 from ._common import HAS_TRITON, tl, triton  # noqa: F401 - re-exported for callers
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
@@ -108,10 +109,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     R = cos.shape[-1]
     if R > D or R % 2 or cos.shape[1] != S or cos.shape[0] not in (1, B):
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit q {tuple(q.shape)} (need [1|B, S, R<=D])")
-    ok = HAS_TRITON and _kernel_fits(q, k, cos, sin)
+    ok = triton_installed() and _kernel_fits(q, k, cos, sin)
     if impl == "auto" and _is_compiling():
         return _traced(q, k, cos, sin)
-    if impl == "ref" or (impl == "auto" and not (ok and q.is_cuda)):
+    if impl == "ref" or (impl == "auto" and not (ok and triton_on_gpu(q.device))):
         return rope_ref(q, k, cos, sin)
     if not ok:
         raise ValueError(f"rope: the Triton kernel cannot run q {q.dtype} {tuple(q.stride())}, cos {cos.dtype}")
@@ -170,7 +171,7 @@ def _traced(q, k, cos, sin):
 def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.is_cuda and HAS_TRITON:
+    if triton_on_gpu(q.device):
         return _launch(q, k, cos, sin)
     qo, ko = rope_ref(q, k, cos, sin)
     return qo.contiguous(), ko.contiguous()

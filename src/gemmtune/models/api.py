@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..device import triton_installed
+from . import architectures, epilogue_mlp, fusion
 from . import attention as attn_mod
-from . import epilogue_mlp, families, fusion
 from . import moe as moe_mod
 from . import verify as verify_mod
 from .linear import RouteOptions, is_routed, linear_skip_reason, route_linear, unroute_linear
@@ -43,8 +44,8 @@ def _get(model: nn.Module, path: str) -> nn.Module:
 
 # ---- planning -----------------------------------------------------------------------------------
 class _Planner:
-    def __init__(self, model, family, opts: dict, report: OptimizeReport):
-        self.model, self.family, self.opts, self.report = model, family, opts, report
+    def __init__(self, model, arch, opts: dict, report: OptimizeReport):
+        self.model, self.arch, self.opts, self.report = model, arch, opts, report
         self.actions: list[Action] = []
         self.no_route: set[str] = set()  # module paths whose nn.Linear must not be routed
         self.no_route_prefixes: list[str] = []  # subtrees left alone (MoE experts)
@@ -57,8 +58,10 @@ class _Planner:
     def skip(self, kind: str, path: str, mod: nn.Module, why: str) -> None:
         self.report.skip(kind, path, type(mod).__name__, why)
 
-    def norm(self, path: str, mod: nn.Module, spec: families.NormSpec | str | None = None) -> families.NormSpec | None:
-        spec = families.detect_norm(mod) if spec is None else spec
+    def norm(
+        self, path: str, mod: nn.Module, spec: architectures.NormSpec | str | None = None
+    ) -> architectures.NormSpec | None:
+        spec = architectures.detect_norm(mod) if spec is None else spec
         if isinstance(spec, str):
             self.skip("norm", path, mod, spec)
             return None
@@ -70,23 +73,23 @@ class _Planner:
             return ""
         key = (fn, ref.device, ref.dtype)
         if key not in self.rope_probes:  # one probe per rope function
-            self.rope_probes[key] = families.detect_rope(fn, ref.device, ref.dtype)
+            self.rope_probes[key] = architectures.detect_rope(fn, ref.device, ref.dtype)
         return self.rope_probes[key]
 
     def attention(self, path: str, attn: nn.Module, qk_specs: dict) -> None:
-        fam = self.family
-        if not (self.opts["fuse_qkv"] and fam.qkv):
+        arch = self.arch
+        if not (self.opts["fuse_qkv"] and arch.qkv):
             return
-        why = fusion.fuse_skip_reason(attn, fam.qkv, "qkv_proj")
+        why = fusion.fuse_skip_reason(attn, arch.qkv, "qkv_proj")
         head_dim = getattr(attn, "head_dim", None)
-        rope = families.rope_function(attn)
-        cache_arg, call_why = families.attention_call(type(attn))
+        rope = architectures.rope_function(attn)
+        cache_arg, call_why = architectures.attention_call(type(attn))
         why = why or call_why
         if why is None:
             missing = [
                 a for a in ("o_proj", "layer_idx", "scaling", "config", "attention_dropout") if not hasattr(attn, a)
             ]
-            sizes = tuple(getattr(attn, n).out_features for n in fam.qkv)
+            sizes = tuple(getattr(attn, n).out_features for n in arch.qkv)
             if missing:
                 why = f"missing attribute(s) {', '.join(missing)}"
             elif not isinstance(head_dim, int) or any(s % head_dim for s in sizes) or sizes[1] != sizes[2]:
@@ -95,7 +98,7 @@ class _Planner:
                 why = f"{sizes[0] // head_dim} query heads are not a multiple of {sizes[1] // head_dim} KV heads"
             elif rope is None:
                 why = f"{type(attn).__module__} has no apply_rotary_pos_emb"
-            elif fam.qk_norm and not all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_norm", "k_norm")):
+            elif arch.qk_norm and not all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_norm", "k_norm")):
                 why = "q_norm / k_norm missing"
             elif "forward" in attn.__dict__:
                 why = "its forward is already overridden on the instance"
@@ -104,28 +107,28 @@ class _Planner:
             return
         n_q, n_kv = sizes[0] // head_dim, sizes[1] // head_dim
         self.add("fuse", path, attn, f"q/k/v -> qkv_proj N={sum(sizes)} ({n_q} q heads, {n_kv} kv heads)",
-                 names=fam.qkv, fused="qkv_proj")  # fmt: skip
-        spec = families.AttnSpec(
+                 names=arch.qkv, fused="qkv_proj")  # fmt: skip
+        spec = architectures.AttnSpec(
             sizes=sizes,
             head_dim=head_dim,
-            qk_norm=fam.qk_norm,
-            pass_softcap=fam.softcap_kwarg,
+            qk_norm=arch.qk_norm,
+            pass_softcap=arch.softcap_kwarg,
             sliding_window=getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None)),
             rope_fused=self.rope_kind(rope, attn.qkv_proj.weight if hasattr(attn, "qkv_proj") else attn.q_proj.weight),
             cache_arg=cache_arg,
         )
-        kind = {"": "the family's rope", "full": "fused rope kernel", "any": "fused rope kernel"}[spec.rope_fused]
+        kind = {"": "the model's rope", "full": "fused rope kernel", "any": "fused rope kernel"}[spec.rope_fused]
         qk_norms = _qk_norms_fusable(attn, qk_specs, head_dim) if spec.rope_fused else None
         if qk_norms is not None:
             spec = dataclasses.replace(spec, qk_norms=qk_norms)
             kind = "q_norm/k_norm + rope in one kernel"
         self.add("attn", path, attn, f"forward with the fused qkv GEMM and {kind}", spec=spec, rope=rope)
-        for name in fam.qkv:
+        for name in arch.qkv:
             self.no_route.add(_join(path, name))
 
     def mlp(self, path: str, mlp: nn.Module) -> None:
-        fam, fused_ops = self.family, self.opts["fused_ops"]
-        if families.is_moe_block(mlp):
+        arch, fused_ops = self.arch, self.opts["fused_ops"]
+        if architectures.is_moe_block(mlp):
             self.no_route_prefixes.append(path + ".")
             spec = moe_mod.plan_experts(mlp.experts)
             if isinstance(spec, str):
@@ -147,55 +150,57 @@ class _Planner:
         if "forward" in mlp.__dict__ or act_fn is None or not isinstance(getattr(mlp, "down_proj", None), nn.Linear):
             self.skip("mlp", path, mlp, "layout not recognized (down_proj / act_fn / forward)")
             return
-        if fam.gate_up is not None:
+        if arch.gate_up is not None:
             if not self.opts["fuse_gate_up"]:
                 return
-            why = fusion.fuse_skip_reason(mlp, fam.gate_up, "gate_up_proj")
+            why = fusion.fuse_skip_reason(mlp, arch.gate_up, "gate_up_proj")
             if why is not None:
                 self.skip("fuse gate_up", path, mlp, why)
                 return
-            ref = getattr(mlp, fam.gate_up[0]).weight
-            size = getattr(mlp, fam.gate_up[0]).out_features
-            if getattr(mlp, fam.gate_up[1]).out_features != size:
+            ref = getattr(mlp, arch.gate_up[0]).weight
+            size = getattr(mlp, arch.gate_up[0]).out_features
+            if getattr(mlp, arch.gate_up[1]).out_features != size:
                 self.skip("fuse gate_up", path, mlp, "gate and up widths differ")
                 return
             self.add(
-                "fuse", path, mlp, f"gate/up -> gate_up_proj N={2 * size}", names=fam.gate_up, fused="gate_up_proj"
+                "fuse", path, mlp, f"gate/up -> gate_up_proj N={2 * size}", names=arch.gate_up, fused="gate_up_proj"
             )
-            for name in fam.gate_up:
+            for name in arch.gate_up:
                 self.no_route.add(_join(path, name))
         else:  # already fused (Phi3): only the activation changes
             gu = getattr(mlp, "gate_up_proj", None)
             if not isinstance(gu, nn.Linear) or gu.out_features % 2 or not fused_ops:
                 return
             ref = gu.weight
-        act = families.detect_act(act_fn, ref.device, ref.dtype) if fused_ops else None
+        act = architectures.detect_act(act_fn, ref.device, ref.dtype) if fused_ops else None
         if fused_ops and act is None:
             self.skip("act", path, mlp, f"{type(act_fn).__name__} is not SiLU or GELU-tanh: applied in torch")
-        elif fam.gate_up is None and act is None:
+        elif arch.gate_up is None and act is None:
             return
         label = f"{act}*mul kernel" if act else "torch act*mul"
-        self.add("mlp", path, mlp, f"forward gate_up -> {label} -> down_proj", spec=families.MlpSpec(act, act_attr))
+        self.add(
+            "mlp", path, mlp, f"forward gate_up -> {label} -> down_proj", spec=architectures.MlpSpec(act, act_attr)
+        )
 
     def layer(self, path: str, layer: nn.Module) -> None:
-        fam, opts = self.family, self.opts
-        pre = fam.prefix
+        arch, opts = self.arch, self.opts
+        pre = arch.prefix
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer).__name__ != f"{pre}DecoderLayer" or type(attn).__name__ != f"{pre}Attention" or mlp is None:
             self.skip("layer", path, layer, f"layout is not {pre}DecoderLayer/{pre}Attention: Linear routing only")
             return
         qk_specs = {}  # q_norm / k_norm formulas, probed first: the attention forward may fuse them
-        if opts["fused_ops"] and fam.qk_norm:
+        if opts["fused_ops"] and arch.qk_norm:
             for n in ("q_norm", "k_norm"):
                 if isinstance(getattr(attn, n, None), nn.Module):
-                    qk_specs[n] = families.detect_norm(getattr(attn, n))
+                    qk_specs[n] = architectures.detect_norm(getattr(attn, n))
         self.attention(_join(path, "self_attn"), attn, qk_specs)
         self.mlp(_join(path, "mlp"), mlp)
         if not opts["fused_ops"]:
             return
         for n, spec in qk_specs.items():
             self.norm(_join(path, "self_attn", n), getattr(attn, n), spec)
-        names = families.LAYER_NORMS[fam.layer]
+        names = architectures.LAYER_NORMS[arch.layer]
         specs = {}
         for n in names:
             mod = getattr(layer, n, None)
@@ -203,8 +208,8 @@ class _Planner:
                 self.skip("layer", path, layer, f"no {n}")
                 return
             specs[n] = self.norm(_join(path, n), mod)
-        add_norm = "post_attention_layernorm" if fam.layer == "prenorm" else "pre_feedforward_layernorm"
-        call_why = families.layer_call(type(layer))
+        add_norm = "post_attention_layernorm" if arch.layer == "prenorm" else "pre_feedforward_layernorm"
+        call_why = architectures.layer_call(type(layer))
         if "forward" in layer.__dict__:
             self.skip("layer", path, layer, "its forward is already overridden on the instance")
         elif call_why is not None:
@@ -212,7 +217,7 @@ class _Planner:
         elif specs[add_norm] is None or getattr(layer, add_norm)._forward_hooks:
             self.skip("layer", path, layer, f"{add_norm} not fusable with the residual add")
         else:
-            self.add("layer", path, layer, f"residual add + {add_norm} fused ({fam.layer})", layout=fam.layer)
+            self.add("layer", path, layer, f"residual add + {add_norm} fused ({arch.layer})", layout=arch.layer)
 
     def linears(self) -> None:
         if not self.opts["route_linears"]:
@@ -232,11 +237,16 @@ class _Planner:
                 self.add("route", path, mod, f"GEMM N={mod.out_features} K={mod.in_features}", opts=route)
 
     def plan(self, tier: str | None) -> list[Action]:
-        fam = self.family
-        stack = families.decoder_stack(self.model)
-        if fam is None or stack is None:
+        arch = self.arch
+        stack = architectures.decoder_stack(self.model)
+        if arch is None or stack is None:
             mt = getattr(getattr(self.model, "config", None), "model_type", "?")
-            self.skip("family", "", self.model, f"model_type {mt!r} is not a known family: plain Linear routing only")
+            self.skip(
+                "architecture",
+                "",
+                self.model,
+                f"model_type {mt!r} is not a known architecture: plain Linear routing only",
+            )
         else:
             spath, smod = stack
             for i, layer in enumerate(smod.layers):
@@ -259,7 +269,7 @@ def _qk_norms_fusable(attn: nn.Module, specs: dict, head_dim: int):
     """(q_norm spec, k_norm spec) when both norms can run inside the fused rope kernel, else None: both
     gemmtune RMSNorms of one weight convention over head_dim, with no hooks the fusion would skip."""
     nq, nk = specs.get("q_norm"), specs.get("k_norm")
-    if not (isinstance(nq, families.NormSpec) and isinstance(nk, families.NormSpec)):
+    if not (isinstance(nq, architectures.NormSpec) and isinstance(nk, architectures.NormSpec)):
         return None
     if (nq.offset, nq.cast_before_weight) != (nk.offset, nk.cast_before_weight):
         return None
@@ -290,15 +300,15 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
     elif a.kind == "attn":
         mod._gemmtune_attn = a.data["spec"]
         mod._gemmtune_rope = a.data["rope"]
-        mod.forward = types.MethodType(families._attention_forward, mod)
+        mod.forward = types.MethodType(architectures._attention_forward, mod)
     elif a.kind == "mlp":
         mod._gemmtune_mlp = a.data["spec"]
-        mod.forward = types.MethodType(families._mlp_forward, mod)
+        mod.forward = types.MethodType(architectures._mlp_forward, mod)
     elif a.kind == "norm":
         mod._gemmtune_norm = a.data["spec"]
-        mod.forward = types.MethodType(families._norm_forward, mod)
+        mod.forward = types.MethodType(architectures._norm_forward, mod)
     elif a.kind == "layer":
-        mod.forward = types.MethodType(families.LAYER_FORWARDS[a.data["layout"]], mod)
+        mod.forward = types.MethodType(architectures.LAYER_FORWARDS[a.data["layout"]], mod)
     elif a.kind == "route":
         route_linear(mod, a.data["opts"])
     elif a.kind == "moe":
@@ -363,7 +373,7 @@ class _CachedPathCheck:
     def __init__(self, model, report: OptimizeReport):
         from ..dispatch import get_dispatcher
 
-        spath, smod = families.decoder_stack(model)
+        spath, smod = architectures.decoder_stack(model)
         self.paths = [_join(spath, "layers", str(i)) for i in range(len(smod.layers))]
         self.layers = list(smod.layers)
         self.quiet = get_dispatcher().quiet
@@ -478,26 +488,24 @@ def optimize(
     if meta:
         raise ValueError(f"gemmtune.optimize: parameters are not materialized (meta device), e.g. {meta[0]}")
     tier, note = attn_mod.resolve_tier(attention, _softcap(model), _device(model))
-    fam = families.family_of(model)
+    arch = architectures.architecture_of(model)
     report = OptimizeReport(
-        family=fam.name if fam else "unknown",
+        architecture=arch.name if arch else "unknown",
         model_type=str(getattr(model.config, "model_type", "?")),
         transformers_version=version,
         options=opts,
-        attention_tier=tier if fam else None,
+        attention_tier=tier if arch else None,
         attention_note=note,
     )
     if model.training:
         report.notes.append("model is in training mode: fused layer forwards run the stock path until eval()")
     if fused_ops:
-        from ..kernels.norms import HAS_TRITON
-
-        if not HAS_TRITON:
+        if not triton_installed():
             report.notes.append("triton is not installed: fused ops run their PyTorch references")
-    actions = _Planner(model, fam, opts, report).plan(tier)
+    actions = _Planner(model, arch, opts, report).plan(tier)
     route = RouteOptions(m_threshold, bool(split_bias))
     check = None
-    if verify and fam is not None and families.decoder_stack(model) is not None and actions:
+    if verify and arch is not None and architectures.decoder_stack(model) is not None and actions:
         try:
             check = _CachedPathCheck(model, report)
         except Exception as e:  # noqa: BLE001 - the stock model itself cannot run the probe
@@ -531,6 +539,7 @@ def optimize(
             _undo(model, a)
         raise
     report._model = model
+    report._restore = restore
     report._actions = actions
     model.__dict__[_REPORT] = report
     return report

@@ -36,6 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .. import device as _device
 from ..kernels import attention_softcap as kattn
 from ..ops import attention as attn_ops
 from . import flex
@@ -85,7 +86,7 @@ def _default_masked_decode() -> str:
         if env not in MASKED_DECODE_MODES:
             raise ValueError(f"GEMMTUNE_SDPA_DECODE={env!r}: expected one of {', '.join(MASKED_DECODE_MODES)}")
         return env
-    return "gqa" if _TORCH >= (2, 11) and torch.version.hip is None else "fold"
+    return "gqa" if _TORCH >= (2, 11) and not _device.is_rocm() else "fold"
 
 
 MASKED_DECODE = _default_masked_decode()
@@ -124,12 +125,12 @@ def flash_backend():
 
 def kernel_unavailable_reason(device) -> str | None:
     """None when gemmtune's Triton attention kernel runs on `device`, else why not (for the report)."""
-    if not kattn.HAS_TRITON:
+    if not _device.triton_installed():
         return "triton is not installed"
     kind = torch.device(device).type
     if kind not in KERNEL_DEVICES:
         return f"gemmtune's Triton attention runs on NVIDIA CUDA only (model on {kind})"
-    if kind == "cuda" and torch.version.hip is not None:
+    if kind == "cuda" and _device.is_rocm():
         return "gemmtune's Triton attention is not measured on ROCm"
     return None
 
@@ -147,7 +148,7 @@ def resolve_tier(requested: str | None, softcap: float | None = None, device=Non
     if requested is None or requested == "off":
         return None, "attention left as is (attention=None)"
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = _device.default_device()
     cuda = torch.device(device).type == "cuda"
     fb = flash_backend()
     no_flex = flex.unavailable_reason(device)
@@ -360,7 +361,7 @@ def _kernel_takes(module, query, key, value, dropout, kwargs) -> bool:
     """Shapes, dtypes, devices and modes the Triton kernel computes: prefill-sized, forward only."""
     if dropout or kwargs.get("output_attentions") or getattr(module, "training", False):
         return False
-    if query.device.type not in KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES or not kattn.HAS_TRITON:
+    if query.device.type not in KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES or not _device.triton_installed():
         return False
     L, D = query.shape[2], query.shape[3]
     if L < KERNEL_MIN_Q or D > kattn.MAX_HEAD_DIM or key.shape[3] != D or value.shape != key.shape:

@@ -18,10 +18,11 @@ time during a CUDA-graph capture is not taken either (compiling inside a capture
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
+
+from .. import device as _device
 
 log = logging.getLogger("gemmtune")
 
@@ -48,7 +49,6 @@ try:  # torch >= 2.5 has flex_attention with enable_gqa
 except ImportError:  # pragma: no cover - old torch
     create_block_mask = flex_attention = None
     _MISSING = f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs >= 2.5)"
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def unavailable_reason(device) -> str | None:
@@ -58,7 +58,7 @@ def unavailable_reason(device) -> str | None:
     kind = torch.device(device).type
     if kind not in FUSED_DEVICES:
         return f"flex_attention is fused only on CUDA here (model on {kind})"
-    if not _HAS_TRITON:
+    if not _device.triton_installed():
         return "triton is not installed (flex_attention compiles to Triton)"
     return None
 
@@ -196,7 +196,7 @@ def compiled():
 
 def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, dropout: float) -> bool:
     """Whether this call is one for flex (prefill-sized, supported shapes and mask); cheap, trace-safe."""
-    if _MISSING or query.device.type not in FUSED_DEVICES or not _HAS_TRITON:
+    if _MISSING or query.device.type not in FUSED_DEVICES or not _device.triton_installed():
         return False
     L, D = query.shape[2], query.shape[3]
     if L < FLEX_MIN_Q or dropout or query.dtype not in DTYPES or D not in HEAD_DIMS:

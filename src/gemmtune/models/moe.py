@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backends.moe import _triton_runs_on
+from ..device import triton_reason
 from ..kernels.moe_route import router_topk
 from ..ops.moe import fused_moe
-from .families import detect_act
+from .architectures import detect_act
 
 _TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -147,8 +147,9 @@ def _router_reason(router: nn.Module) -> str | None:
         return "its forward is already overridden on the instance"
     if w.device.type == "meta":
         return "weights are not materialized (meta device)"
-    if not _triton_runs_on(w):
-        return f"the Triton top-k kernel does not run on {w.device.type}"
+    why = triton_reason(w.device)
+    if why:
+        return f"the Triton top-k kernel cannot run: {why}"
     if w.dtype not in _TOL:
         return f"router weight is {w.dtype}"
     return None

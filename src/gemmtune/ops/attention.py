@@ -16,14 +16,16 @@ import math
 
 import torch
 
+from ..device import triton_on_gpu
 from ..kernels import attention_softcap as kattn
+from . import registry
 
 _is_compiling = torch.compiler.is_compiling
 
 
 def _run(q, k, v, mask, scaling: float, softcap: float | None, causal: bool, window: int | None) -> torch.Tensor:
     kw = {"scaling": scaling, "softcap": softcap, "causal": causal, "window": window, "mask": mask}
-    if q.is_cuda and kattn.HAS_TRITON:
+    if triton_on_gpu(q.device):
         return kattn.softcap_attention(q, k, v, **kw)
     kattn.validate(q, k, v, softcap, causal, window, mask)
     return kattn.softcap_attention_ref(q, k, v, **kw)
@@ -82,3 +84,6 @@ def _softcap_attention_fake(query, key, value, mask, scaling, softcap, causal, w
     kattn.validate(query, key, value, softcap if softcap > 0 else None, causal, window if window > 0 else None, mask)
     B, Hq, L, D = query.shape
     return query.new_empty((B, L, Hq, D))
+
+
+registry.record(softcap_attention, custom_op="gemmtune::softcap_attention", family=None)  # no GEMM: no family

@@ -5,7 +5,7 @@ fused_moe(hidden (T, H), w1 (E, 2I, H), w2 (E, H, I), topk_weights (T, topk), to
   with gate_e(x) = x @ w1[e, :I].T, up_e(x) = x @ w1[e, I:].T, down_e(h) = h @ w2[e].T: Hugging Face's
   expert layout (gate_up_proj (E, 2I, H), gate rows first; down_proj (E, H, I)), aiter's and vLLM's.
   An ungated w1 (E, I, H) computes act(x @ w1[e].T) instead. Dispatched per MoeKey to the tuned
-  solution of the fmoe family (families/fmoe.py), else the default (backends/moe.py).
+  solution of the fmoe family (families/fmoe.py), else the default (backends/fmoe/policy.py).
   - doweight_stage1: the routing weight multiplies the activation output (before down) instead of
     the down output: the same result in exact arithmetic, another rounding (aiter's option).
   - expert_map (G,) int: expert parallelism. topk_ids are router ids in [0, G); expert_map gives
@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import moe as bmoe
+from ..backends.fmoe import stages as bmoe
+from ..device import triton_on_gpu
 from ..dispatch import get_dispatcher
 from ..families.fmoe import ACT_TYPES, MoeKey
 from ..kernels import fused_moe as kmoe
 from ..kernels.moe_align import moe_align
+from .hot_path import public_helper, public_op
 
 FAMILY = "fmoe"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INTS = (torch.int32, torch.int64)
 _dispatcher = get_dispatcher()
-_runners = _dispatcher.cache(FAMILY)  # cleared in place by the dispatcher, never rebound
-_grouped_runners = _dispatcher.cache("fmoe.grouped_gemm")  # grouped_gemm is not tuned: heuristic choice
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -141,59 +141,53 @@ def _check_fused_ids(w1, topk_ids, expert_map, shared: int) -> None:
                              f"local expert in [0, {local_routed})")  # fmt: skip
 
 
-def _fused_miss(sig, hidden, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map, shared):
-    validate_fused(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map, shared)
-    key = moe_key(hidden, w1, w2, topk_ids, activation, doweight_stage1, expert_map, shared)
+def _fused_signature(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
+                     num_shared_experts, check_ids) -> tuple:  # fmt: skip
+    em = None if expert_map is None else (expert_map.shape, expert_map.dtype, expert_map.device)
+    return (hidden_states.shape, w1.shape, w2.shape, topk_ids.shape, topk_weights.shape, hidden_states.dtype,
+            w1.dtype, w2.dtype, topk_ids.dtype, topk_weights.dtype, hidden_states.device, w1.device, w2.device,
+            topk_ids.device, topk_weights.device, activation, doweight_stage1, em, num_shared_experts)  # fmt: skip
+
+
+def _fused_validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
+                    num_shared_experts, check_ids) -> None:  # fmt: skip
+    validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
+
+
+def _fused_bind(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
+                num_shared_experts, check_ids):  # fmt: skip
+    key = moe_key(hidden_states, w1, w2, topk_ids, activation, doweight_stage1, expert_map, num_shared_experts)
     if key.token == 0:
-        run = _empty_fused(key)
+        run = lambda hidden, *rest: hidden.new_empty((0, key.model_dim))  # noqa: E731
     else:
-        run = _dispatcher.runner_for(key, hidden.device, family=FAMILY)
-    _runners[sig] = run
-    return run
+        run = _dispatcher.runner_for(key, hidden_states.device, family=FAMILY)
+
+    def call(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, check_ids):
+        if _should_check(check_ids, topk_ids):
+            _check_fused_ids(w1, topk_ids, expert_map, num_shared_experts)
+        return run(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
+
+    return call
 
 
-def _empty_fused(key: MoeKey):
-    return lambda hidden, *rest: hidden.new_empty((0, key.model_dim))
+def _fused_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
+                num_shared_experts):  # fmt: skip
+    validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
+    return hidden_states.new_empty(hidden_states.shape)
 
 
+@public_op(
+    family=FAMILY, signature=_fused_signature, validate=_fused_validate, bind=_fused_bind, fake=_fused_fake,
+    call=("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "expert_map", "check_ids"),
+    op_params=("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation", "doweight_stage1", "expert_map",
+               "num_shared_experts"),
+    op_fixed={"check_ids": False},  # the check syncs with the host: never inside a compiled graph
+)  # fmt: skip
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", *, doweight_stage1: bool = False,
               expert_map: torch.Tensor | None = None, num_shared_experts: int = 0,
               check_ids: bool | None = None) -> torch.Tensor:  # fmt: skip
     """(T, H) mixture-of-experts output in hidden_states' dtype (see the module doc for the semantics)."""
-    if _is_compiling():
-        return torch.ops.gemmtune.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                                            doweight_stage1, expert_map, num_shared_experts)  # fmt: skip
-    try:
-        em = None if expert_map is None else (expert_map.shape, expert_map.dtype, expert_map.device)
-        sig = (hidden_states.shape, w1.shape, w2.shape, topk_ids.shape, topk_weights.shape, hidden_states.dtype,
-               w1.dtype, w2.dtype, topk_ids.dtype, topk_weights.dtype, hidden_states.device, w1.device, w2.device,
-               topk_ids.device, topk_weights.device, activation, doweight_stage1, em, num_shared_experts)  # fmt: skip
-        run = _runners.get(sig)  # hashes sig: an unhashable argument raises here, not later
-    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
-        validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
-        raise
-    if run is None:
-        run = _fused_miss(sig, hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1,
-                          expert_map, num_shared_experts)  # fmt: skip
-    if _should_check(check_ids, topk_ids):
-        _check_fused_ids(w1, topk_ids, expert_map, num_shared_experts)
-    return run(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
-
-
-@torch.library.custom_op("gemmtune::fused_moe", mutates_args=())
-def _fused_op(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: str, doweight_stage1: bool, expert_map: torch.Tensor | None,
-              num_shared_experts: int) -> torch.Tensor:  # fmt: skip
-    with torch.no_grad():
-        return fused_moe(hidden, w1, w2, topk_weights, topk_ids, activation, doweight_stage1=doweight_stage1,
-                         expert_map=expert_map, num_shared_experts=num_shared_experts, check_ids=False)  # fmt: skip
-
-
-@_fused_op.register_fake
-def _fused_fake(hidden, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map, num_shared_experts):
-    validate_fused(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
-    return hidden.new_empty(hidden.shape)
 
 
 # ---- grouped_gemm ---------------------------------------------------------------------------------
@@ -291,68 +285,69 @@ def _grouped_torch(topk: int, num_experts: int, use_grouped_mm: bool):
     return run
 
 
-def _grouped_miss(sig, x, w, ids, topk, weights_transposed):
-    validate_grouped(x, w, ids, topk, weights_transposed)
-    E = w.shape[0]
-    topk = ids.shape[1]
-    if x.device.type == "cuda" and kmoe.HAS_TRITON:
-        run = _grouped_triton(topk, E)
-    else:
-        K, N = (w.shape[2], w.shape[1]) if weights_transposed else (w.shape[1], w.shape[2])
-        aligned = all(d * x.dtype.itemsize % 16 == 0 for d in (K, N))  # torch._grouped_mm's stride rule
-        run = _grouped_torch(topk, E, bmoe.grouped_mm_usable(x.dtype, x.device) and x.dtype == torch.bfloat16
-                             and aligned)  # fmt: skip
-    _grouped_runners[sig] = run
-    return run
+def _grouped_runner(input, weights, topk: int, weights_transposed: bool):
+    E = weights.shape[0]
+    if triton_on_gpu(input.device):
+        return _grouped_triton(topk, E)
+    K, N = (weights.shape[2], weights.shape[1]) if weights_transposed else (weights.shape[1], weights.shape[2])
+    aligned = all(d * input.dtype.itemsize % 16 == 0 for d in (K, N))  # torch._grouped_mm's stride rule
+    return _grouped_torch(topk, E, bmoe.grouped_mm_usable(input.dtype, input.device)
+                          and input.dtype == torch.bfloat16 and aligned)  # fmt: skip
 
 
+def _grouped_signature(input, weights, expert_ids, topk, weights_transposed, check_ids) -> tuple:
+    return (input.shape, weights.shape, expert_ids.shape, input.dtype, weights.dtype, expert_ids.dtype,
+            input.device, weights.device, expert_ids.device, topk, weights_transposed)  # fmt: skip
+
+
+def _grouped_validate(input, weights, expert_ids, topk, weights_transposed, check_ids) -> None:
+    validate_grouped(input, weights, expert_ids, topk, weights_transposed)
+
+
+def _grouped_bind(input, weights, expert_ids, topk, weights_transposed, check_ids):
+    flat = expert_ids.dim() == 1  # (T * topk,) ids, read as (T, topk)
+    T, k_top = (expert_ids.numel() // topk, topk) if flat else tuple(expert_ids.shape)
+    E = weights.shape[0]
+    if T == 0:
+        n = weights.shape[1] if weights_transposed else weights.shape[2]
+        return lambda input, weights, expert_ids, check_ids: input.new_empty((0, k_top, n))
+    run = _grouped_runner(input, weights, k_top, weights_transposed)
+
+    def call(input, weights, expert_ids, check_ids):
+        if flat:
+            expert_ids = expert_ids.view(-1, k_top)
+        checked = _should_check(check_ids, expert_ids)
+        if checked:
+            check_expert_ids("grouped_gemm", expert_ids, E)
+        return run(input, weights.transpose(1, 2) if weights_transposed else weights, expert_ids, checked)
+
+    return call
+
+
+def _grouped_fake(input, weights, expert_ids, topk, weights_transposed):
+    if expert_ids.dim() == 1:
+        _check_flat_topk(input, weights, expert_ids, topk)
+        expert_ids = expert_ids.view(-1, topk)
+    validate_grouped(input, weights, expert_ids, topk, weights_transposed)
+    n = weights.shape[1] if weights_transposed else weights.shape[2]
+    return input.new_empty((expert_ids.shape[0], expert_ids.shape[1], n))
+
+
+# grouped_gemm is not tuned: its runner is a heuristic choice, cached apart from fused_moe's.
+@public_op(
+    family=FAMILY, cache="fmoe.grouped_gemm", signature=_grouped_signature, validate=_grouped_validate,
+    bind=_grouped_bind, fake=_grouped_fake, call=("input", "weights", "expert_ids", "check_ids"),
+    op_params=("input", "weights", "expert_ids", "topk", "weights_transposed"), op_fixed={"check_ids": False},
+)  # fmt: skip
 def grouped_gemm(input: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, topk: int | None = None, *,
                  weights_transposed: bool = False, check_ids: bool | None = None) -> torch.Tensor:  # fmt: skip
     """(T, topk, N): each token's rows times its experts' weights (see the module doc)."""
-    if _is_compiling():
-        return torch.ops.gemmtune.grouped_gemm(input, weights, expert_ids, topk, weights_transposed)
-    try:
-        if expert_ids.dim() == 1:
-            _check_flat_topk(input, weights, expert_ids, topk)
-            expert_ids = expert_ids.view(-1, topk)
-        sig = (input.shape, weights.shape, expert_ids.shape, input.dtype, weights.dtype, expert_ids.dtype,
-               input.device, weights.device, expert_ids.device, topk, weights_transposed)  # fmt: skip
-    except AttributeError:  # a non-tensor argument: validate names it
-        validate_grouped(input, weights, expert_ids, topk, weights_transposed)
-        raise
-    k_top = expert_ids.shape[-1] if expert_ids.dim() == 2 else topk
-    run = _grouped_runners.get(sig)
-    if run is None:
-        run = _grouped_miss(sig, input, weights, expert_ids, topk, weights_transposed)
-    checked = _should_check(check_ids, expert_ids)
-    if checked:
-        check_expert_ids("grouped_gemm", expert_ids, weights.shape[0])
-    if expert_ids.shape[0] == 0:
-        n = weights.shape[1] if weights_transposed else weights.shape[2]
-        return input.new_empty((0, k_top, n))
-    return run(input, weights.transpose(1, 2) if weights_transposed else weights, expert_ids, checked)
 
 
+@public_helper(family=FAMILY)
 def prepare_expert_weights(weights: torch.Tensor) -> torch.Tensor:
     """Experts (E, K, N) re-stored once as (E, N, K) memory, returned as the same (E, K, N) view: the
     layout torch._grouped_mm needs and the Triton kernels read fastest. Pass it to grouped_gemm as is."""
     if weights.dim() != 3:
         raise ValueError(f"gemmtune.prepare_expert_weights: weights must be (E, K, N), got {_d(weights)}")
     return weights.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-@torch.library.custom_op("gemmtune::grouped_gemm", mutates_args=())
-def _grouped_op(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int | None,
-                weights_transposed: bool) -> torch.Tensor:  # fmt: skip
-    with torch.no_grad():
-        return grouped_gemm(x, w, ids, topk, weights_transposed=weights_transposed, check_ids=False)
-
-
-@_grouped_op.register_fake
-def _grouped_fake(x, w, ids, topk, weights_transposed):
-    if ids.dim() == 1:
-        _check_flat_topk(x, w, ids, topk)
-        ids = ids.view(-1, topk)
-    validate_grouped(x, w, ids, topk, weights_transposed)
-    n = w.shape[1] if weights_transposed else w.shape[2]
-    return x.new_empty((ids.shape[0], ids.shape[1], n))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..device import default_device
 from .breakdown import SCRIPT, STEP, analyze
 from .gemms import annotate_gemms
 from .report import Profile
@@ -24,9 +25,7 @@ from .timeline import build
 
 
 def _cuda_in_use(device) -> bool:
-    if device is not None:
-        return torch.device(device).type == "cuda"
-    return torch.cuda.is_available()
+    return (torch.device(device) if device is not None else default_device()).type == "cuda"
 
 
 def _activities(cuda: bool):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..device import AMD, vendor
+
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_FNUZ = getattr(torch, "float8_e4m3fnuz", None)
 FP8_DTYPES = tuple(d for d in (FP8, FP8_FNUZ) if d is not None)
@@ -48,7 +50,7 @@ def quant_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def native_fp8(device: torch.device | None = None) -> torch.dtype:
     """The fp8 e4m3 flavour this GPU's tensor cores take: fnuz on MI300 (gfx942), OCP fn elsewhere."""
-    if device is not None and torch.device(device).type == "cuda" and torch.version.hip and torch.cuda.is_available():
+    if device is not None and vendor(device) == AMD:
         arch = torch.cuda.get_device_properties(device).gcnArchName
         if "gfx94" in arch and FP8_FNUZ is not None:
             return FP8_FNUZ
