@@ -248,7 +248,7 @@ def render(rows, meta) -> str:
     lines += [
         "",
         "Without the PDL variants (best of plain triton and blaslt; PDL gains need the kernel before the GEMM to "
-        "trigger early, see skinny_h100.md): "
+        "trigger early: benchmarks/bench_skinny.py --producers): "
         + ", ".join(
             f"{label} {_geomean([r['no_pdl_speedup'] for r in rows if lo <= r['M'] <= hi]):.3f}"
             for label, lo, hi in (("32 <= M <= 512", 32, 512), ("M >= 1024", 1024, 10**9))
