@@ -3,7 +3,7 @@
 Shapes (bf16, b stored (B, N, K) as aiter's and SGLang's batched weights are: transB):
 - aiter's untuned batched table (tests/data/aiter-configs/bf16_untuned_batched_gemm.csv, built in
   below so the script needs no data files): B=16, (N, K) in (1280, 8192), (8192, 1024), M 1..16384;
-- DeepSeek-V3 MLA's absorbed per-head GEMMs (gemmtune.tuner.shapes.batched_gemms) at tp 1 (128 heads)
+- DeepSeek-V3 MLA's absorbed per-head GEMMs (gemmtune.tuner.model_shapes.batched_gemms) at tp 1 (128 heads)
   and tp 8 (16 heads), tokens 1, 4, 16, 64, 256, 1024, 4096.
 
 Method (docs/benchmarking.md) through gemmtune.tuner.timing.time_graphs: CUDA-graph replay over
@@ -34,7 +34,7 @@ import torch
 
 from gemmtune import backends, families
 from gemmtune.families.batched import BatchedKey
-from gemmtune.tuner.shapes import PRESETS, batched_gemms
+from gemmtune.tuner.model_shapes import PRESETS, batched_gemms
 from gemmtune.tuner.timing import l2_bytes, measure_ceilings, time_graphs
 
 AITER_NK = ((1280, 8192), (8192, 1024))

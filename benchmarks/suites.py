@@ -1,14 +1,14 @@
 """The model suites the benchmarks run: (label, layer, N, K) of each model's linears at a TP degree.
 
 Shapes come from the config.json files of tests/data/models (or --models DIR; a model without a file
-falls back to gemmtune's preset of the same name), derived by gemmtune.tuner.shapes.model_gemms.
+falls back to gemmtune's preset of the same name), derived by gemmtune.tuner.model_shapes.model_gemms.
 """
 
 from __future__ import annotations
 
 import pathlib
 
-from gemmtune.tuner.shapes import load_model_config, model_gemms
+from gemmtune.tuner.model_shapes import load_model_config, model_gemms
 
 LAYERS = ("qkv", "o", "gate_up", "down")
 

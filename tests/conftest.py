@@ -68,11 +68,11 @@ def clean_dispatch(monkeypatch):
     d = get_dispatcher()
     d.set_config(None)
     d.set_capture(None)
-    d.set_online_tuning(None)
+    d.set_miss_hook(None)
     yield d
     d.set_config(None)
     d.set_capture(None)
-    d.set_online_tuning(None)
+    d.set_miss_hook(None)
 
 
 class VirtualClock:

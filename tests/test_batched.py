@@ -253,8 +253,7 @@ def test_blaslt_layouts_refuse_what_must_be_copied():
 
 # ---- DeepSeek MLA's batched GEMMs as shapes -------------------------------------------------------
 def test_deepseek_v3_mla_batched_shapes():
-    from gemmtune.families import get
-    from gemmtune.tuner.shapes import PRESETS, BatchedShape, batched_gemms
+    from gemmtune.tuner.model_shapes import PRESETS, BatchedShape, batched_gemms, model_keys
 
     cfg = PRESETS["deepseek-v3"]
     assert batched_gemms(cfg, 1) == [
@@ -262,12 +261,12 @@ def test_deepseek_v3_mla_batched_shapes():
         BatchedShape("mla_attn_w_uv", 128, 128, 512, True, 61),
     ]
     assert [(s.B, s.N, s.K) for s in batched_gemms(cfg, 8)] == [(16, 512, 128), (16, 128, 512)]
-    keys = get("batched").keys_for_model(cfg, 8, [1, 64], torch.bfloat16)
+    keys = model_keys("batched", cfg, 8, [1, 64], torch.bfloat16)
     assert BatchedKey(16, 64, 128, 512, torch.bfloat16, torch.bfloat16, False, True) in keys and len(keys) == 4
 
 
 def test_batched_shapes_of_other_models_and_bad_tp():
-    from gemmtune.tuner.shapes import PRESETS, ModelConfigError, batched_gemms
+    from gemmtune.tuner.model_shapes import PRESETS, ModelConfigError, batched_gemms
 
     assert batched_gemms(PRESETS["llama-3-8b"], 1) == []
     assert batched_gemms(PRESETS["qwen3-30b-a3b"], 4) == []

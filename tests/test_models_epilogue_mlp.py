@@ -94,20 +94,19 @@ def test_unknown_act_is_skipped_with_a_reason():
 
 
 def test_epilogue_keys_of_model_configs():
-    from gemmtune.families import get
+    from gemmtune.tuner.model_shapes import model_keys
 
-    fam = get("epilogue")
     phi2 = dict(model_type="phi", hidden_size=2560, intermediate_size=10240, hidden_act="gelu_new")
-    keys = fam.keys_for_model(phi2, 1, [1, 64], torch.bfloat16)
+    keys = model_keys("epilogue", phi2, 1, [1, 64], torch.bfloat16)
     assert [(k.M, k.N, k.K, k.bias, k.act) for k in keys] == [
         (1, 10240, 2560, True, "gelu_tanh"), (1, 2560, 10240, True, "none"),
         (64, 10240, 2560, True, "gelu_tanh"), (64, 2560, 10240, True, "none"),
     ]  # fmt: skip
     sc2 = dict(model_type="starcoder2", hidden_size=6144, intermediate_size=24576, hidden_act="gelu_pytorch_tanh",
                use_bias=True)  # fmt: skip
-    up, down = fam.keys_for_model(sc2, 2, [8], torch.bfloat16)
+    up, down = model_keys("epilogue", sc2, 2, [8], torch.bfloat16)
     assert (up.N, up.K, up.bias, down.N, down.K, down.bias) == (12288, 6144, True, 6144, 12288, False)
-    assert fam.keys_for_model(dict(model_type="llama", hidden_size=64), 1, [1], torch.bfloat16) == []
+    assert model_keys("epilogue", dict(model_type="llama", hidden_size=64), 1, [1], torch.bfloat16) == []
 
 
 def test_patched_mlp_uses_a_tuned_epilogue_row(tmp_path):

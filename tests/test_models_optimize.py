@@ -28,7 +28,7 @@ def test_report_lists_changes_and_skips():
     model = build("mixtral")
     report = gemmtune.optimize(model)
     text = report.summary()
-    assert report.family == "mixtral" and report.attention_tier in ("sdpa", "flash")
+    assert report.architecture == "mixtral" and report.attention_tier in ("sdpa", "flash")
     assert "fuse" in report.counts() and "norm" in report.counts()
     assert report.counts().get("moe") == 2 and "gemmtune.fused_moe" in text
     assert str(report) == text
@@ -136,16 +136,16 @@ def test_models_sharing_a_config_stay_untouched():
     assert not any("forward" in m.__dict__ for m in b.modules())
 
 
-def test_unknown_family_gets_linear_routing_only():
+def test_unknown_architecture_gets_linear_routing_only():
     cfg = transformers.OPTConfig(
         hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32
     )
     stock = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model = copy.deepcopy(stock)
     report = gemmtune.optimize(model)
-    assert report.family == "unknown" and report.attention_tier is None
+    assert report.architecture == "unknown" and report.attention_tier is None
     assert set(report.counts()) == {"route"}
-    assert any(w == "family" for w, _ in report.skipped)
+    assert any(w == "architecture" for w, _ in report.skipped)
     ids = torch.randint(4, 64, (2, 7))
     mask = torch.ones_like(ids)
     torch.testing.assert_close(logits(model, ids, mask), logits(stock, ids, mask), rtol=1e-4, atol=1e-5)
@@ -289,11 +289,11 @@ def test_deepcopy_of_optimized_model_restores_itself():
     torch.testing.assert_close(logits(twin, ids, mask), logits(model, ids, mask), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
-def test_optimized_model_compiles_fullgraph_and_matches(family):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_optimized_model_compiles_fullgraph_and_matches(arch):
     """optimize() before torch.compile: no graph break, same logits on a padded batch (its real tokens:
     a padding position attends to nothing, and what each attention path leaves there is undefined)."""
-    model = build(family)
+    model = build(arch)
     ids, mask = batch()
     ref = logits(model, ids, mask)
     gemmtune.optimize(model)

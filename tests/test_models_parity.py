@@ -1,5 +1,5 @@
 """optimize() vs stock transformers: same logits (padded batches, with and without KV cache) and the
-same greedy tokens, for every supported family and every attention tier (CPU, fp32; GPU, bf16)."""
+same greedy tokens, for every supported architecture and every attention tier (CPU, fp32; GPU, bf16)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gemmtune.models.version import MAX_EXCLUSIVE, MIN_VERSION, _parse  # noqa: 
 if not (MIN_VERSION <= _parse(transformers.__version__) < MAX_EXCLUSIVE):
     pytest.skip(f"transformers {transformers.__version__} is outside the supported range", allow_module_level=True)
 
-# The sizes of tests/data/models/tiny-llama.json; each family is built with them in its own config class
+# The sizes of tests/data/models/tiny-llama.json; each architecture is built with them in its own config class
 # (which sets its own model type, activation and dtype).
 _TINY_FILE = pathlib.Path(__file__).resolve().parent / "data" / "models" / "tiny-llama.json"
 _NOT_SIZES = ("architectures", "model_type", "hidden_act", "torch_dtype")
@@ -28,21 +28,21 @@ TINY = {k: v for k, v in json.loads(_TINY_FILE.read_text()).items() if k not in 
 _IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def tiny_config(family: str):
-    """The tiny-llama shape in each family's own config class."""
+def tiny_config(arch: str):
+    """The tiny-llama shape in each architecture's own config class."""
     t = transformers
     base = {**TINY, **_IDS}
-    if family == "llama":
+    if arch == "llama":
         return t.LlamaConfig(**base)
-    if family == "mistral":
+    if arch == "mistral":
         return t.MistralConfig(**base, sliding_window=6)
-    if family == "qwen2":
+    if arch == "qwen2":
         return t.Qwen2Config(**base)  # q/k/v carry biases
-    if family == "qwen3":
+    if arch == "qwen3":
         return t.Qwen3Config(**base)
-    if family == "gemma":
+    if arch == "gemma":
         return t.GemmaConfig(**base, hidden_act="gelu_pytorch_tanh")
-    if family == "gemma2":
+    if arch == "gemma2":
         return t.Gemma2Config(
             **base,
             query_pre_attn_scalar=16,
@@ -50,27 +50,27 @@ def tiny_config(family: str):
             final_logit_softcapping=30.0,
             sliding_window=6,
         )
-    if family == "gemma3":
+    if arch == "gemma3":
         return t.Gemma3TextConfig(
             **base, query_pre_attn_scalar=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
         )
-    if family == "phi3":
+    if arch == "phi3":
         return t.Phi3Config(**base, partial_rotary_factor=0.5)
-    if family == "mixtral":
+    if arch == "mixtral":
         return t.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2)
-    if family == "qwen3_moe":
+    if arch == "qwen3_moe":
         return t.Qwen3MoeConfig(
             **base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2
         )
-    raise KeyError(family)
+    raise KeyError(arch)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 
 
-def build(family: str, device="cpu", dtype=torch.float32, seed=0):
+def build(arch: str, device="cpu", dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).to(device=device, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).to(device=device, dtype=dtype).eval()
     with torch.no_grad():  # random norm weights and biases, so (1+w) and bias handling are exercised
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
@@ -87,8 +87,8 @@ def batch(device="cpu", b=3, s=11, seed=1):
     return ids, mask
 
 
-def pair(family, device="cpu", dtype=torch.float32, **opts):
-    stock = build(family, device, dtype)
+def pair(arch, device="cpu", dtype=torch.float32, **opts):
+    stock = build(arch, device, dtype)
     opt = copy.deepcopy(stock)
     report = gemmtune.optimize(opt, **opts)
     return stock, opt, report
@@ -126,23 +126,23 @@ def check_parity(stock, opt, device="cpu", rtol=1e-4, atol=1e-5):
             )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_family_parity_default(family):
-    stock, opt, report = pair(family)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_architecture_parity_default(arch):
+    stock, opt, report = pair(arch)
     counts = report.counts()
     assert counts["norm"] >= 5 and counts["route"] >= 1, report.summary()
-    if family != "phi3":
+    if arch != "phi3":
         assert counts["fuse"] >= 2, report.summary()  # q/k/v per layer (+ gate/up where dense)
     check_parity(stock, opt)
 
 
 @pytest.mark.parametrize("tier", ["eager", "sdpa", "flash"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gemma3", "phi3", "qwen3_moe"])
-def test_family_parity_forced_tier(family, tier, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gemma3", "phi3", "qwen3_moe"])
+def test_architecture_parity_forced_tier(arch, tier, monkeypatch):
     if tier == "flash" and (attn_mod.flash_backend() is None or not torch.cuda.is_available()):
         pytest.skip("flash tier needs flash-attn / aiter on a GPU")
     monkeypatch.setenv(attn_mod.ENV, tier)
-    stock, opt, report = pair(family)
+    stock, opt, report = pair(arch)
     assert report.attention_tier == tier
     assert opt.config._attn_implementation == attn_mod.NAMES[tier]
     check_parity(stock, opt)
@@ -169,12 +169,12 @@ def test_moe_experts_go_to_fused_moe_and_restore():
 
 
 # ---- q_norm / k_norm + rope in one kernel --------------------------------------------------------
-QK_FAMILIES = ["qwen3", "qwen3_moe", "gemma3"]
+QK_ARCHITECTURES = ["qwen3", "qwen3_moe", "gemma3"]
 
 
 def _count_attention_ops(monkeypatch) -> dict:
     """Count the calls (one Triton launch each on the GPU) of the per-head norms, rope and the fused op."""
-    from gemmtune.models import families
+    from gemmtune.models import architectures
 
     counts = {"head_rmsnorm": 0, "rope": 0, "qk_norm_rope": 0}
 
@@ -186,18 +186,18 @@ def _count_attention_ops(monkeypatch) -> dict:
 
         return wrapped
 
-    monkeypatch.setattr(families, "rmsnorm", counting("head_rmsnorm", families.rmsnorm, per_head=True))
-    monkeypatch.setattr(families, "rope", counting("rope", families.rope))
-    monkeypatch.setattr(families, "qk_norm_rope", counting("qk_norm_rope", families.qk_norm_rope))
+    monkeypatch.setattr(architectures, "rmsnorm", counting("head_rmsnorm", architectures.rmsnorm, per_head=True))
+    monkeypatch.setattr(architectures, "rope", counting("rope", architectures.rope))
+    monkeypatch.setattr(architectures, "qk_norm_rope", counting("qk_norm_rope", architectures.qk_norm_rope))
     return counts
 
 
-def _qk_pair(family, layers, monkeypatch, device="cpu", dtype=torch.float32):
+def _qk_pair(arch, layers, monkeypatch, device="cpu", dtype=torch.float32):
     """(stock, fused, unfused): optimize() with q_norm/k_norm + rope fused, and with it turned off."""
     from gemmtune.models import api
 
     monkeypatch.setitem(TINY, "num_hidden_layers", layers)
-    stock, fused, report = pair(family, device, dtype)
+    stock, fused, report = pair(arch, device, dtype)
     assert "q_norm/k_norm + rope in one kernel" in report.summary(), report.summary()
     with monkeypatch.context() as m:
         m.setattr(api, "_qk_norms_fusable", lambda *a: None)
@@ -207,9 +207,9 @@ def _qk_pair(family, layers, monkeypatch, device="cpu", dtype=torch.float32):
     return stock, fused, unfused
 
 
-@pytest.mark.parametrize("family, n", [("qwen3", 4), ("qwen3_moe", 4), ("gemma3", 2)])  # gemma3: 2 layer_types
-def test_qk_norm_rope_saves_two_launches_per_layer(family, n, monkeypatch):
-    stock, fused, unfused = _qk_pair(family, n, monkeypatch)
+@pytest.mark.parametrize("arch, n", [("qwen3", 4), ("qwen3_moe", 4), ("gemma3", 2)])  # gemma3: 2 layer_types
+def test_qk_norm_rope_saves_two_launches_per_layer(arch, n, monkeypatch):
+    stock, fused, unfused = _qk_pair(arch, n, monkeypatch)
     counts = _count_attention_ops(monkeypatch)
     ids, mask = batch()
     with torch.no_grad():
@@ -245,16 +245,16 @@ def check_parity_bf16(stock, opt, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", FAMILIES)
-def test_family_parity_bf16_gpu(family, gpu):
-    stock, opt, _ = pair(family, device=gpu, dtype=torch.bfloat16)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_architecture_parity_bf16_gpu(arch, gpu):
+    stock, opt, _ = pair(arch, device=gpu, dtype=torch.bfloat16)
     check_parity_bf16(stock, opt, gpu)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", QK_FAMILIES)
-def test_qk_norm_rope_matches_unfused_bf16_gpu(family, gpu, monkeypatch):
-    stock, fused, unfused = _qk_pair(family, 2, monkeypatch, gpu, torch.bfloat16)
+@pytest.mark.parametrize("arch", QK_ARCHITECTURES)
+def test_qk_norm_rope_matches_unfused_bf16_gpu(arch, gpu, monkeypatch):
+    stock, fused, unfused = _qk_pair(arch, 2, monkeypatch, gpu, torch.bfloat16)
     counts = _count_attention_ops(monkeypatch)
     ids, mask = batch(gpu)
     with torch.no_grad():

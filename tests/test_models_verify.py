@@ -1,5 +1,5 @@
 """optimize()'s own check of the cached path (models/verify.py) and its reading of the stock forwards'
-signatures (models/families.py): a swapped layer that decodes wrong is put back to stock and reported,
+signatures (models/architectures.py): a swapped layer that decodes wrong is put back to stock and reported,
 a stock parameter the patch does not know leaves the module stock, the probe leaves no trace."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_models_parity import FAMILIES, batch, build, pair  # noqa: E402
+from test_models_parity import ARCHITECTURES, batch, build, pair  # noqa: E402
 
 import gemmtune  # noqa: E402
-from gemmtune.models import families, verify  # noqa: E402
+from gemmtune.models import architectures, verify  # noqa: E402
 from gemmtune.models.hf_cache import CACHE_ARGS  # noqa: E402
 
 
@@ -23,9 +23,9 @@ def _greedy(model, n=8):
     return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_passes_the_cached_path_check(family):
-    _, _, report = pair(family)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_passes_the_cached_path_check(arch):
+    _, _, report = pair(arch)
     note = [n for n in report.notes if n.startswith("cached-path check")]
     assert len(note) == 1, report.summary()
     assert "2/2 decoder layers agree" in note[0] and "took" in note[0], note[0]
@@ -34,20 +34,20 @@ def test_every_family_passes_the_cached_path_check(family):
 
 def _drop_cache(monkeypatch):
     """The failure transformers 5.24 caused: the patched attention never sees its KV cache."""
-    real = families._attention_forward
+    real = architectures._attention_forward
 
     def forgetful(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         for name in CACHE_ARGS:
             kwargs.pop(name, None)
         return real(self, hidden_states, position_embeddings, attention_mask, **kwargs)
 
-    monkeypatch.setattr(families, "_attention_forward", forgetful)
+    monkeypatch.setattr(architectures, "_attention_forward", forgetful)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
-def test_a_layer_that_decodes_wrong_is_put_back_to_stock(family, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_moe"])
+def test_a_layer_that_decodes_wrong_is_put_back_to_stock(arch, monkeypatch):
     _drop_cache(monkeypatch)
-    stock, opt, report = pair(family)
+    stock, opt, report = pair(arch)
     skipped = [(k, why) for k, why in report.skipped if k.startswith("verify")]
     assert [k for k, _ in skipped] == ["verify: model.layers.0", "verify: model.layers.1"], report.summary()
     assert all("cached decode step" in why for _, why in skipped)  # prefill alone agreed
@@ -69,13 +69,13 @@ def test_without_the_check_the_broken_layer_would_decode_wrong(monkeypatch):
 
 
 def test_one_bad_layer_only_that_layer_goes_back(monkeypatch):
-    real = families._attention_forward
+    real = architectures._attention_forward
 
     def bad_in_layer_1(self, *args, **kwargs):
         out, w = real(self, *args, **kwargs)
         return (out * 1.01 if self.layer_idx == 1 else out), w
 
-    monkeypatch.setattr(families, "_attention_forward", bad_in_layer_1)
+    monkeypatch.setattr(architectures, "_attention_forward", bad_in_layer_1)
     stock, opt, report = pair("qwen3")
     assert [k for k, _ in report.skipped if k.startswith("verify")] == ["verify: model.layers.1"]
     assert "forward" in opt.model.layers[0].self_attn.__dict__
@@ -125,20 +125,20 @@ class _NoKwargsAttn:
 
 
 def test_attention_call_reads_the_cache_name_and_refuses_unknown_parameters():
-    assert families.attention_call(_Attn) == ("cache", None)
-    assert families.attention_call(_OldAttn) == ("past_key_values", None)
-    name, why = families.attention_call(_NewParamAttn)
+    assert architectures.attention_call(_Attn) == ("cache", None)
+    assert architectures.attention_call(_OldAttn) == ("past_key_values", None)
+    name, why = architectures.attention_call(_NewParamAttn)
     assert name == "" and "rope_deltas" in why and "_NewParamAttn" in why
-    assert "**kwargs" in families.attention_call(_NoKwargsAttn)[1]
+    assert "**kwargs" in architectures.attention_call(_NoKwargsAttn)[1]
 
 
 def test_installed_transformers_forwards_are_understood():
-    for fam in FAMILIES:
-        model = build(fam)
+    for arch in ARCHITECTURES:
+        model = build(arch)
         layer = model.model.layers[0]
-        name, why = families.attention_call(type(layer.self_attn))
-        assert why is None and name in CACHE_ARGS, (fam, why)
-        assert families.layer_call(type(layer)) is None, fam
+        name, why = architectures.attention_call(type(layer.self_attn))
+        assert why is None and name in CACHE_ARGS, (arch, why)
+        assert architectures.layer_call(type(layer)) is None, arch
 
 
 def test_unknown_stock_parameter_leaves_the_module_stock(monkeypatch):
@@ -168,7 +168,7 @@ def test_patched_attention_takes_either_cache_name():
     spec = attn._gemmtune_attn
     other = next(n for n in CACHE_ARGS if n != spec.cache_arg)
     kwargs = {other: "the cache"}
-    assert families._pop_cache(kwargs, spec.cache_arg) == "the cache" and not kwargs
+    assert architectures._pop_cache(kwargs, spec.cache_arg) == "the cache" and not kwargs
 
 
 def test_tolerance_follows_the_dtype():

@@ -12,7 +12,7 @@ import torch
 import gemmtune
 from gemmtune.backends import moe as bmoe
 from gemmtune.families import fmoe
-from gemmtune.families.fmoe import MoeKey, moe_keys, route
+from gemmtune.families.fmoe import MoeKey, route
 from gemmtune.kernels.fused_moe import BAD_ID, fused_moe_ref, local_expert_ids
 from gemmtune.kernels.moe_align import moe_align, moe_align_ref
 
@@ -205,7 +205,7 @@ def test_ep_key_and_inputs():
 
 
 def test_moe_keys_for_models():
-    from gemmtune.tuner.shapes import PRESETS
+    from gemmtune.tuner.model_shapes import PRESETS, model_keys, moe_keys
 
     mix = moe_keys(PRESETS["mixtral-8x7b"], tp=2, tokens=[1, 64])
     got = [(k.token, k.model_dim, k.inter_dim, k.expert, k.topk) for k in mix]
@@ -217,7 +217,7 @@ def test_moe_keys_for_models():
     assert moe_keys(PRESETS["llama-3-8b"], tokens=[1]) == []
     with pytest.raises(ValueError, match="do not split"):
         moe_keys(PRESETS["mixtral-8x7b"], ep=3)
-    assert fmoe.FAMILY.keys_for_model(PRESETS["qwen3-30b-a3b"], 1, [1, 2], torch.bfloat16)[1].token == 2
+    assert model_keys("fmoe", PRESETS["qwen3-30b-a3b"], 1, [1, 2], torch.bfloat16)[1].token == 2
 
 
 def test_untuned_key_resolves_to_a_runnable_default_on_cpu():

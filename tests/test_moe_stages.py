@@ -236,15 +236,15 @@ def test_tuner_pairs_a_stage_of_one_backend_with_a_stage_of_another(monkeypatch,
     from gemmtune.configs.table import ConfigTable
     from gemmtune.device import identity
     from gemmtune.dispatch import resolve
-    from gemmtune.tuner import search
+    from gemmtune.tuner import candidates
     from gemmtune.tuner.output import result_row, write_row
 
     backends.register(_FakeStages())
     try:
         tor = bmoe.TorchMoeBackend
         real_runner, real_stage = tor.make_runner, tor.make_stage_runner
-        monkeypatch.setattr(search, "bench_gemm", _fake_bench)
-        monkeypatch.setattr(tor, "candidates", lambda self, key, device: [bmoe.GROUPED_MM])
+        monkeypatch.setattr(candidates, "bench_gemm", _fake_bench)
+        monkeypatch.setattr(tor, "candidates", lambda self, key, device: [mto.GROUPED_MM])
         monkeypatch.setattr(tor, "make_runner", lambda self, s, k, d: _costing(real_runner(self, s, k, d), 340.0))
         monkeypatch.setattr(tor, "make_stage_runner",
                             lambda self, st, n, k, d: _costing(real_stage(self, st, n, k, d), 300.0 if st == 1

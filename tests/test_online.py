@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import gemmtune
-from gemmtune import online
 from gemmtune.configs import read_table_file
 from gemmtune.keys import GemmKey
+from gemmtune.tuner import online
 
 CPU = torch.device("cpu")
 
@@ -28,7 +28,7 @@ def test_a_model_run_fills_the_table_and_a_second_run_reuses_it(tmp_path):
         "for _ in range(3):\n"
         "    y = gemmtune.gemm(torch.relu(gemmtune.gemm(x, m[0].weight, m[0].bias)), m[2].weight, m[2].bias)\n"
         "assert torch.allclose(y, m(x), atol=1e-5)\n"
-        "print(len(gemmtune.get_dispatcher().online().tuned))\n"
+        "print(len(gemmtune.get_dispatcher().miss_hook().tuned))\n"
     )
     env = {**os.environ, "GEMMTUNE_TUNE_ONLINE": str(table), "GEMMTUNE_TUNE_ONLINE_BUDGET": "5"}
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -59,11 +59,11 @@ def test_off_switches(monkeypatch, tmp_path):
     d = gemmtune.get_dispatcher()
     for value in ("", "0", "off"):
         monkeypatch.setenv("GEMMTUNE_TUNE_ONLINE", value)
-        d._online, d._online_from_env = None, True
-        assert d.online() is None
+        d._miss_hook, d._miss_hook_from_env = None, True
+        assert d.miss_hook() is None
     monkeypatch.setenv("GEMMTUNE_TUNE_ONLINE", str(tmp_path / "t.csv"))
-    d._online, d._online_from_env = None, True
-    assert d.online() is not None
+    d._miss_hook, d._miss_hook_from_env = None, True
+    assert isinstance(d.miss_hook(), online.OnlineTuner)
     gemmtune.set_online_tuning(None)
     gemmtune.gemm(torch.randn(2, 4), torch.randn(3, 4))
     assert not (tmp_path / "t.csv").exists()

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from gemmtune.capture import read_shapes
 from gemmtune.cli.main import cli
 from gemmtune.keys import GemmKey
-from gemmtune.tuner.shapes import (
+from gemmtune.tuner.model_shapes import (
     PRESETS,
     ModelConfigError,
     config_dtype,

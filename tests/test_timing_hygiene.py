@@ -11,7 +11,7 @@ from gemmtune.configs import ConfigTable
 from gemmtune.configs.schema import TUNED_COLUMNS, TunedRow
 from gemmtune.device import identity
 from gemmtune.keys import GemmKey
-from gemmtune.tuner import bench, search
+from gemmtune.tuner import bench, candidates
 from gemmtune.tuner.bench import bench_table, summarize, summary_lines
 from gemmtune.tuner.runner import RunReport
 from gemmtune.tuner.search import LONG_TAIL, REMEASURE, TuneOptions, busy_reason, tune_shape
@@ -45,7 +45,7 @@ def test_busy_reason_spread_and_tail():
 
 def test_tuner_remeasures_a_noisy_final_and_keeps_the_quiet_run(monkeypatch):
     fake, seen = scripted(noisy_runs=1)
-    monkeypatch.setattr(search, "bench_gemm", fake)
+    monkeypatch.setattr(candidates, "bench_gemm", fake)
     res = tune_shape(KEY, CPU, TuneOptions(reps=5, verify_range=False))
     assert seen[0] >= 2  # the noisy final was timed again
     assert res.default_us == pytest.approx(QUIET) and not res.busy and "busy" not in res.note
@@ -53,7 +53,7 @@ def test_tuner_remeasures_a_noisy_final_and_keeps_the_quiet_run(monkeypatch):
 
 def test_tuner_marks_a_row_that_stays_noisy_and_never_records_the_outlier(monkeypatch):
     fake, seen = scripted(noisy_runs=10**6)
-    monkeypatch.setattr(search, "bench_gemm", fake)
+    monkeypatch.setattr(candidates, "bench_gemm", fake)
     res = tune_shape(KEY, CPU, TuneOptions(reps=5, verify_range=False))
     assert seen[0] >= 1 + REMEASURE
     assert res.busy and "busy machine" in res.note

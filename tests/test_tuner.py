@@ -387,15 +387,15 @@ def test_round_order_balances_positions_and_predecessors(n):
 
 
 def _with_timings(monkeypatch, adjust):
-    """Wrap search._timed so `adjust(phase, times)` can change what a phase measured."""
+    """Wrap search.time_group so `adjust(phase, times)` can change what a phase measured."""
     from gemmtune.tuner import search
 
-    real = search._timed
+    real = search.time_group
 
     def timed(key, runners, device, reps, seed, inputs, heartbeat, phase, fam, tails=None):
         return adjust(phase, real(key, runners, device, reps, seed, inputs, heartbeat, phase, fam, tails))
 
-    monkeypatch.setattr(search, "_timed", timed)
+    monkeypatch.setattr(search, "time_group", timed)
 
 
 def test_a_winner_that_loses_head_to_head_is_not_kept(fake, monkeypatch):

@@ -25,8 +25,8 @@ from exp_tune_speed import model_keys  # noqa: E402
 from suites import find_models_dir  # noqa: E402
 
 from gemmtune import backends, families  # noqa: E402
+from gemmtune.tuner.model_shapes import parse_nsets  # noqa: E402
 from gemmtune.tuner.search import shape_seed  # noqa: E402
-from gemmtune.tuner.shapes import parse_nsets  # noqa: E402
 from gemmtune.tuner.timing import bench_gemm, make_inputs  # noqa: E402
 
 

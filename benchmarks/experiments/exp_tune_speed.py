@@ -28,9 +28,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 from suites import find_models_dir  # noqa: E402
 
 from gemmtune import backends, families  # noqa: E402
+from gemmtune.tuner.model_shapes import gemm_keys, load_model_config, model_gemms, parse_nsets  # noqa: E402
 from gemmtune.tuner.runner import range_floors  # noqa: E402
 from gemmtune.tuner.search import TuneOptions, precompile_all, shape_seed, tune_shape  # noqa: E402
-from gemmtune.tuner.shapes import gemm_keys, load_model_config, model_gemms, parse_nsets  # noqa: E402
 from gemmtune.tuner.timing import bench_gemm, make_inputs  # noqa: E402
 
 MODES = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import tuned_gemm
 from .configs import ConfigTable
-from .dispatch import get_dispatcher, resolve, set_capture, set_config, set_online_tuning
+from .dispatch import get_dispatcher, resolve, set_capture, set_config, set_miss_hook_factory
 from .keys import GemmKey
 from .ops import (
     batched_gemm,
@@ -27,6 +27,10 @@ from .ops import (
     softcap_attention,
     sparse_gemm,
 )
+from .tuner.online import OnlineTuner, set_online_tuning
+
+# Online tuning is the dispatcher's miss hook, installed before any op runs: GEMMTUNE_TUNE_ONLINE needs no call.
+set_miss_hook_factory(OnlineTuner.from_env)
 
 __version__ = "0.1.0"
 

@@ -6,6 +6,10 @@ Resolution of a key of family F on a device:
    backend of the row's libtype) is available here, knows the row's solution and supports the key;
 2. otherwise F's default backend (vendor BLAS through torch). A row that cannot run here is logged
    once per key with the reason.
+
+A key no row answers goes to the miss hook, when one is set: an object from above (the tuner's online
+tuning) that may add a row for it. The hook comes from set_miss_hook, else from the factory the package
+installs (set_miss_hook_factory), which reads the environment at the first miss.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,12 +32,27 @@ from .device import identity
 from .errors import GemmtuneError
 from .families import Family
 from .families.base import positive_int
-from .online import OnlineTuner
 from .plugins import import_plugins
 
 log = logging.getLogger("gemmtune")
 DEFAULT_BACKEND = "torch"
 A16W16 = "a16w16"
+MISS_HOOK = "miss hook"  # its key in the sticky environment errors
+
+
+class MissHook(Protocol):
+    def on_miss(self, key, family: Family, device: torch.device, dispatcher: Dispatcher) -> bool:
+        """Called once per new key no row answers; True when it added a row (the dispatcher resolves again)."""
+
+
+# Makes the miss hook from the environment (None: no hook); installed from above (gemmtune/__init__.py).
+_miss_hook_factory: Callable[[Mapping[str, str]], MissHook | None] | None = None
+
+
+def set_miss_hook_factory(factory: Callable[[Mapping[str, str]], MissHook | None] | None) -> None:
+    """Every dispatcher without an explicit hook asks `factory(os.environ)` for one at its first miss."""
+    global _miss_hook_factory
+    _miss_hook_factory = factory
 
 
 def _log_enabled() -> bool:
@@ -77,8 +98,8 @@ class Dispatcher:
         # One runner per (family, solution, scope: the key without M for most backends, device), shared
         # by every M that resolves to it, so a server's hundred batch sizes compile and allocate once.
         self._shared: dict[tuple, Runner] = {}
-        self._online: OnlineTuner | None = None
-        self._online_from_env = True
+        self._miss_hook: MissHook | None = None
+        self._miss_hook_from_env = True
         self._plugins_from_env = True
         # A variable that cannot be used raises at the first call and at every later one, never turning
         # into a silent mode change (capture quietly off after one failed call).
@@ -153,23 +174,23 @@ class Dispatcher:
         self.clear_cache()
         return self._capture
 
-    def online(self) -> OnlineTuner | None:
-        if self._online is None and self._online_from_env:
-            self._online = self._from_env("GEMMTUNE_TUNE_ONLINE", lambda: OnlineTuner.from_env(os.environ))
-            self._online_from_env = False
-        return self._online
+    def miss_hook(self) -> MissHook | None:
+        """The hook keys no row answers go to: set_miss_hook's, else the installed factory's from the environment."""
+        if self._miss_hook is None and self._miss_hook_from_env and _miss_hook_factory is not None:
+            self._miss_hook = self._from_env(MISS_HOOK, lambda: _miss_hook_factory(os.environ))
+            self._miss_hook_from_env = False
+        return self._miss_hook
 
-    def set_online_tuning(self, path: str | None, budget_s: float | None = None,
-                          libtypes: list[str] | None = None) -> OnlineTuner | None:  # fmt: skip
-        """Tune keys no table answers at their first eager call into `path` (None: off)."""
-        if libtypes is not None and (isinstance(libtypes, str) or not all(isinstance(x, str) for x in libtypes)):
-            raise TypeError(f"gemmtune.set_online_tuning: libtypes must be a list of backend names or None, "
-                            f"got {libtypes!r}")  # fmt: skip
-        self._online = OnlineTuner(path, 20.0 if budget_s is None else budget_s, libtypes) if path else None
-        self._online_from_env = False
-        self._env_errors.pop("GEMMTUNE_TUNE_ONLINE", None)
+    def set_miss_hook(self, hook: MissHook | None) -> MissHook | None:
+        """Send keys no row answers to `hook` from now on (None: nowhere, whatever the environment says);
+        clears the runner caches."""
+        if hook is not None and not callable(getattr(hook, "on_miss", None)):
+            raise TypeError(f"set_miss_hook: hook must have an on_miss method or be None, got {type(hook).__name__}")
+        self._miss_hook = hook
+        self._miss_hook_from_env = False
+        self._env_errors.pop(MISS_HOOK, None)
         self.clear_cache()
-        return self._online
+        return hook
 
     def clear_cache(self) -> None:
         for c in self._caches.values():
@@ -180,13 +201,13 @@ class Dispatcher:
     def quiet(self):
         """Run gemmtune's own probes (optimize()'s parity check) without recording their shapes or
         tuning their keys; capture and online tuning come back as they were."""
-        saved = (self._capture, self._capture_from_env, self._online, self._online_from_env)
-        self._capture, self._capture_from_env, self._online, self._online_from_env = None, False, None, False
+        saved = (self._capture, self._capture_from_env, self._miss_hook, self._miss_hook_from_env)
+        self._capture, self._capture_from_env, self._miss_hook, self._miss_hook_from_env = None, False, None, False
         self.clear_cache()
         try:
             yield
         finally:
-            self._capture, self._capture_from_env, self._online, self._online_from_env = saved
+            self._capture, self._capture_from_env, self._miss_hook, self._miss_hook_from_env = saved
             self.clear_cache()  # runners built in the probe lack the capture wrappers
 
     def _runner(self, backend, sol: Solution, key, device: torch.device, fam: Family) -> Runner:
@@ -244,9 +265,9 @@ class Dispatcher:
         """Resolve (tuning the key first when online tuning is on and no row answers it), then wrap for
         autograd and capture as needed; called on a cache miss."""
         res = self.resolve(key, device, family)
-        online = self.online()
-        if online is not None and res.row is None and backends.all_backends(family):
-            if online.on_miss(key, res.family, device, self):
+        hook = self.miss_hook()
+        if hook is not None and res.row is None and backends.all_backends(family):
+            if hook.on_miss(key, res.family, device, self):
                 res = self.resolve(key, device, family)
         (log.info if _log_enabled() else log.debug)("%s", res.describe())
         run = res.runner
@@ -289,11 +310,6 @@ def set_config(config: ConfigStore | ConfigTable | str | list[str] | None) -> Co
 def set_capture(path: str | None) -> CaptureSet | None:
     """Python API for GEMMTUNE_CAPTURE."""
     return _dispatcher.set_capture(path)
-
-
-def set_online_tuning(path: str | None, budget_s: float | None = None, libtypes: list[str] | None = None):
-    """Python API for GEMMTUNE_TUNE_ONLINE (None turns it off)."""
-    return _dispatcher.set_online_tuning(path, budget_s, libtypes)
 
 
 def resolve(key, device: torch.device | str | None = None, family: str = A16W16) -> Resolution:

@@ -109,7 +109,7 @@ def nsets(ctx, param, value):
     """A token-count list (comma list, LO..HI powers of two), checked now; None stays None."""
     if value is None:
         return None
-    from ..tuner.shapes import parse_nsets
+    from ..tuner.model_shapes import parse_nsets
 
     try:
         return parse_nsets(value)

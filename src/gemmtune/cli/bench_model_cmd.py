@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ..tuner.shapes import PRESETS
+from ..tuner.model_shapes import PRESETS
 from . import _validate as v
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
 from .capture_cmd import capture
 from .config_cmd import show_config
 from .doctor_cmd import doctor
@@ -13,7 +12,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
 @click.group(context_settings=CONTEXT)
-@click.version_option(__version__, prog_name="gemmtune")
+@click.version_option(package_name="gemmtune", prog_name="gemmtune")
 def cli() -> None:
     """Per-shape tuned GEMMs: capture shapes, tune them, benchmark and deploy the table.
 

@@ -8,7 +8,16 @@ from .. import families
 from ..capture import key_to_record
 from ..configs.io import write_atomic
 from ..configs.schema import UNTUNED_COLUMNS
-from ..tuner.shapes import PRESETS, ModelConfigError, config_dtype, load_model_config, model_gemms, named_keys
+from ..tuner.model_shapes import (
+    OWN_GEMMS,
+    PRESETS,
+    ModelConfigError,
+    config_dtype,
+    load_model_config,
+    model_gemms,
+    model_keys,
+    named_keys,
+)
 from . import _validate as v
 
 DEFAULT_NSETS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
@@ -55,7 +64,7 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> No
     if family != "a16w16":
         _other_family(family, config, source, tp, ms, dt, output)
         return
-    others = [f.name for f in families.all_families() if f.own_model_gemms and _keys(f, config, tp, ms[:1], dt)]
+    others = [name for name in OWN_GEMMS if _keys(name, config, tp, ms[:1], dt)]
     if others and output:
         click.echo(f"gemmtune: {source} also runs {', '.join(others)} GEMMs: --family {others[0]} emits them",
                    err=True)  # fmt: skip
@@ -75,9 +84,9 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> No
             click.echo(",".join(r))
 
 
-def _keys(fam, config, tp, ms, dtype) -> list:
+def _keys(family: str, config, tp, ms, dtype) -> list:
     try:
-        return fam.keys_for_model(config, tp, ms, dtype)
+        return model_keys(family, config, tp, ms, dtype)
     except (ModelConfigError, ValueError, NotImplementedError):
         return []
 
@@ -85,7 +94,7 @@ def _keys(fam, config, tp, ms, dtype) -> list:
 def _other_family(name, config, source, tp, ms, dtype, output) -> None:
     try:
         fam = families.get(name)
-        keys = list(dict.fromkeys(fam.keys_for_model(config, tp, ms, dtype)))
+        keys = list(dict.fromkeys(model_keys(name, config, tp, ms, dtype)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     if not keys:

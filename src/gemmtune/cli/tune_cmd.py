@@ -7,8 +7,8 @@ import os
 import click
 
 from ..errors import GemmtuneError
+from ..tuner.candidates import MIN_GAIN, SEARCHES, TuneOptions
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
-from ..tuner.search import MIN_GAIN, SEARCHES, TuneOptions
 from . import _validate as v
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.gemm_ref import fp32_matmul
 from ..keys import GemmKey
-from .base import Family, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
+from .base import Family, bool_col, dtype_col, generator, int_col, inv_sqrt, randn
 
 # aiter's 18 columns; gemmtune's tables add the verified M range after them (aiter reads by name).
 AITER_TUNED_COLUMNS = (
@@ -64,11 +65,6 @@ class A16W16(Family):
 
     def flops(self, key: GemmKey) -> int:
         return 2 * key.M * key.N * key.K
-
-    def keys_for_model(self, config, tp, ms, dtype):
-        from ..tuner.shapes import gemm_keys, model_gemms
-
-        return gemm_keys(model_gemms(config, tp), ms, dtype)
 
 
 FAMILY = A16W16()

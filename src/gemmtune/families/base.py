@@ -10,7 +10,7 @@ with one input set made by `make_inputs` (the same tuple the family's op hands i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -126,10 +126,6 @@ class Family:
     us_required: bool = True
     # A table without cu_num (aiter's mxscale table) applies to every CU count of its gfx (cu_num 0).
     cu_num_required: bool = True
-    # A model runs this family's GEMMs besides its linear layers (batched MLA, MoE experts), rather than
-    # the same linear layers run another way (quantized, fused epilogue, sparse).
-    own_model_gemms: bool = False
-
     # Two-stage families (fmoe): the tuner times each stage's kernels apart, then the best pairs whole
     # (tuner/stages.py). `stages` numbers them; stage_columns names each one's (us, kernel, err) columns.
     stages: tuple[int, ...] = ()
@@ -264,10 +260,6 @@ class Family:
         return out
 
     # ---- shape sources --------------------------------------------------------------------------
-    def keys_for_model(self, config: dict, tp: int, ms: Sequence[int], dtype: torch.dtype) -> list:
-        """The keys of this family a model config runs at token counts `ms` (empty if none)."""
-        return []
-
     def __repr__(self) -> str:
         return f"<family {self.name}>"
 
@@ -282,16 +274,6 @@ def generator(device: torch.device, seed: int) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
-
-
-def fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in fp32 with TF32 off (the reference every family's check compares against)."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return a.float() @ b.float()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def inv_sqrt(k: int) -> float:

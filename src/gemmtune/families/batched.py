@@ -14,8 +14,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.gemm_ref import fp32_matmul
 from ..keys import dtype_name
-from .base import Family, Roles, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
+from .base import Family, Roles, bool_col, dtype_col, generator, int_col, inv_sqrt, randn
 
 
 class BatchedKey(NamedTuple):
@@ -40,7 +41,6 @@ def stored(t: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 class Batched(Family):
-    own_model_gemms = True
     name = "batched"
     description = "batched 16-bit GEMM, (B, M, K) @ (B, K, N) (batched_gemm)"
     ops = ("batched_gemm",)
@@ -100,12 +100,6 @@ class Batched(Family):
 
     def flops(self, key: BatchedKey) -> int:
         return 2 * key.B * key.M * key.N * key.K
-
-    def keys_for_model(self, config, tp, ms, dtype):
-        from ..tuner.shapes import batched_gemms
-
-        return [BatchedKey(s.B, m, s.N, s.K, dtype, dtype, False, s.transB) for s in batched_gemms(config, tp)
-                for m in ms]  # fmt: skip
 
 
 FAMILY = Batched()

@@ -29,12 +29,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
+from ..kernels.gemm_ref import ACTS, apply_act, epilogue_ref
 from ..keys import dtype_name, parse_bool
-from .base import Column, Family, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
+from .base import Column, Family, bool_col, dtype_col, generator, int_col, inv_sqrt, randn
 
-ACTS = ("none", "relu", "gelu", "gelu_tanh")
 C_KINDS = ("none", "full", "row", "col", "scalar")
 W_LAYOUTS = ("nk", "kn")
 # The values make_inputs uses when the key scales / adds C (any value works: the key has no value).
@@ -86,35 +85,10 @@ def _false_only(text: str) -> bool:
     return False
 
 
-def apply_act(y: torch.Tensor, act: str) -> torch.Tensor:
-    """The activation by name (out of place: the unfused path a model runs)."""
-    if act == "none":
-        return y
-    if act == "relu":
-        return torch.relu(y)
-    if act == "gelu":
-        return F.gelu(y)
-    if act == "gelu_tanh":
-        return F.gelu(y, approximate="tanh")
-    raise ValueError(f"unknown act {act!r} (expected one of {', '.join(ACTS)})")
-
-
 def tanh_for_erf(key) -> bool:
     """May a tanh-GELU kernel stand in for the erf GELU of `key`? Only for a 16-bit output, where the
     difference is far below the output's rounding (module docstring); the tuner's check decides."""
     return key.act == "gelu" and key.outdtype in (torch.bfloat16, torch.float16)
-
-
-def epilogue_ref(x, w, bias, c, alpha: float, beta: float, act: str) -> torch.Tensor:
-    """act(alpha * x @ w^T + beta * c + bias) in fp32 (TF32 off); x [M, K], w [N, K], c [M, N] view."""
-    y = fp32_matmul(x, w.t())
-    if alpha != 1.0:
-        y = y * alpha
-    if c is not None and beta != 0.0:
-        y = y + beta * c.float()
-    if bias is not None:
-        y = y + bias.float()
-    return apply_act(y, act)
 
 
 def expand_c(c: torch.Tensor, kind: str, M: int, N: int) -> torch.Tensor:
@@ -224,10 +198,8 @@ class Epilogue(Family):
     def flops(self, key: EpilogueKey) -> int:
         return 2 * key.M * key.N * key.K
 
-    def keys_for_model(self, config, tp, ms, dtype):
-        from ..models.epilogue_mlp import epilogue_keys
-
-        return epilogue_keys(config, tp, ms, dtype)
-
 
 FAMILY = Epilogue()
+
+__all__ = ["ACTS", "ALPHA_VALUE", "BETA_VALUE", "C_KINDS", "FAMILY", "W_LAYOUTS", "EpilogueKey", "apply_act",
+           "epilogue_ref", "expand_c", "tanh_for_erf"]  # fmt: skip

@@ -115,7 +115,6 @@ def _int01(v: bool) -> str:
 
 
 class FusedMoe(Family):
-    own_model_gemms = True
     name = "fmoe"
     description = "fused MoE: grouped gate+up, activation, down, weighted combine (fused_moe, grouped_gemm)"
     ops = ("fused_moe", "grouped_gemm")
@@ -275,9 +274,6 @@ class FusedMoe(Family):
         gated = 2 if key.use_g1u1 else 1
         return round(2 * slots * key.model_dim * key.inter_dim * (gated + 1))
 
-    def keys_for_model(self, config, tp, ms, dtype):
-        return moe_keys(config, tp, 1, ms, dtype)
-
 
 class StageOut(NamedTuple):
     """Stage 1's intermediate rows: slot s's row is h[s] (rows None) or h[rows[s]] (sorted by expert)."""
@@ -334,40 +330,8 @@ def bytes_hit(key: MoeKey, topk_ids: torch.Tensor, expert_map: torch.Tensor | No
     return hit * expert_bytes(key) + 2 * key.token * key.model_dim * key.dtype.itemsize
 
 
-def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.dtype = torch.bfloat16,
-             activation: str | None = None) -> list[MoeKey]:  # fmt: skip
-    """The fmoe keys one rank of an MoE model runs at each token count (empty for a dense model).
-
-    tp splits every expert's intermediate size; ep splits the routed experts (each rank holds
-    experts / ep of them and keys global_expert = experts). A DeepSeek-V3 shared expert of the routed
-    experts' size is fused in as an extra expert (shared_expert = n_shared_experts); shared experts of
-    another size (Qwen2-MoE) are a dense MLP, not an fmoe key.
-    """
-    cfg = config.get("text_config") or config
-    mt = cfg.get("model_type", "")
-    if tp < 1 or ep < 1:
-        raise ValueError(f"tp and ep must be positive, got tp={tp} ep={ep}")
-    if mt == "mixtral":
-        experts, inter = cfg.get("num_local_experts") or cfg["num_experts"], cfg["intermediate_size"]
-    elif mt in ("qwen2_moe", "qwen3_moe"):
-        experts, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
-    elif mt in ("deepseek_v2", "deepseek_v3"):
-        experts, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    else:
-        return []
-    topk = cfg["num_experts_per_tok"]
-    shared = int(cfg.get("n_shared_experts") or 0) if mt.startswith("deepseek") else 0
-    for what, total, parts in (("experts", experts, ep), ("intermediate size", inter, tp)):
-        if total % parts:
-            raise ValueError(f"{mt}: {what} {total} do not split over {parts} ranks")
-    act = activation or {"gelu_pytorch_tanh": "gelu_tanh"}.get(cfg.get("hidden_act", "silu"), cfg.get("hidden_act"))
-    act_type = ACT_TYPES.get(act, "ActivationType.Silu")
-    return [MoeKey(t, cfg["hidden_size"], inter // tp, experts // ep + shared, topk, act_type, dtype, dtype, dtype,
-                   "QuantType.No", True, False, experts if ep > 1 else 0, shared) for t in tokens]  # fmt: skip
-
-
 __all__ = ["ACT_TYPES", "FAMILY", "MoeKey", "StageOut", "act_name", "act_type_of", "bytes_hit", "expected_experts_hit",
-           "expert_map_of", "join_name", "moe_keys", "route", "split_name"]  # fmt: skip
+           "expert_map_of", "join_name", "route", "split_name"]  # fmt: skip
 
 
 FAMILY = FusedMoe()

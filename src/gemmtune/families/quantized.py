@@ -23,9 +23,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.gemm_ref import fp32_matmul
 from ..keys import dtype_name
 from ..quant import formats, layouts, quantize
-from .base import Column, Family, Roles, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
+from .base import Column, Family, Roles, bool_col, dtype_col, generator, int_col, inv_sqrt, randn
 
 FP8 = formats.FP8
 
@@ -152,17 +153,6 @@ class _ScaledQuantFamily(_QuantFamily, abc.ABC):
         """Bytes of the scales (and bias) read besides the operands."""
 
 
-def _model_quant_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The 8-bit type a model's GEMMs are tuned for: its own when quantized, else fp8."""
-    return dtype if formats.is_quant_dtype(dtype) else formats.FP8
-
-
-def _model_shapes(config, tp):
-    from ..tuner.shapes import model_gemms
-
-    return {(s.N, s.K): None for s in model_gemms(config, tp)}
-
-
 class A8W8(_ScaledQuantFamily):
     name = "a8w8"
     description = "int8/fp8 GEMM with per-tensor or per-token x per-channel scales (gemm_a8w8, int8_gemm)"
@@ -204,11 +194,6 @@ class A8W8(_ScaledQuantFamily):
     def _side_bytes(self, key: QuantKey) -> int:
         scales = 8 if key.scale == "per_tensor" else 4 * (key.M + key.N)
         return scales + (key.N * key.outdtype.itemsize if key.bias else 0)
-
-    def keys_for_model(self, config, tp, ms, dtype):
-        q = _model_quant_dtype(dtype)
-        return [QuantKey(m, n, k, q, "per_token", False, torch.bfloat16) for n, k in _model_shapes(config, tp)
-                for m in ms]  # fmt: skip
 
 
 class A8W8BPreshuffle(A8W8):
@@ -263,11 +248,6 @@ class Blockscale(_ScaledQuantFamily):
         kb = -(-key.K // formats.BLOCK)
         nb = -(-key.N // formats.BLOCK)
         return 4 * kb * (key.M + nb)
-
-    def keys_for_model(self, config, tp, ms, dtype):
-        q = _model_quant_dtype(dtype)
-        return [BlockKey(m, n, k, q, torch.bfloat16) for n, k in _model_shapes(config, tp) if k % formats.BLOCK == 0
-                for m in ms]  # fmt: skip
 
 
 class BlockscaleBPreshuffle(Blockscale):

@@ -13,9 +13,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.gemm_ref import fp32_matmul
 from ..keys import dtype_name
 from ..quant.semi_structured import prune_2_4_dense, semi_structured
-from .base import Column, Family, bool_col, dtype_col, fp32_matmul, generator, int_col, inv_sqrt, randn
+from .base import Column, Family, bool_col, dtype_col, generator, int_col, inv_sqrt, randn
 
 PATTERNS = ("csr", "coo", "bsr", "2:4")
 ALIASES = {"block": "bsr"}  # aiter's spelling

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..device import facts
 from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in the kernel
-from .gemm_ref import gemm_ref
+from .gemm_ref import epilogue_ref, gemm_ref
 from .tile_config import GemmTileConfig
 
 try:  # host-side TMA descriptors (Triton >= 3.4); absent on older releases
@@ -44,8 +44,6 @@ FLATTEN_SMEM = 32 * 1024
 
 def triton_epilogue_ref(x, w, bias, c, alpha: float, beta: float, act: str, out_dtype: torch.dtype) -> torch.Tensor:
     """The fused-epilogue reference: act(alpha * x @ w^T + beta * c + bias) in fp32, one rounding."""
-    from ..families.epilogue import epilogue_ref
-
     return epilogue_ref(x, w, bias, c, alpha, beta, act).to(out_dtype)
 
 

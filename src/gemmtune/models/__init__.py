@@ -7,9 +7,9 @@ not classes.
 """
 
 from .api import optimize, report_of, restore
+from .architectures import ARCHITECTURES
 from .attention import ENV as ATTENTION_ENV
 from .attention import TIERS as ATTENTION_TIERS
-from .families import FAMILIES
 from .fp8_checkpoint import Fp8BlockLinear, load_fp8_checkpoint
 from .report import OptimizeReport
 from .version import check_transformers, supported_range
@@ -17,7 +17,7 @@ from .version import check_transformers, supported_range
 __all__ = [
     "ATTENTION_ENV",
     "ATTENTION_TIERS",
-    "FAMILIES",
+    "ARCHITECTURES",
     "Fp8BlockLinear",
     "OptimizeReport",
     "check_transformers",

@@ -30,15 +30,12 @@ LAYOUTS = {
     "Starcoder2MLP": ("c_fc", "act", "c_proj", "residual_dropout"),
     "FalconMLP": ("dense_h_to_4h", "act", "dense_4h_to_h", None),
 }
-# config hidden_act -> the family's act (shape lists; the module itself is always probed)
-_CONFIG_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-                "relu": "relu"}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class MlpSpec:
     up: str
-    act: str  # the family's act: gelu, gelu_tanh, relu
+    act: str  # the epilogue family's act: gelu, gelu_tanh, relu
     down: str
     dropout: str | None
 
@@ -132,40 +129,3 @@ def apply(mod: nn.Module, spec: MlpSpec) -> None:
 
 
 UNDO_ATTRS = ("forward", "_gemmtune_epilogue_mlp")
-
-
-# ---- shapes for tuning --------------------------------------------------------------------------
-def mlp_shape(config: dict) -> tuple[int, int, str, bool] | None:
-    """(hidden, intermediate, act, bias) of a Linear -> act -> Linear model's MLP, or None."""
-    mt = config.get("model_type")
-    hidden = config.get("hidden_size")
-    if mt in ("gpt_neox", "phi", "starcoder2"):
-        inter, act_name = config.get("intermediate_size"), config.get("hidden_act", "gelu")
-        bias = bool(config.get("use_bias", True)) if mt == "starcoder2" else True
-    elif mt == "falcon":
-        inter = config.get("ffn_hidden_size") or (4 * hidden if hidden else None)
-        act_name, bias = config.get("activation", "gelu"), bool(config.get("bias", False))
-    else:
-        return None
-    act = _CONFIG_ACTS.get(act_name)
-    if not hidden or not inter or act is None:
-        return None
-    return int(hidden), int(inter), act, bias
-
-
-def epilogue_keys(config: dict, tp: int, ms, dtype: torch.dtype) -> list:
-    """The epilogue-family keys of such a model at token counts `ms`: up as GEMM + bias + act (its
-    columns split over tp ranks), down as GEMM + bias (rows split; with tp > 1 the bias follows the
-    all-reduce, so the GEMM has none)."""
-    from ..families.epilogue import EpilogueKey
-
-    shape = mlp_shape(config)
-    if shape is None:
-        return []
-    hidden, inter, act, bias = shape
-    n_up, k_down = inter // tp, inter // tp
-    out = []
-    for m in ms:
-        out.append(EpilogueKey(m, n_up, hidden, bias, dtype, dtype, act))
-        out.append(EpilogueKey(m, hidden, k_down, bias and tp == 1, dtype, dtype))
-    return out

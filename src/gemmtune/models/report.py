@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Which heading each kind of change is listed under; kinds missing here are shown elsewhere (attention).
@@ -62,7 +63,7 @@ _fold = fold_path
 
 @dataclass
 class OptimizeReport:
-    family: str  # the family table entry used, or "unknown"
+    architecture: str  # the architecture table entry used (models/architectures.py), or "unknown"
     model_type: str
     transformers_version: str
     options: dict
@@ -73,6 +74,7 @@ class OptimizeReport:
     notes: list[str] = field(default_factory=list)
     entries: list[Entry] = field(default_factory=list)
     _model: object = field(default=None, repr=False, compare=False)
+    _restore: Callable | None = field(default=None, repr=False, compare=False)  # api.restore, set with _model
     _actions: list = field(default_factory=list, repr=False, compare=False)
 
     def change(self, kind: str, path: str, module_type: str, detail: str) -> None:
@@ -96,11 +98,9 @@ class OptimizeReport:
 
     def undo(self):
         """Give the model its original behaviour back (same as gemmtune.restore(model))."""
-        from . import restore
-
         if self._model is None:
             raise RuntimeError("this report is not attached to a model")
-        return restore(self._model)
+        return self._restore(self._model)
 
     def counts(self) -> Counter:
         """Changes grouped by kind (the text before the first ':' of each entry)."""
@@ -119,7 +119,7 @@ class OptimizeReport:
         }
 
     def summary(self) -> str:
-        versions = f"family {self.family}, transformers {self.transformers_version}"
+        versions = f"architecture {self.architecture}, transformers {self.transformers_version}"
         lines = [f"gemmtune.optimize: {self.model_type} ({versions})"]
         note = self.attention_note
         if self.attention_tier:

@@ -12,7 +12,7 @@ import re
 
 # Exactly what CI tests (.ci/run): the pinned 5.24 (constraints.txt), the minimum 5.17 and the newest
 # the registry serves. 5.24 renamed the cache argument (`cache=`); the patched forwards read the stock
-# signatures (models/families.py). A release past the range is refused until CI has run on it.
+# signatures (models/architectures.py). A release past the range is refused until CI has run on it.
 MIN_VERSION = (5, 17)
 MAX_EXCLUSIVE = (5, 25)
 SKIP_ENV = "GEMMTUNE_SKIP_VERSION_CHECK"

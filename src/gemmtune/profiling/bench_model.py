@@ -393,7 +393,7 @@ def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
     import transformers
 
     from ..kernels.compile_mode import describe
-    from ..models.families import FAMILIES
+    from ..models.architectures import ARCHITECTURES
 
     return {
         "model": desc,
@@ -404,7 +404,7 @@ def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
         "quantize": s.quantize or "none",
         "compile_backend": backend,
         "compile_ops_default": describe(),
-        "optimize_families": ", ".join(sorted(FAMILIES)) + " (other model types: plain Linear routing only)",
+        "optimize_architectures": ", ".join(sorted(ARCHITECTURES)) + " (other model types: plain Linear routing only)",
         "timing": (
             "CUDA events, contenders interleaved per round in a balanced order, median of rounds"
             if cuda
@@ -414,8 +414,7 @@ def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
 
 
 def run(s: Settings) -> Result:
-    import gemmtune
-
+    from ..models import optimize
     from .build import build_model
 
     t0 = time.perf_counter()
@@ -430,12 +429,12 @@ def run(s: Settings) -> Result:
     for n in notes:
         log(f"note: {n}")
     opt = copy.deepcopy(stock) if any(c in s.contenders for c in ("optimize", "compile+optimize")) else None
-    summary = str(gemmtune.optimize(opt, config=s.table)) if opt is not None else "optimize() not run"
+    summary = str(optimize(opt, config=s.table)) if opt is not None else "optimize() not run"
     log(summary)
     quant, qreport = None, None
     if any(c in s.contenders for c in _QUANT):
         quant = copy.deepcopy(stock)
-        qreport = gemmtune.optimize(quant, config=s.table, quantize=s.quantize)
+        qreport = optimize(quant, config=s.table, quantize=s.quantize)
         log(str(qreport))
     contenders = make_contenders(stock, opt, s, backend, quant)
     if s.break_contender is not None:  # on a copy: the contenders sharing its module stay intact

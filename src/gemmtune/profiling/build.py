@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tuner.shapes import ModelConfigError, load_model_config
+from ..tuner.model_shapes import ModelConfigError, load_model_config, text_config
 
 # config.json keys that describe a checkpoint or loading, not the architecture
 _DROP = ("torch_dtype", "dtype", "architectures", "auto_map", "quantization_config", "transformers_version",
@@ -12,12 +12,10 @@ _DROP = ("torch_dtype", "dtype", "architectures", "auto_map", "quantization_conf
 
 
 def architecture(model: str | dict, layers: int | None = None) -> tuple[dict, str]:
-    """(config dict of the language model, source) for a preset name, config.json, folder or dict."""
+    """(config dict of the language model, source) for a preset name, config.json, folder or dict (a
+    multimodal config gives its text_config)."""
     config, source = (dict(model), "config dict") if isinstance(model, dict) else load_model_config(model)
-    inner = config.get("text_config")
-    if isinstance(inner, dict):  # multimodal wrappers keep the language model under text_config
-        config = {**{k: v for k, v in config.items() if k != "text_config"}, **inner}
-    cfg = {k: v for k, v in config.items() if k not in _DROP}
+    cfg = {k: v for k, v in text_config(config).items() if k not in _DROP}
     if "model_type" not in cfg:
         raise ModelConfigError(f"{source}: the config has no model_type")
     if layers is not None:

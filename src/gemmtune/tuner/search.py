@@ -1,8 +1,8 @@
 """Tune one key of any GEMM family: check every candidate, screen them cheaply, time the finalists
 against the family's default.
 
-1. Candidates: every solution of every selected backend that supports the key (the vendor default,
-   torch's default_solution, is always timed, whatever --libtype says).
+1. Candidates: every solution of every selected backend that supports the key (the family's default,
+   what its policy runs untuned, is always timed, whatever --libtype says).
 2. Correctness (check.py) on random data; a candidate that raises, runs out of memory, or fails the
    check is rejected with the reason and never timed.
 3. Screen: all passing candidates, in interleaved groups of --batch (fewer when their graph outputs
@@ -42,64 +42,35 @@ import torch
 from .. import backends, families
 from ..backends.base import Backend, Runner, Solution
 from ..families import Family
+from .candidates import (
+    FAILED,
+    OK,
+    REJECTED,
+    SEARCHES,
+    SKIPPED,
+    CandidateResult,
+    DeviceLostError,
+    Heartbeat,
+    TuneOptions,
+    after_failure,
+    describe_exc,
+    group_size,
+    time_group,
+)
 from .check import check_runner, reference
-from .timing import bench_gemm, make_inputs, measure_ceilings, roof_us
+from .stages import search_stages, stage_columns
+from .timing import make_inputs, measure_ceilings, roof_us
 
 DEFAULT_LIBTYPE = "torch"
-# A candidate replaces the default only when faster by more than this (and the noise). A decision at
-# the line flips with timing noise from run to run, and a flip costs about the line itself. Measured on
-# an H100 (docs/tuner.md): at 3%, fast and exhaustive searches disagreed by up to 2.4% on such keys
-# and a 3% search left gains of 2.2-2.6% untaken; at 1%, they disagreed by 1.0-1.1%; at 0.5%, 32 of
-# 32 keys within 1%. A winner must still hold its gain head to head (_head_to_head) and at the edges
-# of its M range.
-MIN_GAIN = 0.005
-SEARCHES = ("fast", "exhaustive")
-# Statuses a candidate can end in; only "ok" candidates were timed.
-OK, REJECTED, FAILED, CRASHED, TIMEOUT, SKIPPED = "ok", "rejected", "failed", "crashed", "timeout", "skipped"
 
 
-class DeviceLostError(RuntimeError):
-    """The device context is unusable after a candidate (e.g. an illegal memory access): the process
-    must end. With --mp the worker is restarted and the candidate excluded; in-process the run stops."""
+def _no_heartbeat(names: list[str], phase: str) -> None:
+    pass
 
 
-@dataclass
-class TuneOptions:
-    libtypes: list[str] | None = None  # None: every available backend
-    err_ratio: float | None = None  # None: check.THRESHOLDS by dtype
-    min_gain: float = MIN_GAIN
-    top: int = 4
-    screen_reps: int = 5
-    reps: int = 20
-    batch: int = 16
-    seed: int = 0
-    verify_range: bool = True  # step 6; off: a row answers only its own M
-    budget_s: float | None = None  # online tuning: stop checking more candidates after this many seconds
-    # "fast": every candidate gets the quick check (its plain call), only the best-screened ones the
-    # full check; "exhaustive": every candidate gets the full check (measured: 85% of tuning time).
-    search: str = "fast"
-    stage_limit: int | None = None  # two-stage families: at most this many kernels per backend and stage
-
-
-@dataclass
-class CandidateResult:
-    libtype: str
-    kernel_name: str
-    solidx: int
-    splitk: int
-    status: str = "pending"
-    err: float = math.nan
-    screen_us: float = math.nan
-    us: float = math.nan
-    reason: str = ""
-
-    @property
-    def name(self) -> str:
-        return f"{self.libtype}:{self.kernel_name}"
-
-    @classmethod
-    def of(cls, sol: Solution) -> CandidateResult:
-        return cls(sol.libtype, sol.kernel_name, sol.solidx, sol.splitk)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -131,13 +102,6 @@ class ShapeResult:
         return 100.0 * self.roof_us / self.us if self.us > 0 and self.roof_us > 0 else math.nan
 
 
-Heartbeat = Callable[[list[str], str], None]
-
-
-def _no_heartbeat(names: list[str], phase: str) -> None:
-    pass
-
-
 def shape_seed(key, seed: int, family: Family | None = None) -> int:
     """A fresh, reproducible seed per shape."""
     text = (family or families.get("a16w16")).describe(key)
@@ -155,39 +119,16 @@ def select_backends(device: torch.device, libtypes: list[str] | None, family: st
     unknown = [n for n in libtypes if n not in known]
     if unknown:
         errs = backends.import_errors()
-        why = "; ".join(f"{n}: {errs[n]}" for n in unknown if n in errs)
+        why = "; ".join(f"{m}: {e}" for m, e in errs.items())  # backend modules that failed to import
         raise ValueError(
             f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             + (f" (failed to load: {why})" if why else "")
         )
     missing = [n for n in libtypes if n not in avail]
     if missing:
-        reasons = "; ".join(f"{n}: {known[n].unavailable_reason(device) or 'not available'}" for n in missing)
+        reasons = "; ".join(known[n].unavailable_reason(device) or f"{n}: not available" for n in missing)
         raise ValueError(f"backend(s) not available on {device}: {reasons} (available: {', '.join(sorted(avail))})")
     return {n: avail[n] for n in libtypes}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _after_failure(device: torch.device, what: str, exc: BaseException) -> None:
-    """Free what a failed candidate left; raise DeviceLostError when the device no longer works."""
-    if device.type != "cuda":
-        return
-    try:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    except Exception as sync_exc:  # noqa: BLE001
-        raise DeviceLostError(f"{what} left the device unusable: {type(exc).__name__}: {exc}") from sync_exc
-
-
-def _describe_exc(exc: BaseException) -> str:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return "out of memory"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _unique_name(names: dict, cand: CandidateResult) -> str:
@@ -195,32 +136,6 @@ def _unique_name(names: dict, cand: CandidateResult) -> str:
     if name in names:
         name = f"{name}@{cand.solidx}/sk{cand.splitk}"
     return name
-
-
-def _group_size(fam: Family, key, device: torch.device, sets: int, batch: int) -> int:
-    if device.type != "cuda":
-        return max(1, batch)
-    out_bytes = math.prod(fam.output_shape(key)) * fam.out_dtype(key).itemsize
-    per = sets * out_bytes * 2  # graph outputs plus slack for workspaces
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(1, min(batch, int(0.25 * free // max(per, 1))))
-
-
-def _timed(key, runners, device, reps, seed, inputs, heartbeat, phase, fam: Family, tails=None) -> dict[str, float]:
-    """bench_gemm; if the whole run raises, time each runner alone so one bad runner fails alone."""
-    heartbeat(list(runners), phase)
-    try:
-        return bench_gemm(key, runners, device=device, reps=reps, seed=seed, inputs=inputs, family=fam, tails=tails)
-    except DeviceLostError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        _after_failure(device, f"timing {', '.join(runners)}", exc)
-        if len(runners) == 1:
-            return {n: math.nan for n in runners}
-    out = {}
-    for name, run in runners.items():
-        out.update(_timed(key, {name: run}, device, reps, seed, inputs, heartbeat, phase, fam))
-    return out
 
 
 @dataclass
@@ -240,7 +155,7 @@ def _gather(fam: Family, key, device, opts: TuneOptions, exclude) -> _Pool:
         try:
             offered = [s for s in backend.candidates(key, device) if backend.supports(s, key, device)]
         except Exception as exc:  # noqa: BLE001 - a backend that cannot list candidates is reported
-            bad = CandidateResult(bname, "<candidates>", -1, 0, FAILED, reason=_describe_exc(exc))
+            bad = CandidateResult(bname, "<candidates>", -1, 0, FAILED, reason=describe_exc(exc))
             pool.results[bad.name] = bad
             continue
         for sol in offered:
@@ -278,8 +193,8 @@ def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, ch
         except DeviceLostError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of a candidate rejects it alone
-            cand.status, cand.reason = FAILED, _describe_exc(exc)
-            _after_failure(device, name, exc)
+            cand.status, cand.reason = FAILED, describe_exc(exc)
+            after_failure(device, name, exc)
             say(f"  {name}: failed ({cand.reason})")
             continue
         finally:
@@ -304,8 +219,8 @@ def _full_check(fam, key, device, opts, pool: _Pool, name: str, check_in, ref, s
     except DeviceLostError:
         raise
     except Exception as exc:  # noqa: BLE001 - a failure rejects this candidate alone
-        cand.status, cand.reason = FAILED, _describe_exc(exc)
-        _after_failure(device, name, exc)
+        cand.status, cand.reason = FAILED, describe_exc(exc)
+        after_failure(device, name, exc)
         say(f"  {name}: failed the full check ({cand.reason})")
         return False
     if verdict.ok:
@@ -329,13 +244,13 @@ def _screen(fam, key, device, opts, pool: _Pool, seed, inputs, heartbeat, isolat
         return list(pool.runners)
     results = pool.results
     sets = len(inputs) if inputs else 1
-    size = 1 if isolate else max(1, _group_size(fam, key, device, sets, opts.batch) - 1)
+    size = 1 if isolate else max(1, group_size(fam, key, device, sets, opts.batch) - 1)
     names = list(pool.runners)
     scale = math.nan  # the anchor's time in the first group that timed it: every group is scaled to it
     for i in range(0, len(names), size):
         group = {n: pool.runners[n] for n in names[i : i + size]}
-        times = _timed(key, {**group, ANCHOR: default_runner}, device, max(5, opts.screen_reps), seed, inputs,
-                       heartbeat, "screen", fam)  # fmt: skip
+        times = time_group(key, {**group, ANCHOR: default_runner}, device, max(5, opts.screen_reps), seed, inputs,
+                           heartbeat, "screen", fam)  # fmt: skip
         anchor = times.pop(ANCHOR)
         if scale != scale:
             scale = anchor
@@ -393,8 +308,8 @@ def _final(fam, key, device, opts, pool: _Pool, finalists, default, default_runn
     spread is the run's noise. A run on a busy machine (busy_reason) is repeated up to REMEASURE times
     and the quietest kept; pool.busy says why when even that one was disturbed. Returns (default_us, noise)."""
     final = {"default": default_runner, **{n: pool.runners[n] for n in finalists}, "default#2": default_runner}
-    times, why = quietest(lambda tails: _timed(key, final, device, opts.reps, seed, inputs, heartbeat, "final",
-                                               fam, tails))  # fmt: skip
+    times, why = quietest(lambda tails: time_group(key, final, device, opts.reps, seed, inputs, heartbeat, "final",
+                                                   fam, tails))  # fmt: skip
     if why is None:
         raise RuntimeError(f"{fam.describe(key)}: the default ({default.name}) could not be timed")
     pool.busy = why
@@ -464,8 +379,8 @@ def _versus_default(fam, key, device, name, run, default_runner, reps, seed, inp
     """One run of candidate `name` between two copies of the default, as `gemmtune bench` times a row
     (the heartbeat names the candidate, so a worker it crashes blames it). Returns (its us, the
     default's mean us, the default copies' spread)."""
-    t = _timed(key, {"default": default_runner, name: run, "default#2": default_runner}, device, reps, seed,
-               inputs, heartbeat, phase, fam)  # fmt: skip
+    t = time_group(key, {"default": default_runner, name: run, "default#2": default_runner}, device, reps, seed,
+                   inputs, heartbeat, phase, fam)  # fmt: skip
     d1, d2 = t["default"], t["default#2"]
     return t[name], (d1 + d2) / 2, abs(d1 - d2) / min(d1, d2)
 
@@ -496,7 +411,7 @@ class _Lap:
 NOISE_FLOOR = 0.01  # below 1% two timings of the same kernel are no different (A/A rows of `bench`)
 
 
-def _not_slower_at(fam, key, m, device, opts, pool, winner, torch_backend, seed, heartbeat) -> bool:
+def _not_slower_at(fam, key, m, device, opts, pool, winner, seed, heartbeat) -> bool:
     """Is the winner correct at M=m and not slower than the default there beyond the noise?"""
     km = fam.with_m(key, m)
     backend, sol = pool.solutions[winner]
@@ -505,13 +420,14 @@ def _not_slower_at(fam, key, m, device, opts, pool, winner, torch_backend, seed,
         sets = make_inputs(km, device, sets=None if device.type == "cuda" else 1, seed=seed + m, family=fam)
         if not check_runner(run, km, sets[0], reference(km, *sets[0], family=fam), opts.err_ratio, family=fam).ok:
             return False
-        default = torch_backend.make_runner(torch_backend.default_solution(km, device), km, device)
+        default_backend, default_sol = backends.default(fam.name, km, device)  # the default at this M
+        default = default_backend.make_runner(default_sol, km, device)
         w, d, noise = _versus_default(fam, km, device, winner, run, default, max(10, opts.reps // 2), seed + m,
                                       sets, heartbeat, "range")  # fmt: skip
     except DeviceLostError:
         raise
     except Exception as exc:  # noqa: BLE001 - a winner that fails at another M does not serve it
-        _after_failure(device, winner, exc)
+        after_failure(device, winner, exc)
         return False
     return w == w and w <= d * (1 + max(noise, NOISE_FLOOR))
 
@@ -526,11 +442,11 @@ def range_points(m_lo: int, m: int, step: float = 1.5) -> list[int]:
     return sorted(set(pts), reverse=True)
 
 
-def _verified_range(fam, key, m_lo, device, opts, pool, winner, torch_backend, seed, heartbeat) -> int:
+def _verified_range(fam, key, m_lo, device, opts, pool, winner, seed, heartbeat) -> int:
     """The lowest M of [m_lo, M] down to which the winner was not slower at every checked point."""
     lo = fam.m_of(key)
     for p in range_points(m_lo, lo):
-        if not _not_slower_at(fam, key, p, device, opts, pool, winner, torch_backend, seed, heartbeat):
+        if not _not_slower_at(fam, key, p, device, opts, pool, winner, seed, heartbeat):
             break
         lo = p
     return lo
@@ -558,10 +474,9 @@ def tune_shape(
     fam = families.get(family) if isinstance(family, str) else family
     seed = shape_seed(key, opts.seed, fam)
     say = log or (lambda msg: None)
-    torch_backend = backends.get(fam.default_libtype, fam.name)
-    if torch_backend is None:
+    if not backends.all_backends(fam.name):
         raise ValueError(f"the {fam.name} family has no default backend here ({fam.unrunnable})")
-    default_sol = torch_backend.default_solution(key, device)
+    default_backend, default_sol = backends.default(fam.name, key, device)
     default = CandidateResult.of(default_sol)
     pool = _gather(fam, key, device, opts, exclude or {})
     lap("gather")
@@ -569,15 +484,13 @@ def tune_shape(
     inputs = make_inputs(key, device, seed=seed, family=fam) if device.type == "cuda" else None
     check_in = inputs[0] if inputs else make_inputs(key, device, sets=1, seed=seed, family=fam)[0]
     ref = reference(key, *check_in, family=fam)
-    default_runner = torch_backend.make_runner(default_sol, key, device)
+    default_runner = default_backend.make_runner(default_sol, key, device)
     verdict = check_runner(default_runner, key, check_in, ref, opts.err_ratio, family=fam)
     default.err, default.status, default.reason = verdict.err, OK if verdict.ok else REJECTED, verdict.reason
     lap("inputs")
     fast = opts.search == "fast"
     staged = None
     if fam.stages:
-        from .stages import search_stages  # stages.py builds on this module
-
         staged = search_stages(fam, key, device, select_backends(device, opts.libtypes, fam.name),
                                inputs or [check_in], opts, seed, exclude, heartbeat, say, isolate)  # fmt: skip
         _add_pairs(pool, staged.pairs, exclude or {})
@@ -611,7 +524,7 @@ def tune_shape(
     m = fam.m_of(key)
     lo = m if m_lo is None or not opts.verify_range else min(m_lo, m)
     if best is not None and lo < m:
-        lo = _verified_range(fam, key, lo, device, opts, pool, best, torch_backend, seed, heartbeat)
+        lo = _verified_range(fam, key, lo, device, opts, pool, best, seed, heartbeat)
         if lo > (m_lo or m):
             note = (note + "; " if note else "") + f"verified on M {lo}..{m} (slower below)"
     lap("range")
@@ -622,8 +535,6 @@ def tune_shape(
         cands.insert(0, default)
     extra = {}
     if staged is not None:
-        from .stages import stage_columns
-
         cands += staged.candidates
         extra = stage_columns(fam, key, device, staged, winner.kernel_name, opts.reps, seed, heartbeat)
     if pool.busy:

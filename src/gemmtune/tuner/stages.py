@@ -33,8 +33,7 @@ import torch
 from ..backends.base import Backend, Runner, Solution
 from ..families import Family
 from ..families.base import fmt_float
-from .check import check_runner
-from .search import (
+from .candidates import (
     FAILED,
     OK,
     REJECTED,
@@ -42,11 +41,12 @@ from .search import (
     CandidateResult,
     DeviceLostError,
     TuneOptions,
-    _after_failure,
-    _describe_exc,
-    _group_size,
-    _timed,
+    after_failure,
+    describe_exc,
+    group_size,
+    time_group,
 )
+from .check import check_runner
 
 KEEP = 2  # fastest kernels kept per stage: KEEP ** 2 pairs go on to the whole-call phases
 
@@ -104,7 +104,7 @@ def _check_stage(fam, key, device, stage, chosen, sets, opts, exclude, heartbeat
             names = backend.stage_candidates(key, device, stage)[: opts.stage_limit]
         except Exception as exc:  # noqa: BLE001 - a backend that cannot list its stage kernels is reported
             out.candidates.append(CandidateResult(bname, stage_label(stage, "<candidates>"), -1, 0, FAILED,
-                                                  reason=_describe_exc(exc)))  # fmt: skip
+                                                  reason=describe_exc(exc)))  # fmt: skip
             continue
         for name in names:
             if (stage, name) in out.results:
@@ -127,8 +127,8 @@ def _check_stage(fam, key, device, stage, chosen, sets, opts, exclude, heartbeat
             except DeviceLostError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure of a kernel rejects it alone
-                cand.status, cand.reason = FAILED, _describe_exc(exc)
-                _after_failure(device, cand.name, exc)
+                cand.status, cand.reason = FAILED, describe_exc(exc)
+                after_failure(device, cand.name, exc)
                 say(f"  {cand.name}: failed ({cand.reason})")
                 continue
             cand.err = verdict.err
@@ -144,13 +144,13 @@ def _time_stage(fam, key, device, stage, sets, reps, seed, batch, heartbeat, run
                 isolate: bool = False) -> dict[str, float]:  # fmt: skip
     """us of each stage runner, interleaved in groups, on the stage's input sets."""
     view = StageView(fam, stage)
-    size = 1 if isolate else _group_size(view, key, device, len(sets), batch)
+    size = 1 if isolate else group_size(view, key, device, len(sets), batch)
     inputs = sets if device.type == "cuda" else None
     names = list(runners)
     times: dict[str, float] = {}
     for i in range(0, len(names), size):
         group = {stage_label(stage, n): runners[n] for n in names[i : i + size]}
-        got = _timed(key, group, device, reps, seed, inputs, heartbeat, f"stage {stage}", view)
+        got = time_group(key, group, device, reps, seed, inputs, heartbeat, f"stage {stage}", view)
         times.update({n: got[stage_label(stage, n)] for n in names[i : i + size]})
     return times
 

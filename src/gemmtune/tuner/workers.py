@@ -21,7 +21,8 @@ from multiprocessing.connection import wait
 import torch
 
 from ..plugins import PLUGINS_ENV, import_plugins
-from .search import CRASHED, TIMEOUT, DeviceLostError, TuneOptions, tune_shape
+from .candidates import CRASHED, TIMEOUT, DeviceLostError, TuneOptions
+from .search import tune_shape
 
 MAX_ATTEMPTS = 4  # worker restarts allowed per key before the key is given up
 STARTUP_TIMEOUT = 600.0

@@ -1,4 +1,6 @@
-"""The GEMM shapes a Hugging Face model config runs, as serving engines run them.
+"""The GEMMs a Hugging Face model config runs, as serving engines run them: its linear layers
+(model_gemms), its batched GEMMs (batched_gemms), and the keys of every GEMM family it runs at given
+token counts (model_keys). The one place that turns a model config into shapes and keys.
 
 Conventions (M = tokens, N = output features, K = input features, weight [N, K]):
 - Fused projections as vLLM/SGLang run them: one `qkv` GEMM (q, k and v heads side by side) and one
@@ -18,13 +20,18 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import GemmtuneError
+from ..families.batched import BatchedKey
+from ..families.epilogue import EpilogueKey
+from ..families.fmoe import ACT_TYPES, MoeKey
+from ..families.quantized import BlockKey, QuantKey
 from ..keys import GemmKey, parse_dtype
+from ..quant import formats
 
 
 class ModelConfigError(GemmtuneError, ValueError):
@@ -54,8 +61,8 @@ class LinearShape:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def _text_config(config: dict) -> dict:
-    # Multimodal configs (Gemma 3, Llama 4 ...) keep the language model under text_config.
+def text_config(config: dict) -> dict:
+    """The language model's config: multimodal configs (Gemma 3, Llama 4 ...) keep it under text_config."""
     inner = config.get("text_config")
     if isinstance(inner, dict):
         merged = {k: v for k, v in config.items() if k != "text_config"}
@@ -298,7 +305,7 @@ _CLASS_TO_TYPE = {
 
 
 def model_type_of(config: dict) -> str:
-    cfg = _text_config(config)
+    cfg = text_config(config)
     mt = cfg.get("model_type")
     if mt in ARCHITECTURES:
         return mt
@@ -316,7 +323,7 @@ def model_gemms(config: dict, tp: int = 1) -> list[LinearShape]:
     if not isinstance(tp, int) or tp < 1:
         raise ModelConfigError(f"tp must be a positive integer, got {tp!r}")
     mt = model_type_of(config)
-    return ARCHITECTURES[mt](_text_config(config), tp)
+    return ARCHITECTURES[mt](text_config(config), tp)
 
 
 @dataclass(frozen=True)
@@ -357,7 +364,7 @@ def batched_gemms(config: dict, tp: int = 1) -> list[BatchedShape]:
     if not isinstance(tp, int) or tp < 1:
         raise ModelConfigError(f"tp must be a positive integer, got {tp!r}")
     fn = _BATCHED.get(model_type_of(config))
-    return fn(_text_config(config), tp) if fn else []
+    return fn(text_config(config), tp) if fn else []
 
 
 CONFIG_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -367,7 +374,7 @@ def config_dtype(config: dict, default: torch.dtype = torch.bfloat16) -> torch.d
     """The dtype the config says the model runs in (torch_dtype / dtype), else `default` when it says none.
 
     A dtype gemmtune does not tune (float64, int8, ...) is an error, not a silent `default`."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     field = "torch_dtype" if cfg.get("torch_dtype") else "dtype"
     text = cfg.get(field)
     if not text:
@@ -409,6 +416,129 @@ def named_keys(shapes: Iterable[LinearShape], ms: Iterable[int], dtype=torch.bfl
         for m in ms:
             out.setdefault(s.key(m, dtype, outdtype), []).append(s.name)
     return [(names, k) for k, names in out.items()]
+
+
+# ---- keys of each GEMM family ---------------------------------------------------------------------
+def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.dtype = torch.bfloat16,
+             activation: str | None = None) -> list[MoeKey]:  # fmt: skip
+    """The fmoe keys one rank of an MoE model runs at each token count (empty for a dense model).
+
+    tp splits every expert's intermediate size; ep splits the routed experts (each rank holds
+    experts / ep of them and keys global_expert = experts). A DeepSeek-V3 shared expert of the routed
+    experts' size is fused in as an extra expert (shared_expert = n_shared_experts); shared experts of
+    another size (Qwen2-MoE) are a dense MLP, not an fmoe key.
+    """
+    cfg = text_config(config)
+    mt = cfg.get("model_type", "")
+    if tp < 1 or ep < 1:
+        raise ValueError(f"tp and ep must be positive, got tp={tp} ep={ep}")
+    if mt == "mixtral":
+        experts, inter = _req(cfg, "num_local_experts", "num_experts"), _req(cfg, "intermediate_size")
+    elif mt in ("qwen2_moe", "qwen3_moe"):
+        experts, inter = _req(cfg, "num_experts"), _req(cfg, "moe_intermediate_size")
+    elif mt in ("deepseek_v2", "deepseek_v3"):
+        experts, inter = _req(cfg, "n_routed_experts"), _req(cfg, "moe_intermediate_size")
+    else:
+        return []
+    topk = _req(cfg, "num_experts_per_tok")
+    shared = _opt(cfg, "n_shared_experts", 0) if mt.startswith("deepseek") else 0
+    for what, total, parts in (("experts", experts, ep), ("intermediate size", inter, tp)):
+        if total % parts:
+            raise ValueError(f"{mt}: {what} {total} do not split over {parts} ranks")
+    act = activation or {"gelu_pytorch_tanh": "gelu_tanh"}.get(cfg.get("hidden_act", "silu"), cfg.get("hidden_act"))
+    act_type = ACT_TYPES.get(act, "ActivationType.Silu")
+    return [MoeKey(t, _req(cfg, "hidden_size"), inter // tp, experts // ep + shared, topk, act_type, dtype, dtype,
+                   dtype, "QuantType.No", True, False, experts if ep > 1 else 0, shared) for t in tokens]  # fmt: skip
+
+
+# config hidden_act -> the epilogue family's act, for Linear -> act -> Linear MLPs
+_MLP_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+             "relu": "relu"}  # fmt: skip
+
+
+def mlp_shape(config: dict) -> tuple[int, int, str, bool] | None:
+    """(hidden, intermediate, act, bias) of a Linear -> act -> Linear model's MLP (GPT-NeoX, Phi, Starcoder2,
+    Falcon: the MLPs models/epilogue_mlp.py fuses), or None."""
+    config = text_config(config)
+    mt = config.get("model_type")
+    hidden = config.get("hidden_size")
+    if mt in ("gpt_neox", "phi", "starcoder2"):
+        inter, act_name = config.get("intermediate_size"), config.get("hidden_act", "gelu")
+        bias = bool(config.get("use_bias", True)) if mt == "starcoder2" else True
+    elif mt == "falcon":
+        inter = config.get("ffn_hidden_size") or (4 * hidden if hidden else None)
+        act_name, bias = config.get("activation", "gelu"), bool(config.get("bias", False))
+    else:
+        return None
+    act = _MLP_ACTS.get(act_name)
+    if not hidden or not inter or act is None:
+        return None
+    return int(hidden), int(inter), act, bias
+
+
+def epilogue_keys(config: dict, tp: int, ms: Iterable[int], dtype: torch.dtype) -> list[EpilogueKey]:
+    """The epilogue-family keys of such a model at token counts `ms`: up as GEMM + bias + act (its
+    columns split over tp ranks), down as GEMM + bias (rows split; with tp > 1 the bias follows the
+    all-reduce, so the GEMM has none)."""
+    shape = mlp_shape(config)
+    if shape is None:
+        return []
+    hidden, inter, act, bias = shape
+    n_up, k_down = inter // tp, inter // tp
+    out = []
+    for m in ms:
+        out.append(EpilogueKey(m, n_up, hidden, bias, dtype, dtype, act))
+        out.append(EpilogueKey(m, hidden, k_down, bias and tp == 1, dtype, dtype))
+    return out
+
+
+def _weight_shapes(config: dict, tp: int) -> list[tuple[int, int]]:
+    """The distinct (N, K) of the model's linear layers."""
+    return list(dict.fromkeys((s.N, s.K) for s in model_gemms(config, tp)))
+
+
+def _quant_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The 8-bit type a model's GEMMs are tuned for: its own when quantized, else fp8."""
+    return dtype if formats.is_quant_dtype(dtype) else formats.FP8
+
+
+def _a8w8_keys(config, tp, ms, dtype) -> list[QuantKey]:
+    q = _quant_dtype(dtype)
+    return [QuantKey(m, n, k, q, "per_token", False, torch.bfloat16) for n, k in _weight_shapes(config, tp) for m in ms]
+
+
+def _blockscale_keys(config, tp, ms, dtype) -> list[BlockKey]:
+    q = _quant_dtype(dtype)
+    return [BlockKey(m, n, k, q, torch.bfloat16) for n, k in _weight_shapes(config, tp) if k % formats.BLOCK == 0
+            for m in ms]  # fmt: skip
+
+
+def _batched_keys(config, tp, ms, dtype) -> list[BatchedKey]:
+    return [BatchedKey(s.B, m, s.N, s.K, dtype, dtype, False, s.transB) for s in batched_gemms(config, tp)
+            for m in ms]  # fmt: skip
+
+
+# family name -> (config, tp, token counts, dtype) -> the family's keys the model runs
+FAMILY_KEYS: dict[str, Callable[[dict, int, Sequence[int], torch.dtype], list]] = {
+    "a16w16": lambda config, tp, ms, dtype: gemm_keys(model_gemms(config, tp), ms, dtype),
+    "batched": _batched_keys,
+    "a8w8": _a8w8_keys,
+    "a8w8_bpreshuffle": _a8w8_keys,
+    "a8w8_blockscale": _blockscale_keys,
+    "a8w8_blockscale_bpreshuffle": _blockscale_keys,
+    "fmoe": lambda config, tp, ms, dtype: moe_keys(config, tp, 1, ms, dtype),
+    "epilogue": epilogue_keys,
+}
+# Families a model runs besides its linear layers (the others run the same linear layers another way:
+# quantized, fused epilogue).
+OWN_GEMMS = ("batched", "fmoe")
+
+
+def model_keys(family: str, config: dict, tp: int, ms: Sequence[int], dtype: torch.dtype) -> list:
+    """The keys of `family` one TP rank of the model runs at token counts `ms` (empty when it runs none,
+    or gemmtune derives none for that family)."""
+    derive = FAMILY_KEYS.get(family)
+    return derive(config, tp, list(ms), dtype) if derive else []
 
 
 # ---- presets -------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ default for now and is queued; the next eager miss tunes the queue first. Bounde
 `GEMMTUNE_TUNE_ONLINE_BUDGET` seconds (default 20) for checking candidates before the screen, and
 `GEMMTUNE_TUNE_ONLINE_LIBTYPES` may restrict the backends. Off: unset the variable, set it to 0, or
 `set_online_tuning(None)`. Each tuned key logs one line.
+
+The dispatcher knows nothing of tuning: an OnlineTuner is its miss hook (Dispatcher.set_miss_hook), and
+`from_env` the factory the package installs (gemmtune/__init__.py), so the variables work without a call.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import time
 
 import torch
 
-from .capture import capture_path
-from .device import identity
-from .errors import EnvVarError
-from .families import Family
+from .. import backends
+from ..capture import capture_path
+from ..device import identity
+from ..dispatch import get_dispatcher
+from ..errors import EnvVarError
+from ..families import Family
 
 log = logging.getLogger("gemmtune")
 ENV = "GEMMTUNE_TUNE_ONLINE"
@@ -45,6 +50,9 @@ class OnlineTuner:
     def __init__(self, path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"gemmtune.set_online_tuning: path must be a str or None, got {type(path).__name__}")
+        if libtypes is not None and (isinstance(libtypes, str) or not all(isinstance(x, str) for x in libtypes)):
+            raise TypeError(f"gemmtune.set_online_tuning: libtypes must be a list of backend names or None, "
+                            f"got {libtypes!r}")  # fmt: skip
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
             raise ValueError(f"gemmtune.set_online_tuning: budget_s must be a positive number of seconds, "
                              f"got {budget_s!r}")  # fmt: skip
@@ -70,8 +78,6 @@ class OnlineTuner:
                               f"{DEFAULT_BUDGET_S:g})")  # fmt: skip
         libs = [s.strip() for s in environ.get(LIBTYPES_ENV, "").split(",") if s.strip()] or None
         if libs:
-            from . import backends
-
             known = {n for fam in backends.families_with_backends() for n in backends.all_backends(fam)}
             unknown = [n for n in libs if n not in known]
             if unknown:
@@ -103,8 +109,9 @@ class OnlineTuner:
             self._busy = False
 
     def _tune(self, key, family: Family, device: torch.device, dispatcher) -> bool:
-        from .tuner.output import result_row, write_row
-        from .tuner.search import TuneOptions, tune_shape
+        # The search pulls in the timing and checking machinery: only when a key is tuned.
+        from .output import result_row, write_row
+        from .search import TuneOptions, tune_shape
 
         if dispatcher.table(family.name).lookup(key, identity(device)) is not None:
             return True  # tuned meanwhile (queued twice, or another path)
@@ -125,3 +132,12 @@ class OnlineTuner:
         log.warning("gemmtune: tuned %s online in %.1fs: %s -> %s", family.describe(key),
                     time.perf_counter() - t0, verdict, path)  # fmt: skip
         return True
+
+
+def set_online_tuning(path: str | None, budget_s: float | None = None,
+                      libtypes: list[str] | None = None) -> OnlineTuner | None:  # fmt: skip
+    """Python API for GEMMTUNE_TUNE_ONLINE: tune keys no table answers at their first eager call into
+    `path` (None: off, whatever the variable says); clears the runner caches."""
+    tuner = OnlineTuner(path, DEFAULT_BUDGET_S if budget_s is None else budget_s, libtypes) if path else None
+    get_dispatcher().set_miss_hook(tuner)
+    return tuner

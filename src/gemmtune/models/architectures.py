@@ -1,4 +1,5 @@
-"""Per-family knowledge: module layout, and the replacement forwards installed on instances.
+"""Per-architecture knowledge (an architecture is a Hugging Face model type: llama, qwen3_moe ...):
+module layout, and the replacement forwards installed on instances.
 
 Every replacement forward reproduces the stock forward of transformers 5.17-5.24 op for op, except
 where a fused op stands in for several (one GEMM for q/k/v or gate/up, one kernel for a norm, for
@@ -25,7 +26,7 @@ from .hf_cache import CACHE_ARGS
 
 
 @dataclass(frozen=True)
-class Family:
+class Architecture:
     name: str
     prefix: str  # class-name prefix: f"{prefix}DecoderLayer", f"{prefix}Attention"
     qkv: tuple[str, ...] | None = ("q_proj", "k_proj", "v_proj")  # None: the model already fuses them
@@ -36,17 +37,17 @@ class Family:
     moe: bool = False
 
 
-FAMILIES = {
-    "llama": Family("llama", "Llama"),
-    "mistral": Family("mistral", "Mistral"),
-    "qwen2": Family("qwen2", "Qwen2"),
-    "qwen3": Family("qwen3", "Qwen3", qk_norm=True),
-    "gemma": Family("gemma", "Gemma"),
-    "gemma2": Family("gemma2", "Gemma2", layer="sandwich", softcap_kwarg=True),
-    "gemma3_text": Family("gemma3", "Gemma3", layer="sandwich", qk_norm=True),
-    "phi3": Family("phi3", "Phi3", qkv=None, gate_up=None),
-    "mixtral": Family("mixtral", "Mixtral", moe=True),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", qk_norm=True, moe=True),
+ARCHITECTURES = {
+    "llama": Architecture("llama", "Llama"),
+    "mistral": Architecture("mistral", "Mistral"),
+    "qwen2": Architecture("qwen2", "Qwen2"),
+    "qwen3": Architecture("qwen3", "Qwen3", qk_norm=True),
+    "gemma": Architecture("gemma", "Gemma"),
+    "gemma2": Architecture("gemma2", "Gemma2", layer="sandwich", softcap_kwarg=True),
+    "gemma3_text": Architecture("gemma3", "Gemma3", layer="sandwich", qk_norm=True),
+    "phi3": Architecture("phi3", "Phi3", qkv=None, gate_up=None),
+    "mixtral": Architecture("mixtral", "Mixtral", moe=True),
+    "qwen3_moe": Architecture("qwen3_moe", "Qwen3Moe", qk_norm=True, moe=True),
 }
 
 LAYER_NORMS = {
@@ -60,8 +61,8 @@ LAYER_NORMS = {
 }
 
 
-def family_of(model) -> Family | None:
-    return FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+def architecture_of(model) -> Architecture | None:
+    return ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
 def decoder_stack(model) -> tuple[str, nn.Module] | None:
@@ -169,14 +170,14 @@ class AttnSpec:
     qk_norm: bool
     pass_softcap: bool
     sliding_window: int | None
-    rope_fused: str = ""  # "": the family's own function; "full": the kernel when R == D; "any": always
+    rope_fused: str = ""  # "": the model's own function; "full": the kernel when R == D; "any": always
     # (q_norm, k_norm) formulas when both norms and the fused rope run in one kernel, else None
     qk_norms: tuple[NormSpec, NormSpec] | None = None
     cache_arg: str = "past_key_values"  # the stock forward's name for the KV cache (see attention_call)
 
 
 def rope_function(attn: nn.Module):
-    """The family module's own apply_rotary_pos_emb (partial rotary etc. stay exactly as stock)."""
+    """The modeling module's own apply_rotary_pos_emb (partial rotary etc. stay exactly as stock)."""
     return getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
 
 
