@@ -69,6 +69,31 @@ def test_off_switches(monkeypatch, tmp_path):
     assert not (tmp_path / "t.csv").exists()
 
 
+def test_the_dispatcher_asks_any_miss_hook_once_per_new_key_except_while_quiet():
+    """Online tuning is one miss hook among possible others: the dispatcher calls whatever is set, once
+    per key no row answers, and Dispatcher.quiet() suspends it."""
+    seen = []
+
+    class Recorder:
+        def on_miss(self, key, family, device, dispatcher):
+            seen.append((key.M, family.name))
+            return False  # no row added: the default serves the key
+
+    d = gemmtune.get_dispatcher()
+    d.set_miss_hook(Recorder())
+    w = torch.randn(24, 16)
+    for _ in range(2):
+        gemmtune.gemm(torch.randn(3, 16), w)
+    assert seen == [(3, "a16w16")]
+    with d.quiet():
+        gemmtune.gemm(torch.randn(5, 16), w)
+    assert seen == [(3, "a16w16")]
+    gemmtune.gemm(torch.randn(5, 16), w)
+    assert seen == [(3, "a16w16"), (5, "a16w16")]
+    with pytest.raises(TypeError, match="on_miss"):
+        d.set_miss_hook(object())
+
+
 @pytest.mark.gpu
 def test_graph_capture_in_online_mode_neither_tunes_nor_breaks(gpu, tmp_path):
     table = tmp_path / "online.csv"
