@@ -82,7 +82,7 @@ def n_sets(key: BatchedKey, dev) -> int:
 
 
 def precompile_triton(keys: list[BatchedKey], dev, workers: int) -> None:
-    from gemmtune.backends.batched_triton import precompile
+    from gemmtune.backends.batched.triton import precompile
 
     be = backends.get("triton", "batched")
     jobs = [(s, k) for k in keys for s in be.candidates(k, dev)]

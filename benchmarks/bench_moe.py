@@ -108,12 +108,13 @@ def time_all(graphs: dict, eager: dict, reps: int, per_call: int, cuda: bool) ->
 
 def quick_pairs(key, sets, device, sweep: int):
     """(backend, solution) pairs of a quick stage search: --sweep kernels per backend and stage."""
-    from gemmtune.backends import moe as bmoe
+    from gemmtune.backends.fmoe.pytorch import TorchMoeBackend
+    from gemmtune.backends.fmoe.triton import TritonMoeBackend
     from gemmtune.families import fmoe
     from gemmtune.tuner.search import TuneOptions
     from gemmtune.tuner.stages import search_stages
 
-    chosen = {b.name: b for b in (bmoe.TorchMoeBackend(), bmoe.TritonMoeBackend()) if b.is_available(device)}
+    chosen = {b.name: b for b in (TorchMoeBackend(), TritonMoeBackend()) if b.is_available(device)}
     found = search_stages(fmoe.FAMILY, key, device, chosen, sets, TuneOptions(stage_limit=sweep, screen_reps=5), 0)
     bad = [f"{c.name}: {c.reason}" for c in found.candidates if c.status not in ("ok", "pending")]
     if bad:
@@ -122,7 +123,9 @@ def quick_pairs(key, sets, device, sweep: int):
 
 
 def op_point(name, T, sets, ceilings, device, args) -> dict:
-    from gemmtune.backends import moe as bmoe
+    from gemmtune import backends
+    from gemmtune.backends.fmoe.pytorch import grouped_mm_torch_runner
+    from gemmtune.backends.fmoe.stages import grouped_mm_fits
     from gemmtune.families import fmoe
 
     H, inter, E, topk = (TINY_MODELS if args.tiny else MODELS)[name]
@@ -146,9 +149,8 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
         y = run(*ins[0]).float()
         return ((y - ref).norm() / ref.norm()).item()
 
-    tor = bmoe.TorchMoeBackend()
-    default = tor.default_solution(key, device)
-    contenders = {"gemmtune": tor.make_runner(default, key, device)}
+    default_backend, default = backends.default("fmoe", key, device)  # what an untuned key runs
+    contenders = {"gemmtune": default_backend.make_runner(default, key, device)}
     names = {"gemmtune": default.describe()}
     if args.table:
         from gemmtune.dispatch import resolve
@@ -160,8 +162,8 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
         for i, (backend, sol) in enumerate(quick_pairs(key, ins, device, args.sweep)):
             contenders[f"cand{i}"] = backend.make_runner(sol, key, device)
             names[f"cand{i}"] = sol.describe()
-    if bmoe.grouped_mm_fits(key, device):
-        contenders["grouped_mm"] = bmoe.grouped_mm_torch_runner(key)
+    if grouped_mm_fits(key, device):
+        contenders["grouped_mm"] = grouped_mm_torch_runner(key)
     kind = "mixtral" if "mixtral" in name else "qwen3"
     eager = {}
     for impl in ("grouped_mm", "batched_mm", "eager"):

@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from suites import LAYERS, find_models_dir, suite_shapes
 
-from gemmtune.backends.blaslt import BlasLtBackend, algo_attrs, lt_version
-from gemmtune.backends.triton_gemm import TritonGemmBackend, precompile
+from gemmtune.backends.a16w16.blaslt import BlasLtBackend
+from gemmtune.backends.a16w16.triton import TritonGemmBackend, precompile
+from gemmtune.backends.lib.blaslt import algo_attrs, lt_version
 from gemmtune.keys import GemmKey
 from gemmtune.tuner.timing import bench_gemm, make_inputs, measure_ceilings, roof_us
 

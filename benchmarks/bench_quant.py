@@ -6,7 +6,7 @@ Suite: the linears (fused qkv, o, fused gate_up, down) of llama-3-8b (tp 1), lla
 qwen3-32b (tp 1); decode M in 1, 8, 16; prefill M in 1024, 2048, 4096. Contenders per (shape, M, format):
 - bf16: F.linear on bf16 x, w of the same N, K;
 - torch: torch._scaled_mm (fp8 rowwise; fp8 blockwise where the probe of this torch/cuBLAS finds it
-  right, see backends/blockwise.py, else the dequantize path, marked) or torch._int_mm + scales (int8;
+  right, see backends/lib/scaled_mm_blockwise.py, else the dequantize path, marked) or torch._int_mm + scales (int8;
   M <= 16 falls back to dequantize, marked);
 - tuned: the fastest of every gemmtune candidate (every available backend of the family: Triton tile
   configs, the skinny split-K configs for M <= 16, the torch solutions) on a screen (8 repeats),
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from suites import find_models_dir, suite_shapes
 
 from gemmtune import backends, families
-from gemmtune.backends import blockwise
+from gemmtune.backends.lib import scaled_mm_blockwise as blockwise
 from gemmtune.families.quantized import FP8, BlockKey, QuantKey
 from gemmtune.kernels.quant import quantize_1x128_triton, quantize_per_token_triton
 from gemmtune.keys import GemmKey

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from suites import LAYERS, find_models_dir, suite_shapes
 
-from gemmtune.backends.skinny import SkinnyBackend
+from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend
 from gemmtune.kernels import skinny as ks
 from gemmtune.kernels._common import gdc_launch_dependents, gdc_wait, pdl_enabled
 from gemmtune.keys import GemmKey

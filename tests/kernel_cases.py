@@ -135,7 +135,7 @@ def check_every_candidate(be, fam, key, device, prefix: str = "") -> list:
 def check_past_max_rows_and_dispatch(be, fam, key, device, dispatcher, op) -> None:
     """A skinny runner called past MAX_ROWS hands off to the untuned default, and a tuned row of `be`'s
     first candidate runs through `op(*inputs)` (gemmtune's custom op) within the family's threshold."""
-    from gemmtune.backends.skinny import MAX_ROWS
+    from gemmtune.backends.lib.skinny import MAX_ROWS
     from gemmtune.configs.schema import TunedRow
     from gemmtune.configs.table import ConfigTable
     from gemmtune.device import identity

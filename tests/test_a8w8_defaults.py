@@ -1,9 +1,9 @@
-"""What an untuned a8w8 key runs (backends/quantized.py `native_a8w8_choice` / `_native_a8w8`), and the
-8-bit-only additions to the Triton GEMM candidate space (backends/triton_gemm.py: split-K against a poor
-last wave, the flattened persistent grid, int8's 256-deep tiles).
+"""What an untuned a8w8 key runs (the family's policy, backends/quantized/policy.py), and the 8-bit-only
+additions to the Triton GEMM candidate space (backends/lib/triton_tiles.py: split-K against a poor last
+wave, the flattened persistent grid, int8's 256-deep tiles).
 
-On the CPU the choice is checked as it resolves on an H100 (the CUDA checks patched; device facts off
-a GPU are an H100's), against the measured winners in benchmarks/results/h100/a8w8_vs_bf16/: the skinny
+On the CPU the choice is checked as it resolves on an H100 (the device vocabulary patched to answer an
+NVIDIA sm90 GPU; device facts off a GPU are an H100's), against the measured winners in benchmarks/results/h100/a8w8_vs_bf16/: the skinny
 default must pick the winner's split wherever its tile won a decode point, the int8 prefill default
 must be the config that won most points. On a GPU: the new candidates pass the family check and replay
 bit-equal in a CUDA graph, and an untuned key at M = 8 and 1024 runs its default, captured in a graph
@@ -38,22 +38,34 @@ def _rows(name: str) -> list[dict]:
     return out
 
 
+def _choice(key, device) -> tuple[str, str]:
+    """(backend name, kernel name) of what the a8w8 policy runs for an untuned `key`."""
+    from gemmtune.backends.quantized import policy
+
+    name, sol = policy.a8w8(key, device)
+    assert sol.libtype == name  # the row names the backend that runs it
+    return name, sol.kernel_name
+
+
 @pytest.fixture
 def h100(monkeypatch):
-    """native_a8w8_choice as it runs on an H100 (CUDA, Triton, sm90, not ROCm)."""
-    from gemmtune.backends import quantized
+    """The a8w8 policy as it runs on an H100: the device vocabulary answers an NVIDIA sm90 GPU (a CUDA
+    build, not ROCm) whatever device it is asked about."""
+    from gemmtune import device
+    from gemmtune.kernels import _common
 
-    monkeypatch.setattr(quantized, "_cuda", lambda device: True)
-    monkeypatch.setattr(quantized, "_capability", lambda device_type, index: (9, 0))
+    monkeypatch.setattr(device, "vendor", lambda d=None: device.NVIDIA)
+    monkeypatch.setattr(device, "facts", lambda d=None: device.OFF_GPU._replace(capability=(9, 0)))
     monkeypatch.setattr(torch.version, "hip", None)
-    return quantized.native_a8w8_choice
+    monkeypatch.setattr(_common, "_pdl_on", {})  # its per-device answers must not outlive the patch
+    return _choice
 
 
 # ---- split-K against a poor last wave ------------------------------------------------------------
 
 
 def test_wave_split_factors():
-    from gemmtune.backends.triton_gemm import wave_efficiency, wave_split_factors
+    from gemmtune.backends.lib.triton_tiles import wave_efficiency, wave_split_factors
 
     assert wave_efficiency(320, 132) == pytest.approx(320 / 396) and wave_efficiency(264, 132) == 1.0
     # Qwen3-32B down, M 1024: 128x128 tiles 320 (2.4 waves, 0.81) -> 2 splits (0.97; 16 reach 0.99)
@@ -69,14 +81,14 @@ def test_wave_split_factors():
 
 
 def _space(m, n, k, dtype):
-    from gemmtune.backends.triton_gemm import Hardware, config_space
+    from gemmtune.backends.lib.triton_tiles import Hardware, config_space
     from gemmtune.keys import GemmKey
 
     return config_space(GemmKey(m, n, k, False, dtype, torch.bfloat16), Hardware(132, 227 * 1024, True, False))
 
 
 def test_8bit_extras_only_for_1_byte_keys():
-    from gemmtune.backends.triton_gemm import SMEM_MARGIN
+    from gemmtune.backends.lib.triton_tiles import SMEM_MARGIN
 
     names = {c.name for c in _space(1024, 5120, 25600, torch.int8)}
     assert "tg_bm128_bn128_bk128_g8_w8_s3_sk2f_tma" in names  # 320 tiles: the wave split
@@ -120,7 +132,7 @@ def test_flatten_needs_the_persistent_grid():
 
 
 def test_skinny_default_takes_the_winners_split_where_its_tile_won(h100):
-    from gemmtune.backends.skinny_quant import DEFAULT_TILE
+    from gemmtune.backends.quantized.triton_skinny import DEFAULT_TILE
 
     tile = "a8w8_skinny_{}_bn{}_bk{}_".format(*DEFAULT_TILE[:3])
     rows = [r for r in _rows("decode_fp8_int8.md") if r["winner"].startswith(tile)]
@@ -133,7 +145,7 @@ def test_skinny_default_takes_the_winners_split_where_its_tile_won(h100):
 
 
 def test_int8_prefill_default_is_the_config_that_won_most_points(h100):
-    from gemmtune.backends import a8w8_tg
+    from gemmtune.backends.quantized import triton_tg as a8w8_tg
 
     rows = [r for r in _rows("prefill_int8.md") if r["q"] == torch.int8]
     assert len(rows) == 36
@@ -166,20 +178,21 @@ def test_native_choice_on_an_h100(h100, key, want):
 
 
 def test_native_choice_off_cuda_and_on_rocm(h100, monkeypatch):
-    from gemmtune.backends import quantized
+    from gemmtune import device
 
+    monkeypatch.setattr(device, "vendor", lambda d=None: device.AMD)
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert h100(QuantKey(8, 4096, 4096, torch.int8), CPU) == ("torch", "dequant")  # no skinny; _int_mm: M > 16
     assert h100(QuantKey(1024, 4096, 4096, torch.int8), CPU) == ("torch", "int_mm")
-    monkeypatch.setattr(quantized, "_cuda", lambda device: False)
+    monkeypatch.undo()
     for m in (8, 1024):
         for q in (torch.int8, FP8):
-            assert quantized.native_a8w8_choice(QuantKey(m, 4096, 4096, q), CPU) == ("torch", "dequant")
+            assert _choice(QuantKey(m, 4096, 4096, q), CPU) == ("torch", "dequant")
 
 
 def test_native_runner_on_the_cpu_matches_the_reference():
     from gemmtune import backends, families
-    from gemmtune.backends.quantized import NATIVE
+    from gemmtune.backends.quantized.pytorch import NATIVE
 
     fam, key = families.get("a8w8"), QuantKey(8, 48, 64, torch.int8, "per_token", True, torch.float32)
     inputs = fam.make_inputs(key, CPU, 1, seed=1)[0]
@@ -209,12 +222,14 @@ def test_gpu_new_candidates_pass_the_family_check_and_replay_bit_equal(gpu, key)
 @pytest.mark.parametrize("m", [8, 1024])
 def test_gpu_untuned_key_runs_its_default(gpu, q, m):
     from gemmtune import backends, families
-    from gemmtune.backends.quantized import NATIVE, native_a8w8_choice
+    from gemmtune.device import is_rocm
     from gemmtune.tuner.check import check_runner
 
     key = QuantKey(m, 1536, 2048, _Q[q], "per_token", True, torch.bfloat16)
-    lib, name = native_a8w8_choice(key, gpu)
-    hopper, rocm = torch.cuda.get_device_capability(gpu) >= (9, 0), bool(torch.version.hip)
+    backend, sol = backends.default("a8w8", key, gpu)
+    lib, name = backend.name, sol.kernel_name
+    assert sol.libtype == lib
+    hopper, rocm = torch.cuda.get_device_capability(gpu) >= (9, 0), is_rocm()
     if m == 8 and not rocm:
         assert lib == "skinny" and name.startswith("a8w8_skinny_dot_bn64_bk512_"), name
     elif q == "int8" and hopper and not rocm:
@@ -222,7 +237,7 @@ def test_gpu_untuned_key_runs_its_default(gpu, q, m):
     elif q == "fp8" and hopper:
         assert (lib, name) == ("torch", "scaled_mm")
     fam = families.get("a8w8")
-    run = backends.get("torch", "a8w8").make_runner(NATIVE, key, gpu)
+    run = backend.make_runner(sol, key, gpu)
     inputs = fam.make_inputs(key, gpu, 1, seed=m)[0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # the runner's first call: it must not compile now

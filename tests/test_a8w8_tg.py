@@ -101,8 +101,8 @@ def test_dropping_a_scale_fails_the_check(case, results):
 
 def test_candidates_are_8bit_tg_configs_above_m32():
     from gemmtune import backends
-    from gemmtune.backends import a8w8_tg
     from gemmtune.backends.base import stable_solidx
+    from gemmtune.backends.quantized import triton_tg as a8w8_tg
     from gemmtune.kernels import a8w8, triton_gemm
 
     cpu = torch.device("cpu")

@@ -138,8 +138,8 @@ def test_autograd_matches_bmm():
 # ---- config names and the candidate space (no kernels run) -----------------------------------------
 def test_config_names_round_trip_and_candidates_are_supported():
     from gemmtune.backends.base import stable_solidx
-    from gemmtune.backends.batched_triton import TritonBatchedBackend, config_space
-    from gemmtune.backends.triton_gemm import SMEM_MARGIN, Hardware
+    from gemmtune.backends.batched.triton import TritonBatchedBackend, config_space
+    from gemmtune.backends.lib.triton_tiles import SMEM_MARGIN, Hardware
     from gemmtune.kernels.batched_gemm import parse_config
 
     be = TritonBatchedBackend()
@@ -160,8 +160,8 @@ def test_config_names_round_trip_and_candidates_are_supported():
 
 
 def test_split_k_only_when_batches_leave_sms_idle():
-    from gemmtune.backends.batched_triton import config_space
-    from gemmtune.backends.triton_gemm import Hardware
+    from gemmtune.backends.batched.triton import config_space
+    from gemmtune.backends.lib.triton_tiles import Hardware
 
     hw = Hardware(132, 227 * 1024, True)
     # MLA attn @ W_UV at tp 8, decode: 16 heads x 1 tile, K=512 -> split-K offered, both reductions.
@@ -182,7 +182,7 @@ def test_split_k_only_when_batches_leave_sms_idle():
      "tg_bm64_bn64_bk32_g8_w4_s3_sk1", "native", ""],
 )  # fmt: skip
 def test_unknown_names_give_none(name):
-    from gemmtune.backends.batched_triton import TritonBatchedBackend
+    from gemmtune.backends.batched.triton import TritonBatchedBackend
 
     assert TritonBatchedBackend().solution_from_row(0, name, 0) is None
 
@@ -200,7 +200,7 @@ def test_backend_registry_and_availability():
 
 
 def test_compile_signature_ignores_m_unless_it_sets_a_stride():
-    from gemmtune.backends.batched_triton import compile_signature, stored_strides
+    from gemmtune.backends.batched.triton import compile_signature, stored_strides
     from gemmtune.kernels.batched_gemm import parse_config
 
     cfg = parse_config("bmm_bm16_bn64_bk128_g8_w4_s4_sk3f")
@@ -214,11 +214,11 @@ def test_compile_signature_ignores_m_unless_it_sets_a_stride():
 # ---- the cuBLASLt batched layouts, checked by reading them back (no cuBLASLt needed) ---------------
 def _read_back(t: torch.Tensor, entry, i: int) -> torch.Tensor:
     """op() of the column-major matrix a cuBLASLt layout entry describes, in batch i of t's storage."""
-    from gemmtune.backends.blaslt import _OP_N
+    from gemmtune.backends.lib.blaslt import OP_N
 
     op, rows, cols, ld, batch_stride = entry
     view = t.as_strided((rows, cols), (1, ld), t.storage_offset() + i * batch_stride)
-    return view if op == _OP_N else view.t()
+    return view if op == OP_N else view.t()
 
 
 @pytest.mark.parametrize("B, M, N, K", [(3, 5, 16, 8), (2, 1, 8, 24), (2, 4, 1, 16), (1, 8, 8, 1)])
@@ -227,7 +227,7 @@ def _read_back(t: torch.Tensor, entry, i: int) -> torch.Tensor:
     (True, True, "stored", "stored"), (False, True, "heads", "stored"), (True, False, "stored", "bcast"),
 ])  # fmt: skip
 def test_blaslt_layouts_read_the_operands_in_place(B, M, N, K, ta, tb, al, bl):
-    from gemmtune.backends.blaslt_batched import blas_layout
+    from gemmtune.backends.batched.blaslt import blas_layout
 
     a, b = _make(B, M, N, K, ta, tb, torch.float32, torch.Generator().manual_seed(B * M + N), al, bl)
     key = BatchedKey(B, M, N, K, torch.float32, torch.float32, ta, tb)
@@ -239,7 +239,7 @@ def test_blaslt_layouts_read_the_operands_in_place(B, M, N, K, ta, tb, al, bl):
 
 
 def test_blaslt_layouts_refuse_what_must_be_copied():
-    from gemmtune.backends.blaslt_batched import blas_layout
+    from gemmtune.backends.batched.blaslt import blas_layout
 
     key = BatchedKey(2, 4, 8, 16, torch.float16, torch.float16)
     a, b = torch.randn(2, 8, 32)[:, ::2, ::2], torch.randn(2, 16, 8)  # a: no unit stride
@@ -340,7 +340,7 @@ def run_cases(cases, device: str) -> dict:
 
 
 def _run_case(case, device: str) -> dict:
-    from gemmtune.backends.batched_triton import TritonBatchedBackend
+    from gemmtune.backends.batched.triton import TritonBatchedBackend
     from gemmtune.kernels.batched_gemm import batched_gemm_ref
 
     name, cfg, dt, odt, B, M, N, K, ta, tb, al, bl = case
@@ -415,7 +415,7 @@ def _gpu_inputs(key: BatchedKey, gpu, seed=0):
     return get("batched").make_inputs(key, gpu, 1, seed)[0]
 
 
-_ALLOCATES_OUTPUT = {"triton": "gemmtune.kernels.batched_gemm", "blaslt": "gemmtune.backends.blaslt_batched"}
+_ALLOCATES_OUTPUT = {"triton": "gemmtune.kernels.batched_gemm", "blaslt": "gemmtune.backends.batched.blaslt"}
 
 
 _EVERY_KEYS = [

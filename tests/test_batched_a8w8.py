@@ -100,7 +100,7 @@ def test_aiter_table_loads_and_its_rows_fall_back(aiter_configs):
 
 # ---- the Triton kernel -----------------------------------------------------------------------------------
 def _kernel_cases(device: str) -> list[dict]:
-    from gemmtune.backends.batched_a8w8 import TritonBatchedA8W8Backend, tile_configs
+    from gemmtune.backends.batched_a8w8.triton import TritonBatchedA8W8Backend, tile_configs
     from gemmtune.kernels.batched_a8w8 import BatchedA8W8Config, batched_a8w8
 
     out = []
@@ -116,7 +116,7 @@ def _kernel_cases(device: str) -> list[dict]:
                     out.append({"case": f"{shape} {q} {cfg.name} {dt}", "nan": bool(torch.isnan(y).any()),
                                 "rel": _rel(y.cpu(), ref), "dt": str(dt)})  # fmt: skip
             key = BatchedQuantKey(*shape, q, torch.float32)
-            sol = TritonBatchedA8W8Backend()._solution(tile_configs(key)[0])
+            sol = TritonBatchedA8W8Backend().solution(tile_configs(key)[0])
             y = TritonBatchedA8W8Backend().make_runner(sol, key, torch.device(device))(xq, wq, xs, ws)
             out.append({"case": f"{shape} {q} runner", "nan": bool(torch.isnan(y).any()), "rel": _rel(y.cpu(), ref),
                         "dt": "torch.float32"})  # fmt: skip

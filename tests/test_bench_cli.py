@@ -55,7 +55,7 @@ def test_bench_cli_writes_table_csv_json_and_plot_or_says_why(tmp_path):
 
 
 def test_bench_dispatches_through_the_table_and_restores_it(tmp_path, clean_dispatch):
-    from gemmtune.backends.torch_backend import MM_OUT_DTYPE
+    from gemmtune.backends.a16w16.pytorch import MM_OUT_DTYPE
 
     key = GemmKey(3, 32, 16, False, torch.float32, torch.float32)
     # A row naming a solution the runtime cannot run here falls back, and bench shows what ran.

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from gemmtune.backends import blaslt as bl
+from gemmtune.backends.a16w16.blaslt import BlasLtBackend
+from gemmtune.backends.lib import blaslt as bl
 from gemmtune.keys import GemmKey
 
 NAME = "lt130200_a66_t20_s35_k1_r0_w0_c0_i0_cl2"
@@ -33,7 +34,7 @@ def test_algo_names_round_trip():
 
 
 def test_row_from_another_version_falls_back(monkeypatch, caplog):
-    be = bl.BlasLtBackend()
+    be = BlasLtBackend()
     monkeypatch.setattr(bl, "lt_version", lambda: 130200)
     sol = be.solution_from_row(0, NAME, 1)
     assert sol is not None and sol.kernel_name == NAME and sol.solidx == bl.stable_solidx(NAME)
@@ -55,17 +56,17 @@ def test_search_mode_from_env(monkeypatch):
 
 
 def test_unavailable_on_cpu_says_why():
-    be = bl.BlasLtBackend()
+    be = BlasLtBackend()
     cpu = torch.device("cpu")
-    assert not be.is_available(cpu)
-    assert "CUDA" in be.unavailable_reason(cpu)
+    why = be.unavailable_reason(cpu)
+    assert not be.is_available(cpu) and why.startswith("blaslt (a16w16): ") and ("NVIDIA" in why or "nvmath" in why)
     assert be.candidates(GemmKey(16, 64, 64), cpu) == []
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
 @pytest.fixture
 def lt(usable):
-    return usable(bl.BlasLtBackend())
+    return usable(BlasLtBackend())
 
 
 def _rel_err(y, ref):
@@ -150,13 +151,14 @@ def test_gpu_graph_replay_matches_eager(lt, gpu):
 
 _CHILD = r"""
 import json, sys, torch
-from gemmtune.backends import blaslt as bl
+from gemmtune.backends.a16w16.blaslt import BlasLtBackend
+from gemmtune.backends.lib import blaslt as bl
 from gemmtune.configs import ConfigTable
 from gemmtune.device import identity
 table = ConfigTable.load(sys.argv[1])
 key = table.rows[0].key
 row = table.lookup(key, identity(torch.device("cuda")))
-be = bl.BlasLtBackend()
+be = BlasLtBackend()
 sol = be.solution_from_row(row.solidx, row.kernel_name, row.splitk)
 run = be.make_runner(sol, key, torch.device("cuda"))
 x = torch.randn(key.M, key.K, device="cuda").to(key.dtype)
@@ -173,7 +175,7 @@ def test_gpu_table_round_trip_in_fresh_process(lt, gpu, tmp_path):
     from gemmtune.device import identity
 
     key = GemmKey(128, 1280, 8192, False, torch.bfloat16, torch.bfloat16)
-    algos = bl.enumerate_algos(key, bl._index(gpu))
+    algos = bl.enumerate_algos(key, bl.device_index(gpu))
     # Prefer a non-default algorithm (a split-K one if offered): the heuristic's top pick proves less.
     spec, algo = next(((s, a) for s, a in algos if s.split_k > 1), algos[-1])
     ident = identity(gpu)
@@ -186,7 +188,7 @@ def test_gpu_table_round_trip_in_fresh_process(lt, gpu, tmp_path):
     assert child["name"] == spec.name
     assert tuple(child["attrs"]) == spec.attrs == bl.algo_attrs(algo)
     # The child's struct is what the attributes re-create here too (no hidden per-process state) ...
-    prob = bl._Problem(key, key.M, key.K, key.bias, bl._index(gpu))
+    prob = bl.Problem(key, key.M, key.K, key.bias, bl.device_index(gpu))
     assert child["algo"] == bl.algo_from_spec(spec, prob).hex()
     # ... and where it differs from the heuristic's own struct, only in bytes no attribute reports.
     if child["algo"] != algo.hex():

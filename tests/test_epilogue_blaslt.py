@@ -1,4 +1,4 @@
-"""The epilogue family's `blaslt` backend (backends/blaslt_epilogue.py): cuBLASLt with the epilogue set.
+"""The epilogue family's `blaslt` backend (backends/epilogue/blaslt.py): cuBLASLt with the epilogue set.
 
 CPU: the cuBLASLt epilogue chosen for every act x bias x C kind (none where cuBLASLt has no form: a
 column C, an erf GELU with an fp32 output), kernel names with and without the `_tanh` tag round-trip
@@ -18,8 +18,8 @@ import logging
 import pytest
 import torch
 
-from gemmtune.backends import blaslt as bl
-from gemmtune.backends import blaslt_epilogue as be
+from gemmtune.backends.epilogue import blaslt as be
+from gemmtune.backends.lib import blaslt as bl
 from gemmtune.families.epilogue import EpilogueKey
 
 NAME = "lt130200_a66_t20_s35_k1_r0_w0_c0_i0_cl2"
@@ -53,12 +53,12 @@ def _key(act="none", bias=False, c="none", out=BF16, dtype=BF16, alpha=False, w_
 def test_epilogue_for_each_act_bias_and_c(act, bias, c, out, want):
     key = _key(act, bias, c, out, dtype=BF16 if out == FP32 else out)
     assert be.lt_epilogue(key) == want
-    assert be.BlasLtEpilogueBackend._key_ok(key) == (want is not None)
+    assert be.BlasLtEpilogueBackend().key_ok(key) == (want is not None)
     assert be.name_tag(key) == ("_tanh" if act == "gelu" else "")
 
 
 def test_key_dtypes():
-    ok = be.BlasLtEpilogueBackend._key_ok
+    ok = be.BlasLtEpilogueBackend().key_ok
     assert ok(_key("relu", dtype=BF16, out=FP32)) and ok(_key(dtype=FP32, out=FP32)) and ok(_key(dtype=FP16, out=FP16))
     assert not ok(_key(dtype=FP16, out=BF16)) and not ok(_key(dtype=FP32, out=BF16))
     assert not ok(_key("gelu", dtype=BF16, out=FP32)) and not ok(_key("gelu", dtype=FP32, out=FP32))
@@ -88,21 +88,21 @@ def test_a_name_answers_only_keys_with_its_tag(monkeypatch):
     monkeypatch.setattr(type(lt), "is_available", lambda self, device: True)
     gpu = torch.device("cuda")
     tanh = bl.AlgoSpec.parse(NAME)
-    assert not lt.supports(lt._solution(tanh, "_tanh"), _key("gelu_tanh", True), gpu)
-    assert not lt.supports(lt._solution(tanh, "_tanh"), _key("relu", True), gpu)
-    assert not lt.supports(lt._solution(tanh), _key("gelu", True), gpu)
-    assert not lt.supports(lt._solution(tanh, "_tanh"), _key("gelu", True, out=FP32, dtype=FP32), gpu)
+    assert not lt.supports(lt.solution(tanh, "_tanh"), _key("gelu_tanh", True), gpu)
+    assert not lt.supports(lt.solution(tanh, "_tanh"), _key("relu", True), gpu)
+    assert not lt.supports(lt.solution(tanh), _key("gelu", True), gpu)
+    assert not lt.supports(lt.solution(tanh, "_tanh"), _key("gelu", True, out=FP32, dtype=FP32), gpu)
 
 
 def test_layouts_of_x_w_and_c():
-    from gemmtune.backends.blaslt import _OP_N, _OP_T
+    from gemmtune.backends.lib.blaslt import OP_N, OP_T
 
     key = _key("relu", True, "full", m=5, n=48, k=64)
     # x [5, 64] with padded rows, w [N, K] stored [N, K] and [K, N], C [5, 48] with padded rows.
     (wa, xb, ldc) = be.lt_layout(key, 5, (72, 1), (64, 1), (56, 1))
-    assert wa == (_OP_T, 64, 48, 64) and xb == (_OP_N, 64, 5, 72) and ldc == 56
+    assert wa == (OP_T, 64, 48, 64) and xb == (OP_N, 64, 5, 72) and ldc == 56
     (wa, _, _) = be.lt_layout(key, 5, (64, 1), (1, 48), (48, 1))
-    assert wa == (_OP_N, 48, 64, 48)
+    assert wa == (OP_N, 48, 64, 48)
     assert be.lt_layout(key, 5, (64, 1), (64, 1), (1, 5)) is None  # a transposed C is copied
     assert be.lt_layout(key, 5, (64, 1), (64, 1), (0, 1)) is None  # a row-broadcast "full" C is copied
     assert be.lt_layout(key, 5, (128, 2), (64, 1), None) is None  # no unit stride in x
@@ -117,10 +117,11 @@ def test_unavailable_says_why():
     lt = get("blaslt", "epilogue")
     assert isinstance(lt, be.BlasLtEpilogueBackend)
     cpu = torch.device("cpu")
-    assert not lt.is_available(cpu) and "CUDA" in lt.unavailable_reason(cpu)
+    why = lt.unavailable_reason(cpu)
+    assert not lt.is_available(cpu) and why.startswith("blaslt (epilogue): ") and ("NVIDIA" in why or "nvmath" in why)
     assert lt.candidates(_key("gelu_tanh", True), cpu) == []
     if not torch.cuda.is_available():
-        assert lt.unavailable_reason(torch.device("cuda")) == "blaslt: no CUDA GPU"
+        assert lt.unavailable_reason(torch.device("cuda")).startswith("blaslt (epilogue): ")
 
 
 # ---- GPU ---------------------------------------------------------------------------------------

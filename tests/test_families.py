@@ -203,7 +203,7 @@ def test_batched_op_validates_and_matches_bmm():
 
 
 def test_one_runner_serves_every_m_of_a_row(monkeypatch):
-    from gemmtune.backends.torch_backend import TorchBackend
+    from gemmtune.backends.a16w16.pytorch import TorchBackend
 
     made = []
     real = TorchBackend.make_runner

@@ -90,7 +90,7 @@ def _chain(gpu, M, backend, want):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_gpu_skinny_pdl_chain(gpu, M):
-    from gemmtune.backends.skinny import SkinnyBackend
+    from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend
 
     _chain(gpu, M, SkinnyBackend(), ["_pdl2", "_pdl3", "_fx_pdl", "gemv", "dot"])
 
@@ -98,6 +98,6 @@ def test_gpu_skinny_pdl_chain(gpu, M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [64, 200])
 def test_gpu_triton_pdl_chain(gpu, M):
-    from gemmtune.backends.triton_gemm import TritonGemmBackend
+    from gemmtune.backends.a16w16.triton import TritonGemmBackend
 
     _chain(gpu, M, TritonGemmBackend(), ["sk1_pdl2", "f_pdl2", "r_pdl2", "tma_pdl1", "_p_pdl2"])

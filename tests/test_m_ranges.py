@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import gemmtune
 from gemmtune import backends
+from gemmtune.backends.a16w16.pytorch import TorchBackend
 from gemmtune.backends.base import Backend, Solution, stable_solidx
-from gemmtune.backends.torch_backend import TorchBackend
 from gemmtune.configs import read_table_file
 from gemmtune.keys import GemmKey
 from gemmtune.tuner import timing

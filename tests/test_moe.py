@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import gemmtune
-from gemmtune.backends import moe as bmoe
+from gemmtune.backends.fmoe import pytorch as mto
+from gemmtune.backends.fmoe import stages as mst
+from gemmtune.backends.fmoe import triton as mtr
 from gemmtune.families import fmoe
 from gemmtune.families.fmoe import MoeKey, route
 from gemmtune.kernels.fused_moe import BAD_ID, fused_moe_ref, local_expert_ids
@@ -34,13 +36,13 @@ def rel(y, ref):
 SHAPES = [(1, 24, 20, 5, 1), (3, 40, 36, 6, 2), (17, 56, 28, 7, 2), (9, 32, 24, 12, 8), (64, 48, 40, 3, 2)]
 
 
-@pytest.mark.parametrize("solution", [bmoe.LOOP, bmoe.DENSE, bmoe.GROUPED_MM], ids=lambda s: s.kernel_name)
+@pytest.mark.parametrize("solution", [mto.LOOP, mto.DENSE, mto.GROUPED_MM], ids=lambda s: s.kernel_name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-k{}".format(*s))
 def test_torch_backends_match_fp32_reference(solution, shape):
     T, H, inter, E, topk = shape
     x, w1, w2, w, ids = inputs(*shape)
     key = MoeKey(T, H, inter, E, topk, dtype=torch.float32, q_dtype_a=torch.float32, q_dtype_w=torch.float32)
-    backend = bmoe.TorchMoeBackend()
+    backend = mto.TorchMoeBackend()
     if not backend.supports(solution, key, torch.device("cpu")):
         pytest.skip("torch._grouped_mm does not run here")
     y = backend.make_runner(solution, key, torch.device("cpu"))(x, w1, w2, w, ids, None)
@@ -170,13 +172,13 @@ def test_aiter_table_loads_and_rewrites_byte_identically(aiter_configs, tmp_path
 
 def test_solution_naming_round_trips_through_kernel_names():
     fam = fmoe.FAMILY
-    sol = bmoe.solution_of(*bmoe.heuristic_configs(MoeKey(16, 4096, 14336, 8, 2)))
+    sol = mtr.solution_of(*mtr.heuristic_configs(MoeKey(16, 4096, 14336, 8, 2)))
     rec = fam.solution_record(sol.libtype, sol.kernel_name)
     assert rec["kernelName1"].startswith("triton:moe1_") and rec["kernelName2"].startswith("moe2_")
     assert fam.libtype_of(rec) == "triton" and fam.kernel_name_of(rec) == sol.kernel_name
-    back = bmoe.TritonMoeBackend().solution_from_row(0, fam.kernel_name_of(rec), 0)
+    back = mtr.TritonMoeBackend().solution_from_row(0, fam.kernel_name_of(rec), 0)
     assert back == sol
-    assert bmoe.TorchMoeBackend().solution_from_row(0, bmoe.GROUPED_MM.kernel_name, 0) == bmoe.GROUPED_MM
+    assert mto.TorchMoeBackend().solution_from_row(0, mto.GROUPED_MM.kernel_name, 0) == mto.GROUPED_MM
 
 
 def test_family_compute_methods_agree_with_the_op():
@@ -234,9 +236,9 @@ def test_gpu_default_path_matches_reference(T, E, topk, gpu):
     x, w1, w2, w, ids = inputs(T, 512, 200, E, topk, dtype=torch.bfloat16, device="cuda", seed=T)
     y = gemmtune.fused_moe(x, w1, w2, w, ids)
     assert rel(y, fused_moe_ref(x.float(), w1.float(), w2.float(), w, ids)) < 1.5e-2
-    if bmoe.grouped_mm_usable(torch.bfloat16, x.device):
+    if mst.grouped_mm_usable(torch.bfloat16, x.device):
         key = MoeKey(T, 512, 200, E, topk)
-        y2 = bmoe.TorchMoeBackend().make_runner(bmoe.GROUPED_MM, key, x.device)(x, w1, w2, w, ids, None)
+        y2 = mto.TorchMoeBackend().make_runner(mto.GROUPED_MM, key, x.device)(x, w1, w2, w, ids, None)
         assert rel(y2, fused_moe_ref(x.float(), w1.float(), w2.float(), w, ids)) < 1.5e-2
 
 

@@ -76,7 +76,7 @@ GPU_MIX_CASES = [
 
 
 def run_case(case, device="cpu", s1="tri", s2="tri") -> dict:
-    from gemmtune.backends.moe import GM, pair_runner
+    from gemmtune.backends.fmoe.stages import GM, pair_runner
     from gemmtune.kernels.fused_moe import MoeGemmConfig, fused_moe_ref
 
     _, _, _, _, _, _, _, direct, bm, sk, extra = case
@@ -164,7 +164,7 @@ def test_gpu_matches_fp32_reference(case, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mix", GPU_MIX_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
 def test_gpu_mixed_stages_match_fp32_reference(mix, gpu):
-    from gemmtune.backends.moe import grouped_mm_usable
+    from gemmtune.backends.fmoe.stages import grouped_mm_usable
 
     if not grouped_mm_usable(torch.bfloat16, gpu):
         pytest.skip("torch._grouped_mm has no capturable path on this GPU (sm90/sm100, bf16)")
@@ -179,7 +179,7 @@ def test_gpu_mixed_stages_match_fp32_reference(mix, gpu):
                                         (GPU_MIX_CASES[5][0], "gm", "gm")],
                          ids=lambda v: v if isinstance(v, str) else _case_id(v))  # fmt: skip
 def test_gpu_graph_replay_equals_eager(case, s1, s2, gpu):
-    from gemmtune.backends.moe import GM, grouped_mm_usable, pair_runner
+    from gemmtune.backends.fmoe.stages import GM, grouped_mm_usable, pair_runner
     from gemmtune.kernels.fused_moe import MoeGemmConfig
 
     if "gm" in (s1, s2):

@@ -1,4 +1,4 @@
-"""The torch._grouped_mm fused-MoE path and two-stage tuning (backends/moe.py, tuner/stages.py).
+"""The torch._grouped_mm fused-MoE path and two-stage tuning (backends/fmoe/, tuner/stages.py).
 
 CPU: the grouped_mm pair in plain torch ops against the fp32 loop reference on odd shapes (E not a
 power of two, experts with no tokens, all tokens on one expert, topk 1/2/8, expert parallelism, a
@@ -19,15 +19,18 @@ from moe_cases import make_case, nan_buffers
 
 import gemmtune
 from gemmtune import backends
-from gemmtune.backends import moe as bmoe
 from gemmtune.backends.base import Backend, Solution
+from gemmtune.backends.fmoe import policy as mpo
+from gemmtune.backends.fmoe import pytorch as mto
+from gemmtune.backends.fmoe import stages as mst
+from gemmtune.backends.fmoe import triton as mtr
 from gemmtune.families import fmoe
 from gemmtune.families.fmoe import MoeKey, StageOut, join_name, split_name
 from gemmtune.kernels.fused_moe import fused_moe_ref
 from gemmtune.tuner.search import TuneOptions, tune_shape
 
 CPU = torch.device("cpu")
-GM = bmoe.GM
+GM = mst.GM
 
 # (dtype, T, H, I, E, topk, routing, -, -, -, extra) as moe_cases.make_case reads them
 CASES = [
@@ -67,9 +70,9 @@ def _ref(key, inputs):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_grouped_mm_pair_matches_fp32_loop(case):
     key, inputs = make_case(case, "cpu")
-    assert bmoe.grouped_mm_fits(key, CPU)
+    assert mst.grouped_mm_fits(key, CPU)
     with nan_buffers():  # rows torch._grouped_mm does not write start NaN: none may reach the output
-        y = bmoe.grouped_mm_torch_runner(key)(*inputs)
+        y = mto.grouped_mm_torch_runner(key)(*inputs)
     assert y.dtype == key.dtype and y.shape == (key.token, key.model_dim)
     err, nan_y, nan_ref = _rel_rows(y, _ref(key, inputs))
     assert nan_y == nan_ref  # only a token with a bad id is NaN
@@ -84,8 +87,8 @@ def test_each_grouped_mm_stage_matches_its_stage_reference(case):
     key, inputs = make_case(case, "cpu")
     ((h_in, *rest),) = fam.stage_inputs(key, 2, [inputs])
     with nan_buffers():
-        out1 = bmoe.stage_runner(key, 1, GM)(*inputs)
-        out2 = bmoe.stage_runner(key, 2, GM)(h_in, *rest)
+        out1 = mst.stage_runner(key, 1, GM)(*inputs)
+        out2 = mst.stage_runner(key, 2, GM)(h_in, *rest)
     assert isinstance(out1, StageOut) and out1.rows is not None  # stage 1 leaves its rows sorted by expert
     y1 = fam.stage_result(key, 1, out1, inputs)
     ref1 = fam.stage_reference(key, 1, inputs)
@@ -98,15 +101,15 @@ def test_each_grouped_mm_stage_matches_its_stage_reference(case):
 
 
 def test_grouped_mm_needs_16_byte_rows_and_is_not_offered_otherwise():
-    tor = bmoe.TorchMoeBackend()
+    tor = mto.TorchMoeBackend()
     ok = MoeKey(4, 40, 28, 5, 2, dtype=torch.float32, q_dtype_a=torch.float32, q_dtype_w=torch.float32)
-    assert bmoe.grouped_mm_fits(ok, CPU) and bmoe.GROUPED_MM in tor.candidates(ok, CPU)
-    assert tor.stage_candidates(ok, CPU, 1) == [GM] and tor.default_solution(ok, CPU) == bmoe.GROUPED_MM
+    assert mst.grouped_mm_fits(ok, CPU) and mto.GROUPED_MM in tor.candidates(ok, CPU)
+    assert tor.stage_candidates(ok, CPU, 1) == [GM] and tor.default_solution(ok, CPU) == mto.GROUPED_MM
     for odd in (ok._replace(model_dim=42), ok._replace(inter_dim=30), MoeKey(4, 36, 24, 5, 2)):  # bf16 H=36: 72 B
-        assert not bmoe.grouped_mm_fits(odd, CPU)
-        assert bmoe.GROUPED_MM not in tor.candidates(odd, CPU) and tor.stage_candidates(odd, CPU, 2) == []
-        assert tor.default_solution(odd, CPU) == bmoe.LOOP
-        assert not bmoe.TritonMoeBackend().supports(bmoe.solution_of(bmoe.heuristic_configs(odd)[0], GM), odd, CPU)
+        assert not mst.grouped_mm_fits(odd, CPU)
+        assert mto.GROUPED_MM not in tor.candidates(odd, CPU) and tor.stage_candidates(odd, CPU, 2) == []
+        assert tor.default_solution(odd, CPU) == mto.LOOP
+        assert not mtr.TritonMoeBackend().supports(mtr.solution_of(mtr.heuristic_configs(odd)[0], GM), odd, CPU)
     # the op still runs such a key (the loop), correctly
     key = MoeKey(3, 42, 30, 5, 2, dtype=torch.float32, q_dtype_a=torch.float32, q_dtype_w=torch.float32)
     (inp,) = fmoe.FAMILY.make_inputs(key, CPU, 1, seed=3)
@@ -126,20 +129,22 @@ def test_grouped_gemm_op_with_unaligned_bf16_rows_falls_back():
 
 def test_mixed_stage_names_round_trip_through_rows():
     fam = fmoe.FAMILY
-    tri, tor = bmoe.TritonMoeBackend(), bmoe.TorchMoeBackend()
+    tri, tor = mtr.TritonMoeBackend(), mto.TorchMoeBackend()
     key = MoeKey(1024, 4096, 14336, 8, 2)
-    c1, c2 = bmoe.heuristic_configs(key)
+    c1, c2 = mtr.heuristic_configs(key)
     for s1, s2 in ((c1, GM), (GM, c2)):
-        sol = bmoe.solution_of(s1, s2)
+        sol = mtr.solution_of(s1, s2)
         rec = fam.solution_record(sol.libtype, sol.kernel_name)
-        assert rec["kernelName1"] == f"triton:{bmoe.stage_name(s1)}" and rec["kernelName2"] == bmoe.stage_name(s2)
+        assert rec["kernelName1"] == f"triton:{mst.stage_name(s1)}" and rec["kernelName2"] == mst.stage_name(s2)
         assert fam.libtype_of(rec) == "triton" and tri.solution_from_row(0, fam.kernel_name_of(rec), 0) == sol
         assert tri.pair_solution(split_name(sol.kernel_name), key, CPU) == sol
-    assert tri.solution_from_row(0, join_name(GM, GM), 0) is None  # two grouped_mm stages: the torch backend's
-    assert tor.pair_solution((GM, GM), key, CPU) == bmoe.GROUPED_MM
+    # two grouped_mm stages: the stage search pairs them as the torch backend's (torch ops around the
+    # GEMMs); the triton backend's row of that name runs its Triton glue around them
+    assert tor.pair_solution((GM, GM), key, CPU) == mto.GROUPED_MM and tri.pair_solution((GM, GM), key, CPU) is None
+    assert tri.solution_from_row(0, join_name(GM, GM), 0) == mtr.GROUPED_MM_GLUED != mto.GROUPED_MM
     assert tri.solution_from_row(0, join_name(c2.name, GM), 0) is None  # a stage-2 config cannot be stage 1
     assert tri.solution_from_row(0, join_name(GM, "moe2_direct_bm12_bn64_bk64_sk1_w4_s3"), 0) is None
-    assert bmoe.stage_configs(key, 1)[0] == c1 and all(c.stage == 2 for c in bmoe.stage_configs(key, 2))
+    assert mtr.stage_configs(key, 1)[0] == c1 and all(c.stage == 2 for c in mtr.stage_configs(key, 2))
 
 
 # ---- tuning ---------------------------------------------------------------------------------------
@@ -152,7 +157,7 @@ def test_tuner_times_the_stages_apart_and_writes_them(monkeypatch, tmp_path):
     from gemmtune.device import identity
     from gemmtune.tuner.output import result_row, write_row
 
-    monkeypatch.setattr(bmoe.TorchMoeBackend, "candidates", lambda self, key, device: [bmoe.GROUPED_MM])
+    monkeypatch.setattr(mto.TorchMoeBackend, "candidates", lambda self, key, device: [mto.GROUPED_MM])
     res = tune_shape(FP32_KEY, CPU, FAST, family="fmoe")
     assert res.winner.kernel_name == "grouped_mm|grouped_mm"
     stage_cands = {c.kernel_name: c for c in res.candidates if c.kernel_name.startswith("stage")}
@@ -208,7 +213,7 @@ class _FakeStages(Backend):
         return True
 
     def _stage(self, stage, name, key):
-        return bmoe.stage_runner(key, stage, GM) if name == GM else self.make_stage_runner(stage, name, key, CPU)
+        return mst.stage_runner(key, stage, GM) if name == GM else self.make_stage_runner(stage, name, key, CPU)
 
     def make_runner(self, solution, key, device):
         n1, n2 = split_name(solution.kernel_name)
@@ -219,7 +224,7 @@ class _FakeStages(Backend):
         return ["fast1", "wrong1"] if stage == 1 else ["slow2"]
 
     def make_stage_runner(self, stage, name, key, device):
-        base = bmoe.stage_runner(key, stage, GM)
+        base = mst.stage_runner(key, stage, GM)
         if name == "wrong1":
             return _costing(lambda *inputs: StageOut(base(*inputs).slot_order() * 1.1), self.COST[name])
         return _costing(base, self.COST[name])
@@ -241,7 +246,7 @@ def test_tuner_pairs_a_stage_of_one_backend_with_a_stage_of_another(monkeypatch,
 
     backends.register(_FakeStages())
     try:
-        tor = bmoe.TorchMoeBackend
+        tor = mto.TorchMoeBackend
         real_runner, real_stage = tor.make_runner, tor.make_stage_runner
         monkeypatch.setattr(candidates, "bench_gemm", _fake_bench)
         monkeypatch.setattr(tor, "candidates", lambda self, key, device: [mto.GROUPED_MM])
@@ -288,13 +293,13 @@ def test_an_fmoe_row_without_ep_or_shared_experts_is_found():
     row = TunedRow(ident.gfx, ident.cu_num, FP32_KEY, "torch", 0, 0, 5.0, "dense|dense", family=fmoe.FAMILY)
     gemmtune.set_config(ConfigTable([row], family=fmoe.FAMILY))
     got = resolve(FP32_KEY, "cpu", family="fmoe")
-    assert got.row is not None and got.solution == bmoe.DENSE
+    assert got.row is not None and got.solution == mto.DENSE
     assert resolve(FP32_KEY._replace(token=0), "cpu", family="fmoe").row is None
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
 def _need_grouped_mm(device):
-    if not bmoe.grouped_mm_usable(torch.bfloat16, device):
+    if not mst.grouped_mm_usable(torch.bfloat16, device):
         pytest.skip("torch._grouped_mm has no capturable path on this GPU (sm90/sm100, bf16)")
 
 
@@ -314,7 +319,7 @@ def test_gpu_grouped_mm_pair_matches_fp32_loop(case, triton_glue, gpu):
     _need_grouped_mm(gpu)
     key, inputs = make_case(case, "cuda")
     with nan_buffers():
-        y = bmoe.pair_runner(key, GM, GM, triton_glue)(*inputs)
+        y = mst.pair_runner(key, GM, GM, triton_glue)(*inputs)
     err, nan_y, nan_ref = _rel_rows(y, _ref(key, inputs))
     assert nan_y == nan_ref and err < 1.5e-2
 
@@ -323,7 +328,7 @@ def test_gpu_grouped_mm_pair_matches_fp32_loop(case, triton_glue, gpu):
 def test_gpu_grouped_mm_rules_match_torch(gpu):
     """Where grouped_mm_usable says yes, torch._grouped_mm captures in a CUDA graph (no host sync) and
     replays right; rows that are not 16-byte multiples are refused by torch as by grouped_mm_fits."""
-    assert not bmoe.grouped_mm_usable(torch.float16, gpu)
+    assert not mst.grouped_mm_usable(torch.float16, gpu)
     _need_grouped_mm(gpu)
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(40, 64, device="cuda", generator=g).to(torch.bfloat16)
@@ -338,7 +343,7 @@ def test_gpu_grouped_mm_rules_match_torch(gpu):
     torch.cuda.synchronize()
     ref = torch.cat([a[:25].float() @ b[0].float(), a[25:30].float() @ b[1].float(), a[30:].float() @ b[2].float()])
     assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
-    assert not bmoe.grouped_mm_fits(MoeKey(4, 1004, 512, 8, 2), gpu)  # 2008-byte rows
+    assert not mst.grouped_mm_fits(MoeKey(4, 1004, 512, 8, 2), gpu)  # 2008-byte rows
     with pytest.raises(RuntimeError, match="16 bytes"):
         torch._grouped_mm(torch.zeros(8, 1004, device="cuda", dtype=torch.bfloat16),
                           torch.zeros(2, 1004, 64, device="cuda", dtype=torch.bfloat16),
@@ -351,9 +356,9 @@ def test_gpu_tuning_times_triton_and_grouped_mm_stages_apart(monkeypatch, gpu):
     every stage kernel checked and timed, the 2 fastest of each stage paired across backends and timed
     whole, the row's stage columns set."""
     _need_grouped_mm(gpu)
-    real = bmoe.stage_configs
-    monkeypatch.setattr(bmoe, "stage_configs", lambda key, stage: real(key, stage)[:3])
-    monkeypatch.setattr(bmoe.TorchMoeBackend, "candidates", lambda self, key, device: [])  # no dense / loop
+    real = mtr.stage_configs
+    monkeypatch.setattr(mtr, "stage_configs", lambda key, stage: real(key, stage)[:3])
+    monkeypatch.setattr(mto.TorchMoeBackend, "candidates", lambda self, key, device: [])  # no dense / loop
     key = MoeKey(512, 1024, 512, 16, 2)
     res = tune_shape(key, gpu, TuneOptions(reps=10, screen_reps=5, verify_range=False), family="fmoe")
     stage_cands = [c for c in res.candidates if ":stage" in c.name]
@@ -370,22 +375,25 @@ def test_gpu_tuning_times_triton_and_grouped_mm_stages_apart(monkeypatch, gpu):
 
 
 def test_untuned_keys_with_many_tokens_per_expert_prefer_the_grouped_mm_pair():
-    # H100 data (backends/moe.py): grouped_mm won every key with >= 1024 slots and >= 64 per expert.
-    assert bmoe.prefers_grouped_mm(MoeKey(1024, 4096, 14336, 8, 2))  # Mixtral: 2048 slots, 256 per expert
-    assert bmoe.prefers_grouped_mm(MoeKey(1024, 2048, 768, 128, 8))  # Qwen3-30B-A3B: 8192 slots, 64 per expert
-    assert not bmoe.prefers_grouped_mm(MoeKey(256, 4096, 14336, 8, 2))  # 512 slots
-    assert not bmoe.prefers_grouped_mm(MoeKey(256, 2048, 768, 128, 8))  # 16 per expert
-    assert not bmoe.prefers_grouped_mm(MoeKey(16, 4096, 14336, 8, 2))
+    # H100 data (backends/fmoe/policy.py): grouped_mm won every key with >= 1024 slots and >= 64 per expert.
+    assert mpo.prefers_grouped_mm(MoeKey(1024, 4096, 14336, 8, 2))  # Mixtral: 2048 slots, 256 per expert
+    assert mpo.prefers_grouped_mm(MoeKey(1024, 2048, 768, 128, 8))  # Qwen3-30B-A3B: 8192 slots, 64 per expert
+    assert not mpo.prefers_grouped_mm(MoeKey(256, 4096, 14336, 8, 2))  # 512 slots
+    assert not mpo.prefers_grouped_mm(MoeKey(256, 2048, 768, 128, 8))  # 16 per expert
+    assert not mpo.prefers_grouped_mm(MoeKey(16, 4096, 14336, 8, 2))
     # the CPU default is unchanged by it (grouped_mm where it fits, else the loop)
     key = MoeKey(1024, 40, 28, 5, 2, dtype=torch.float32, q_dtype_a=torch.float32, q_dtype_w=torch.float32)
-    assert bmoe.TorchMoeBackend().default_solution(key, CPU) == bmoe.GROUPED_MM
+    assert mto.TorchMoeBackend().default_solution(key, CPU) == mto.GROUPED_MM
 
 
 @pytest.mark.gpu
 def test_untuned_gpu_default_is_grouped_mm_for_prefill_and_triton_for_decode():
+    """On a GPU both defaults run Triton kernels (the grouped_mm pair's sort, activation and combine), so
+    both are the triton backend's; torch's own pick stays the pure-torch grouped_mm pair."""
     gpu = torch.device("cuda")
-    tor = bmoe.TorchMoeBackend()
-    if not bmoe.grouped_mm_fits(MoeKey(4096, 4096, 14336, 8, 2), gpu):
+    if not mst.grouped_mm_fits(MoeKey(4096, 4096, 14336, 8, 2), gpu):
         pytest.skip("torch._grouped_mm does not run capturably on this GPU")
-    assert tor.default_solution(MoeKey(4096, 4096, 14336, 8, 2), gpu) == bmoe.GROUPED_MM
-    assert tor.default_solution(MoeKey(4, 4096, 14336, 8, 2), gpu).libtype == "triton"
+    assert mpo.fmoe(MoeKey(4096, 4096, 14336, 8, 2), gpu) == ("triton", mtr.GROUPED_MM_GLUED)
+    name, sol = mpo.fmoe(MoeKey(4, 4096, 14336, 8, 2), gpu)
+    assert name == sol.libtype == "triton" and GM not in split_name(sol.kernel_name)
+    assert mto.TorchMoeBackend().default_solution(MoeKey(4096, 4096, 14336, 8, 2), gpu) == mto.GROUPED_MM

@@ -258,7 +258,7 @@ def test_backends_registered_and_solutions_round_trip():
         assert {"torch", "triton"} <= set(got), fam
         tb = got["triton"]
         key = QuantKey(16, 4096, 4096, FP8) if "blockscale" not in fam else BlockKey(16, 4096, 4096)
-        from gemmtune.backends.quant_configs import tile_configs
+        from gemmtune.backends.lib.quant_tiles import tile_configs
 
         cfgs = tile_configs(tb.kind, key, torch.device("cuda"))
         assert cfgs and all(tb.solution_from_row(0, c.name, 0).kernel_name == c.name for c in cfgs)

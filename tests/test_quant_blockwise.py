@@ -1,4 +1,4 @@
-"""The torch._scaled_mm block-scaled candidate (backends/blockwise.py) on the CPU, against a stand-in for
+"""The torch._scaled_mm block-scaled candidate (backends/lib/scaled_mm_blockwise.py) on the CPU, against a stand-in for
 torch._scaled_mm that checks what torch checks and reads the scales the way cuBLASLt does (weight-scale
 rows round_up(K/128, 4) apart in memory, whatever the strides say): the probe must find which layout a
 torch release wants, refuse one that gives wrong answers, and report alignment and output dtypes; the
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from gemmtune import backends, families
-from gemmtune.backends import blockwise
-from gemmtune.backends import quantized as bq
+from gemmtune.backends.lib import scaled_mm_blockwise as blockwise
+from gemmtune.backends.quantized import pytorch as bq
 from gemmtune.families.quantized import FP8, BlockKey
 from gemmtune.kernels.blockscale import blockscale_ref
 from gemmtune.quant.layouts import is_k_padded, is_m_major, k_padded, m_major, round_up
@@ -128,7 +128,9 @@ def test_backend_offers_the_candidate_where_the_probe_says_so(monkeypatch):
     dev = torch.device("cpu")
     key = BlockKey(64, 4096, 4096, FP8, torch.bfloat16)
     assert bq.SCALED_MM_BLOCKWISE not in be.candidates(key, dev)  # no GPU here
-    monkeypatch.setattr(bq, "_cuda", lambda device: True)
+    from gemmtune import device
+
+    monkeypatch.setattr(device, "vendor", lambda d=None: device.NVIDIA)  # the vocabulary answers a GPU
     support = blockwise.BlockwiseSupport(True, "", None, 16, False, (torch.bfloat16,))
     monkeypatch.setattr(blockwise, "cuda_support", lambda index: support)
     assert be.candidates(key, dev)[0] == bq.SCALED_MM_BLOCKWISE

@@ -102,7 +102,7 @@ def _cuda_version() -> tuple[int, int]:
 
 
 def test_blockwise_probe_finds_cublaslt_block_scaling_on_sm90(gpu):
-    from gemmtune.backends import blockwise
+    from gemmtune.backends.lib import scaled_mm_blockwise as blockwise
 
     support = blockwise.cuda_support(gpu.index)
     print(support.describe())
@@ -115,8 +115,8 @@ def test_blockwise_probe_finds_cublaslt_block_scaling_on_sm90(gpu):
 @pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (37, 400, 384), (300, 1040, 1024), (16, 7168, 2048),
                                      (4096, 1280, 8192), (2048, 4096, 14336)])  # fmt: skip
 def test_scaled_mm_blockwise_matches_reference_nan_poisoned(m, n, k, gpu, monkeypatch):
-    from gemmtune.backends import blockwise
-    from gemmtune.backends.quantized import SCALED_MM_BLOCKWISE
+    from gemmtune.backends.lib import scaled_mm_blockwise as blockwise
+    from gemmtune.backends.quantized.pytorch import SCALED_MM_BLOCKWISE
 
     support = blockwise.cuda_support(gpu.index)
     fam, be = families.get("a8w8_blockscale"), backends.get("torch", "a8w8_blockscale")

@@ -90,8 +90,8 @@ def test_interpreter_matches_reference(interp_results, case):
 
 
 def test_solution_ids_round_trip():
+    from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend
     from gemmtune.backends.base import stable_solidx
-    from gemmtune.backends.skinny import SkinnyBackend
     from gemmtune.kernels.skinny import SkinnyConfig
 
     be = SkinnyBackend()
@@ -137,13 +137,13 @@ def test_pdl_names_round_trip():
     ],
 )
 def test_unknown_names_give_none(name):
-    from gemmtune.backends.skinny import SkinnyBackend
+    from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend
 
     assert SkinnyBackend().solution_from_row(0, name, 0) is None
 
 
 def test_supports_and_default():
-    from gemmtune.backends.skinny import SkinnyBackend
+    from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend
 
     be = SkinnyBackend()
     cpu = torch.device("cpu")
@@ -213,7 +213,7 @@ _GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _GPU_CASES, ids=str)
 def test_gpu_matches_fp32_reference(gpu, case):
-    from gemmtune.backends.skinny import SkinnyBackend
+    from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend
 
     dtype, outdtype, M, N, K, bias = case
     be = SkinnyBackend()
@@ -238,7 +238,7 @@ def test_gpu_matches_fp32_reference(gpu, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M, N, K", [(1, 1280, 8192), (16, 4096, 1030), (3, 333, 4099)])
 def test_gpu_graph_replay_bit_exact(gpu, M, N, K):
-    from gemmtune.backends.skinny import SkinnyBackend
+    from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend
 
     be = SkinnyBackend()
     key = GemmKey(M, N, K, True, torch.bfloat16, torch.bfloat16)
@@ -262,7 +262,7 @@ def test_gpu_graph_replay_bit_exact(gpu, M, N, K):
 
 @pytest.mark.gpu
 def test_gpu_runner_leading_dims_and_large_m(gpu):
-    from gemmtune.backends.skinny import MAX_ROWS, SkinnyBackend
+    from gemmtune.backends.a16w16.triton_skinny import MAX_ROWS, SkinnyBackend
 
     be = SkinnyBackend()
     key = GemmKey(4, 512, 768, False, torch.float16, torch.float16)
@@ -280,7 +280,7 @@ def test_gpu_runner_leading_dims_and_large_m(gpu):
 def test_gpu_table_row_dispatches_to_skinny(gpu, clean_dispatch):
     """A tuned row with libtype=skinny runs this backend through gemmtune.gemm, also in a graph."""
     import gemmtune
-    from gemmtune.backends.skinny import SkinnyBackend
+    from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend
     from gemmtune.configs.schema import TunedRow
     from gemmtune.configs.table import ConfigTable
     from gemmtune.device import identity

@@ -122,7 +122,7 @@ def test_candidates_round_trip_and_stay_decode_fp8_only(fam):
     keys = [BlockKey(1, 1280, 8192, FP8), BlockKey(4, 77, 384, FP8, torch.float16), BlockKey(16, 8192, 1024, FP8)]
     assert set().union(*(kc.skinny_candidate_kinds(be, key, "blockscale_") for key in keys)) == {"dot", "gemv"}
     for key in keys:
-        assert all(config_ok(be._parse(s.kernel_name)) for s in be.candidates(key, cpu))
+        assert all(config_ok(be.parse(s.kernel_name)) for s in be.candidates(key, cpu))
         assert be.candidates(key._replace(q_dtype_w=torch.int8), cpu) == []
         assert be.candidates(key._replace(K=key.K + 64), cpu) == []
 

@@ -95,7 +95,7 @@ def test_key_density_bucket_and_block():
 
 
 def test_dense_twin_made_once_and_dropped_with_the_weight():
-    from gemmtune.backends.sparse import _twins, dense_twin
+    from gemmtune.backends.sparse.pytorch import _twins, dense_twin
 
     ws = _weight(16, 16, (4, 4)).to_sparse_csr()
     d1 = dense_twin(ws)

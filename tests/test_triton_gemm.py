@@ -78,7 +78,7 @@ def _interp_case(name: str, dt: str, odt: str, shape) -> dict:
 
 def _interp_backend_case() -> dict:
     """The backend's runner path on a 3-D input, with compile-on-make_runner (warmup) in between."""
-    from gemmtune.backends.triton_gemm import TritonGemmBackend
+    from gemmtune.backends.a16w16.triton import TritonGemmBackend
     from gemmtune.kernels.triton_gemm import triton_gemm_ref
 
     be = TritonGemmBackend()
@@ -137,8 +137,9 @@ def test_interpreter_backend_runner(interp):
 
 # ---- pure Python: ids and the config space ----------------------------------------------------
 def test_config_names_round_trip():
+    from gemmtune.backends.a16w16.triton import TritonGemmBackend
     from gemmtune.backends.base import stable_solidx
-    from gemmtune.backends.triton_gemm import Hardware, TritonGemmBackend, config_space
+    from gemmtune.backends.lib.triton_tiles import Hardware, config_space
     from gemmtune.kernels.triton_gemm import parse_config
 
     be = TritonGemmBackend()
@@ -170,7 +171,7 @@ def test_config_names_round_trip():
 
 
 def test_config_space_is_pruned():
-    from gemmtune.backends.triton_gemm import SMEM_MARGIN, Hardware, config_space
+    from gemmtune.backends.lib.triton_tiles import SMEM_MARGIN, Hardware, config_space
 
     hw = Hardware(132, 227 * 1024, True)
     for m in (32, 64, 128, 256, 512, 1024, 8192):
@@ -195,8 +196,8 @@ def test_config_space_is_pruned():
 
 
 def test_supports_rejects_what_it_cannot_run():
+    from gemmtune.backends.a16w16.triton import TritonGemmBackend
     from gemmtune.backends.base import Solution
-    from gemmtune.backends.triton_gemm import TritonGemmBackend
 
     be = TritonGemmBackend()
     sol = be.solution_from_row(0, "tg_bm64_bn64_bk64_g8_w4_s3_sk1", 0)
@@ -229,7 +230,7 @@ GPU_CONFIGS = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_matches_fp32_reference(gpu, name, dtype):
-    from gemmtune.backends.triton_gemm import hardware
+    from gemmtune.backends.lib.triton_tiles import hardware
     from gemmtune.kernels.triton_gemm import TGKernel, parse_config, triton_gemm_ref
 
     cfg = parse_config(name)
@@ -254,7 +255,8 @@ def test_gpu_matches_fp32_reference(gpu, name, dtype):
 
 @pytest.mark.gpu
 def test_gpu_graph_replay_matches_eager(gpu):
-    from gemmtune.backends.triton_gemm import TritonGemmBackend, hardware
+    from gemmtune.backends.a16w16.triton import TritonGemmBackend
+    from gemmtune.backends.lib.triton_tiles import hardware
 
     be = TritonGemmBackend()
     key = GemmKey(200, 1280, 2048, True, torch.bfloat16, torch.bfloat16)
@@ -280,7 +282,7 @@ def test_gpu_graph_replay_matches_eager(gpu):
 
 @pytest.mark.gpu
 def test_gpu_candidates_compile_and_run(gpu):
-    from gemmtune.backends.triton_gemm import TritonGemmBackend
+    from gemmtune.backends.a16w16.triton import TritonGemmBackend
     from gemmtune.kernels.triton_gemm import triton_gemm_ref
 
     be = TritonGemmBackend()

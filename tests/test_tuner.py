@@ -16,7 +16,7 @@ from conftest import VirtualClock
 from test_m_ranges import slow_default
 
 from gemmtune import backends
-from gemmtune.backends.torch_backend import NATIVE, TorchBackend
+from gemmtune.backends.a16w16.pytorch import NATIVE, TorchBackend
 from gemmtune.capture import key_to_record
 from gemmtune.cli.main import cli
 from gemmtune.configs.schema import UNTUNED_COLUMNS, throughput

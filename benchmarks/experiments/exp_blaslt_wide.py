@@ -28,8 +28,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 from bench_skinny import geomean  # noqa: E402
 from suites import find_models_dir, suite_shapes  # noqa: E402
 
-from gemmtune.backends import blaslt as bl  # noqa: E402
+from gemmtune.backends.a16w16.blaslt import BlasLtBackend  # noqa: E402
 from gemmtune.backends.base import Solution, stable_solidx  # noqa: E402
+from gemmtune.backends.lib import blaslt as bl  # noqa: E402
 from gemmtune.keys import GemmKey  # noqa: E402
 from gemmtune.tuner.timing import bench_gemm, measure_ceilings, roof_us  # noqa: E402
 
@@ -57,7 +58,7 @@ def main():
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    be = bl.BlasLtBackend()
+    be = BlasLtBackend()
     assert be.is_available(dev), be.unavailable_reason(dev)
     ceil = measure_ceilings(dev)
     print(f"{torch.cuda.get_device_name()} cuBLASLt {bl.lt_version()} ceilings {ceil.describe()}", flush=True)
@@ -79,7 +80,7 @@ def main():
         ranked_new = sorted((nm for nm in wide_r if math.isfinite(screen[nm])), key=screen.get)
         more = {}
         for nm in ranked_new[:8]:
-            for cand in bl._variants(wide[nm][1], key):
+            for cand in bl.variants(wide[nm][1], key):
                 spec = bl.AlgoSpec(bl.lt_version(), bl.algo_attrs(cand))
                 if spec.name not in own and spec.name not in wide_r:
                     more[spec.name] = spec

@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 from bench_skinny import SUITE, _variant_runner, check_inputs, check_runner, geomean, precompile, with_producer  # noqa: E402
 from suites import find_models_dir, suite_shapes  # noqa: E402
 
-from gemmtune.backends.skinny import SkinnyBackend  # noqa: E402
+from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend  # noqa: E402
 from gemmtune.kernels import skinny as ks  # noqa: E402
 from gemmtune.keys import GemmKey  # noqa: E402
 from gemmtune.tuner.timing import bench_gemm, measure_ceilings, roof_us  # noqa: E402

@@ -33,8 +33,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 
 from bench_skinny import _variant_runner, check_inputs, check_runner, precompile  # noqa: E402
 
-from gemmtune.backends import skinny as bs  # noqa: E402
-from gemmtune.backends import triton_gemm as btg  # noqa: E402
+from gemmtune.backends.a16w16 import triton as btg  # noqa: E402
+from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend  # noqa: E402
+from gemmtune.backends.lib import skinny as bs  # noqa: E402
 from gemmtune.kernels import skinny as ks  # noqa: E402
 from gemmtune.keys import GemmKey  # noqa: E402
 from gemmtune.tuner.timing import bench_gemm, measure_ceilings, roof_us  # noqa: E402
@@ -82,20 +83,20 @@ def _split_cfg(kind, bn, bk, sk, w, s, key):
 
 def skinny_variants(key: GemmKey, families) -> dict[str, ks.SkinnyConfig]:
     """{family:name: config} of the studied families, each config plain and with PDL (pdl2)."""
-    sms, _, smem_sm = bs._device_limits("cuda", 0)
+    sms, _, smem_sm = bs.device_limits(torch.device("cuda", 0))
     shape = bs.Shape.of(key)
     bm = ks.SkinnyConfig("gemv", 8, 16).block_m(key.M)
     fits = lambda bn, bk, w: bm * bn * bk <= 128 * 32 * w  # noqa: E731 - the gemv register bound
     cfgs = []  # (family, config)
     if "split" in families:
-        cfgs += [("split", _split_cfg("dot", *t[:2], sk, *t[2:], key)) for t in bs._DOT_TILES for sk in SPLITS]
+        cfgs += [("split", _split_cfg("dot", *t[:2], sk, *t[2:], key)) for t in bs.DOT_TILES for sk in SPLITS]
     if "tiles" in families:
-        cfgs += [("tiles", bs._config("dot", *t, shape, sms, smem_sm)) for t in EXTRA_TILES]
+        cfgs += [("tiles", bs.tile_config("dot", *t, shape, sms, smem_sm)) for t in EXTRA_TILES]
     if "stages" in families:
-        cfgs += [("stages", bs._config("dot", *t, shape, sms, smem_sm)) for t in LOW_STAGE_TILES]
+        cfgs += [("stages", bs.tile_config("dot", *t, shape, sms, smem_sm)) for t in LOW_STAGE_TILES]
     if "gemvstages" in families:
         cfgs += [
-            ("gemvstages", bs._config("gemv", bn, bk, w, st, shape, sms, smem_sm))
+            ("gemvstages", bs.tile_config("gemv", bn, bk, w, st, shape, sms, smem_sm))
             for bn, bk, w in GEMV_TILES
             if fits(bn, bk, w)
             for st in (2, 3, 4)
@@ -123,7 +124,7 @@ def main():
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    be, tg = bs.SkinnyBackend(), btg.TritonGemmBackend()
+    be, tg = SkinnyBackend(), btg.TritonGemmBackend()
     t0 = time.time()
     work, tg_jobs = [], []
     for m, n, k in cases:

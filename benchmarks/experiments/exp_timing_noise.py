@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     fam = families.get("a16w16")
-    torch_backend = backends.get(fam.default_libtype, fam.name)
+    torch_backend = backends.get("torch", fam.name)
     layers = set(args.layers.split(",")) if args.layers else None
     keys = model_keys(find_models_dir(args.models_dir), args.models.split(","), parse_nsets(args.ms), layers)
     rows = []

@@ -81,7 +81,7 @@ def compare(keys, device, runs: dict, fam, reps: int, rounds: int, ref: str) -> 
     """Each mode's winner, the default, and a second copy of the reference's winner (an A/A control:
     the spread this comparison cannot resolve), interleaved; `rounds` runs on fresh inputs and fresh
     graphs, the mean of their medians counts (one run's graphs carry a bias of their own)."""
-    torch_backend = backends.get(fam.default_libtype, fam.name)
+    torch_backend = backends.get("torch", fam.name)
     rows = []
     for key in keys:
         runners, names = {}, {}

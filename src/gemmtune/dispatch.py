@@ -4,8 +4,9 @@ one call; everything here runs once per new call signature.
 Resolution of a key of family F on a device:
 1. the tuned row from F's table in effect (untuned-M rule in configs/table.py), if its backend (F's
    backend of the row's libtype) is available here, knows the row's solution and supports the key;
-2. otherwise F's default backend (vendor BLAS through torch). A row that cannot run here is logged
-   once per key with the reason.
+2. otherwise F's default: what its policy (backends/<group>/policy.py) names, under the backend that
+   really runs it (torch's vendor BLAS for most; a Triton kernel for some 8-bit and MoE keys on a GPU).
+   A row that cannot run here is logged once per key with the reason.
 
 A key no row answers goes to the miss hook, when one is set: an object from above (the tuner's online
 tuning) that may add a row for it. The hook comes from set_miss_hook, else from the factory the package
@@ -250,15 +251,15 @@ class Dispatcher:
                     reason = f"{sol.describe()} does not support {fam.describe(key)}"
                 else:
                     return Resolution(key, sol, row, self._runner(backend, sol, key, device, fam), family=fam)
-            self._warn_once(key, f"row {row.where} ({row.libtype}) falls back to {DEFAULT_BACKEND}: {reason}")
+            self._warn_once(key, f"row {row.where} ({row.libtype}) falls back to the {family} default: {reason}")
             return self._default(key, device, fam, row, note=f"fallback: {reason}")
         return self._default(key, device, fam, None)
 
     def _default(self, key, device: torch.device, fam: Family, row, note: str = "") -> Resolution:
-        backend = backends.get(fam.default_libtype, fam.name)
-        if backend is None:
+        """The family's untuned default (its policy, backends/<group>/policy.py), under the backend that runs it."""
+        if not backends.all_backends(fam.name):
             raise RuntimeError(f"gemmtune: the {fam.name} family has no runnable op here ({fam.unrunnable})")
-        sol = backend.default_solution(key, device)
+        backend, sol = backends.default(fam.name, key, device)
         return Resolution(key, sol, row, self._runner(backend, sol, key, device, fam), note, fam)
 
     def runner_for(self, key, device: torch.device, needs_grad: bool = False, family: str = A16W16) -> Runner:

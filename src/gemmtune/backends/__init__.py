@@ -1,48 +1,35 @@
 """Backend registry: each backend says whether it runs here, which solutions fit a shape, and runs one.
 
-Backends are registered per GEMM family under their libtype: `get("torch")` is the a16w16 torch
-backend, `get("torch", "batched")` the batched one (torch.bmm). A backend module may define several.
+Layout: `backends/<family group>/<library>[_<kernel kind>].py` (library: `pytorch` for libtype torch,
+`triton`, `blaslt`), `<group>/policy.py` for what the group's families run untuned, and `lib/` for the
+library machinery several groups share. The registry is built from declarations: every module of every
+group package (each subpackage but lib/) is imported once, and its module-level `BACKENDS` (backend
+instances) and `POLICIES` ({family: policy}) are registered; adding a backend to a family is one new
+module. Plugins call `register` / `register_policy` themselves.
 
-Built-in backends are imported lazily so that a missing optional dependency (triton, nvmath-python)
-makes that backend unavailable, with the reason kept for `gemmtune doctor`, instead of failing import.
+Backends are registered per GEMM family under their libtype: `get("torch")` is the a16w16 torch
+backend, `get("torch", "batched")` the batched one (torch.bmm). A module whose import fails for a
+missing optional dependency (triton, nvmath-python) leaves its backends out, with the reason kept for
+`gemmtune doctor` (`import_errors`), instead of failing the import of gemmtune.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
+from collections.abc import Callable
 
 import torch
 
 from .base import Backend, Runner, Solution, stable_solidx
 
-# module path -> class name, in preference order for display.
-_BUILTIN = {
-    "gemmtune.backends.torch_backend": ("TorchBackend", "TorchBatchedBackend"),
-    "gemmtune.backends.skinny": ("SkinnyBackend",),
-    "gemmtune.backends.triton_gemm": ("TritonGemmBackend",),
-    "gemmtune.backends.blaslt": ("BlasLtBackend",),
-    "gemmtune.backends.quantized": (
-        "TorchA8W8Backend",
-        "TorchA8W8BPreshuffleBackend",
-        "TorchBlockscaleBackend",
-        "TorchBlockscaleBPreshuffleBackend",
-        "TritonA8W8Backend",
-        "TritonA8W8BPreshuffleBackend",
-        "TritonBlockscaleBackend",
-        "TritonBlockscaleBPreshuffleBackend",
-    ),  # fmt: skip
-    "gemmtune.backends.skinny_quant": ("SkinnyA8W8Backend", "SkinnyA8W8BPreshuffleBackend"),
-    "gemmtune.backends.skinny_blockscale": ("SkinnyBlockscaleBackend", "SkinnyBlockscaleBPreshuffleBackend"),
-    "gemmtune.backends.moe": ("TorchMoeBackend", "TritonMoeBackend"),
-    "gemmtune.backends.batched_triton": ("TritonBatchedBackend",),
-    "gemmtune.backends.blaslt_batched": ("BlasLtBatchedBackend",),
-    "gemmtune.backends.epilogue": ("TorchEpilogueBackend", "TritonEpilogueBackend"),
-    "gemmtune.backends.blaslt_epilogue": ("BlasLtEpilogueBackend",),
-    "gemmtune.backends.sparse": ("TorchSparseBackend",),
-    "gemmtune.backends.batched_a8w8": ("TorchBatchedA8W8Backend", "TritonBatchedA8W8Backend"),
-}
+# A family's default policy: (key, device) -> (backend name, solution), what runs `key` with no table row.
+Policy = Callable[[tuple, torch.device], tuple[str, Solution]]
+
+LIB_PACKAGE = "lib"  # shared machinery, no backends
 
 _registry: dict[tuple[str, str], Backend] = {}
+_policies: dict[str, Policy] = {}
 _import_errors: dict[str, str] = {}
 _loaded = False
 
@@ -55,25 +42,48 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def register_policy(family: str, policy: Policy) -> Policy:
+    """Set what an untuned key of `family` runs: policy(key, device) -> (backend name, solution)."""
+    _policies[family] = policy
+    return policy
+
+
+def load_module(module: str) -> None:
+    """Import one backend module and register what it declares (BACKENDS, POLICIES); a missing
+    dependency is recorded in import_errors() under the module's name within backends/."""
+    short = module.removeprefix(__name__ + ".").replace(".", "/")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        _import_errors[short] = f"missing dependency: {exc.name}"
+        return
+    except ImportError as exc:
+        _import_errors[short] = str(exc)
+        return
+    for backend in getattr(mod, "BACKENDS", ()):
+        register(backend)
+    for family, policy in getattr(mod, "POLICIES", {}).items():
+        register_policy(family, policy)
+
+
+def group_modules() -> list[str]:
+    """The dotted names of every module of every family group package (lib/ excluded), in name order."""
+    out = []
+    for group in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not group.ispkg or group.name == LIB_PACKAGE:
+            continue
+        pkg = importlib.import_module(f"{__name__}.{group.name}")
+        out += [f"{pkg.__name__}.{m.name}" for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name)]
+    return out
+
+
 def _load_builtins() -> None:
     global _loaded
     if _loaded:
         return
     _loaded = True
-    for module, classes in _BUILTIN.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:  # the backend module itself is not part of this build
-                continue
-            _import_errors[module.rsplit(".", 1)[-1]] = f"missing dependency: {exc.name}"
-            continue
-        except ImportError as exc:
-            _import_errors[module.rsplit(".", 1)[-1]] = str(exc)
-            continue
-        for cls in classes:
-            if hasattr(mod, cls):
-                register(getattr(mod, cls)())
+    for module in group_modules():
+        load_module(module)
 
 
 def get(name: str, family: str = "a16w16") -> Backend | None:
@@ -101,15 +111,41 @@ def import_errors() -> dict[str, str]:
     return dict(_import_errors)
 
 
+def default(family: str, key, device: torch.device) -> tuple[Backend, Solution]:
+    """What runs `key` of `family` on `device` with no table row: the family's policy's (backend,
+    solution); for a family without a policy, the first backend (torch first) with a default_solution.
+    LookupError when the family has nothing that runs here."""
+    _load_builtins()
+    device = torch.device(device)
+    policy = _policies.get(family)
+    if policy is not None:
+        name, sol = policy(key, device)
+        backend = _registry.get((family, name))
+        if backend is None:
+            raise LookupError(f"the {family} policy chose backend {name!r}, which is not registered")
+        return backend, sol
+    found = all_backends(family)
+    for name in sorted(found, key=lambda n: n != "torch"):
+        backend = found[name]
+        sol = backend.default_solution(key, device) if backend.is_available(device) else None
+        if sol is not None:
+            return backend, sol
+    raise LookupError(f"the {family} family has no default here: no policy, and no backend offers a default_solution")
+
+
 __all__ = [
     "Backend",
+    "Policy",
     "Runner",
     "Solution",
     "all_backends",
     "available",
+    "default",
     "families_with_backends",
     "get",
     "import_errors",
+    "load_module",
     "register",
+    "register_policy",
     "stable_solidx",
 ]

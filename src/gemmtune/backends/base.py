@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import Needs
 from ..keys import GemmKey
 
 # A runner computes one call of its family's op: for a16w16 y[..., N] = x[..., K] @ w[N, K]^T (+ bias)
@@ -42,24 +43,36 @@ class Solution:
 
 class Backend(ABC):
     """A set of kernels for one GEMM family. Subclasses set `name`, the table's `libtype` for their
-    rows, and `family` (families/: the key type their methods receive)."""
+    rows (a library's name: a `torch` row runs torch, a `triton` row a Triton kernel), `family`
+    (families/: the key type their methods receive) and `needs` (device.Needs: what the device must
+    have), from which availability and its reason derive."""
 
     name: str = ""
     family: str = "a16w16"
+    needs: Needs = Needs()  # by default: runs wherever torch runs
 
-    @abstractmethod
-    def is_available(self, device: torch.device) -> bool:
-        """Can this backend run on `device` at all (library installed, right vendor)?"""
+    def library_missing(self, device: torch.device) -> str:
+        """Why the backend's library cannot be used on `device` beyond what `needs` says ("" when it
+        can): a probe, e.g. loading the bindings of an optional library."""
+        return ""
 
     def unavailable_reason(self, device: torch.device) -> str:
-        return "" if self.is_available(device) else f"{self.name} does not run on {device.type}"
+        """Why this backend cannot run on `device`, naming the backend ("" when it can)."""
+        device = torch.device(device)
+        why = self.needs.missing(device) or self.library_missing(device)
+        return f"{self.name} ({self.family}): {why}" if why else ""
+
+    def is_available(self, device: torch.device) -> bool:
+        """Can this backend run on `device` at all (library installed, right vendor)?"""
+        return not self.unavailable_reason(device)
 
     @abstractmethod
     def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
         """Every solution worth timing for `key` (already pruned of ones that cannot run or win)."""
 
     def default_solution(self, key: GemmKey, device: torch.device) -> Solution | None:
-        """A cheap choice for a key nobody tuned; None when the backend has no opinion."""
+        """This backend's own cheap choice for a key nobody tuned; None when it has none. What the
+        family runs untuned is its policy's decision (backends/<group>/policy.py), which may ask this."""
         return None
 
     @abstractmethod

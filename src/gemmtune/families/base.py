@@ -119,7 +119,8 @@ class Family:
     column_aliases: dict[str, str] = {"errRatio": "err_ratio"}  # header spelling -> normalized name
     # Rows of a file without a libtype column name aiter's own kernels by this libtype.
     implied_libtype: str = "aiter"
-    default_libtype: str = "torch"
+    # What an untuned key runs is the family's default policy: backends/<group>/policy.py (backends sit
+    # above families, and the policy names backends), reached through backends.default().
     # Why the family's op cannot run in this build (None: it can); tables still load either way.
     unrunnable: str | None = None
     # aiter's tables of some families carry no timing (hand-picked kernels): their rows read as overrides.

@@ -22,7 +22,7 @@ import numbers
 
 import torch
 
-from ..backends.epilogue import UNFUSED, TorchEpilogueBackend
+from ..backends.epilogue.pytorch import UNFUSED, TorchEpilogueBackend
 from ..dispatch import get_dispatcher
 from ..families.epilogue import ACTS, EpilogueKey, apply_act, expand_c
 

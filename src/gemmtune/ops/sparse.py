@@ -1,7 +1,7 @@
 """`gemmtune.sparse_gemm(input, weight, sparsity_pattern, bias=None)`: y[..., N] = input[..., K] @ W^T
 (+ bias) for a sparse weight W [N, K] (nn.Linear layout), dispatched per key of the sparse family
 (families/sparse.py: shape, pattern, density bucket, block, dtype, bias) to its tuned solution, default
-the weight's own format (backends/sparse.py).
+the weight's own format (backends/sparse/pytorch.py).
 
 sparsity_pattern names the weight's storage, which must match it:
 - 'csr' / 'coo' / 'bsr' (aiter's 'block'): torch.sparse_csr / sparse_coo / sparse_bsr tensors

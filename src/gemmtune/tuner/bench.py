@@ -192,7 +192,6 @@ def bench_table(
     ident = identity(device)
     keys = bench_keys(table, ident, ms)
     ceilings = measure_ceilings(device) if device.type == "cuda" else None
-    torch_backend = backends.get(fam.default_libtype, fam.name)
     dispatcher = get_dispatcher()
     previous = dispatcher.store()
     costs = [estimated_cost_us(k, device, reps, ceilings, fam) for k, _ in keys]
@@ -207,13 +206,13 @@ def bench_table(
     try:
         for i, ((key, table_us), cost) in enumerate(zip(keys, costs)):
             bar.set_description_str(f"bench {fam.describe(key)} ({i + 1}/{len(keys)} shapes)", refresh=False)
-            why = _unbenchable(fam, key, torch_backend)
+            why = _unbenchable(fam, key)
             if why:
                 say(f"skipped {fam.describe(key)}: {why}")
                 bar.update(cost)
                 continue
-            default_solution = torch_backend.default_solution(key, device)
-            default = torch_backend.make_runner(default_solution, key, device)
+            default_backend, default_solution = backends.default(fam.name, key, device)
+            default = default_backend.make_runner(default_solution, key, device)
             res = resolve(key, device, fam.name)
             is_default = res.solution == default_solution
             # On a GPU the a16w16 call goes through gemmtune.gemm inside the graph (its CPU cost vanishes,
@@ -272,8 +271,8 @@ def _quietest(key, runners, device, reps: int, seed: int, fam: Family) -> tuple[
     return times, why or ""
 
 
-def _unbenchable(fam: Family, key, torch_backend) -> str:
-    if torch_backend is None:
+def _unbenchable(fam: Family, key) -> str:
+    if not backends.all_backends(fam.name):
         return f"the {fam.name} family has no runnable op here ({fam.unrunnable})"
     if fam.name == "a16w16" and (key.scaleAB or key.bpreshuffle or not key.dtype.is_floating_point):
         return "scaled / pre-shuffled a16w16 rows are aiter's: gemmtune runs no such kernel"

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import formats
-from ..quant.layouts import k_padded, m_major
+from ...device import NVIDIA, capability, vendor
+from ...quant import formats
+from ...quant.layouts import k_padded, m_major
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -80,7 +81,7 @@ class _Wrong(Exception):
 
 def _case(device, mm, m: int, n: int, k: int, out_dtype=torch.bfloat16, pad_k: bool = True) -> None:
     """One small block-scaled GEMM vs the dequantized fp32 reference; raises when it fails or is wrong."""
-    from ..quant.quantize import dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128
+    from ...quant.quantize import dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128
 
     g = torch.Generator(device=device).manual_seed(m * 7919 + n * 31 + k)
     x = torch.randn(m, k, device=device, generator=g)
@@ -129,13 +130,13 @@ def cuda_support(index: int | None) -> BlockwiseSupport:
         return found
     if torch.cuda.is_current_stream_capturing():  # the probe syncs: answer no now, probe on a later call
         return BlockwiseSupport(False, "not probed yet (first asked during a CUDA-graph capture)")
+    cap = capability(torch.device("cuda", idx))
     if not hasattr(torch, "_scaled_mm"):
         found = BlockwiseSupport(False, f"torch {torch.__version__} has no torch._scaled_mm")
-    elif torch.version.hip:
+    elif vendor(torch.device("cuda", idx)) != NVIDIA:
         found = BlockwiseSupport(False, "ROCm: the 1x128 x 128x128 recipe is cuBLASLt's (sm90)")
-    elif torch.cuda.get_device_capability(idx)[0] != 9:
-        found = BlockwiseSupport(False, f"cuBLASLt's 128x128 block scaling runs on sm90 only, not "
-                                        f"sm{''.join(map(str, torch.cuda.get_device_capability(idx)))}")  # fmt: skip
+    elif cap[0] != 9:
+        found = BlockwiseSupport(False, f"cuBLASLt's 128x128 block scaling runs on sm90 only, not sm{cap[0]}{cap[1]}")
     else:
         found = probe(torch.device("cuda", idx))
     _support[idx] = found

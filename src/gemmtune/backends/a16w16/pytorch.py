@@ -1,13 +1,13 @@
-"""Vendor BLAS through PyTorch (cuBLAS / hipBLAS(Lt) / the CPU BLAS): the default of every family that
-has an op here (F.linear for a16w16, torch.bmm for batched)."""
+"""The a16w16 `torch` backend: F.linear, vendor BLAS through PyTorch (cuBLAS / hipBLAS(Lt) / the CPU
+BLAS); what an untuned a16w16 key runs (a16w16/policy.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..keys import GemmKey
-from .base import Backend, Runner, Solution, stable_solidx
+from ...keys import GemmKey
+from ..base import Backend, Runner, Solution, stable_solidx
 
 # aiter writes torch rows as solidx 0, kernelName "native"; keep that spelling so tables move both ways.
 NATIVE = Solution("torch", "native", 0, 0)
@@ -40,9 +40,6 @@ class TorchBackend(Backend):
 
     def runner_scope(self, solution: Solution, key) -> tuple:
         return self.m_agnostic_scope(key)  # F.linear takes any M
-
-    def is_available(self, device: torch.device) -> bool:
-        return True
 
     def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
         sols = [NATIVE]
@@ -79,40 +76,4 @@ class TorchBackend(Backend):
         return _cast_runner(key.outdtype)
 
 
-# ---- batched: torch.bmm ----------------------------------------------------------------------------
-BMM = Solution("torch", "native", 0, 0)
-
-
-def _bmm_cast(out_dtype: torch.dtype) -> Runner:
-    def run(a, b):
-        if out_dtype == torch.float32:  # the wider output carries the fp32 accumulation
-            return torch.bmm(a.float(), b.float())
-        return torch.bmm(a, b).to(out_dtype)
-
-    return run
-
-
-class TorchBatchedBackend(Backend):
-    name = "torch"
-    family = "batched"
-
-    def runner_scope(self, solution: Solution, key) -> tuple:
-        return self.m_agnostic_scope(key)  # torch.bmm takes any M
-
-    def is_available(self, device: torch.device) -> bool:
-        return True
-
-    def candidates(self, key, device: torch.device) -> list[Solution]:
-        return [BMM]
-
-    def default_solution(self, key, device: torch.device) -> Solution:
-        return BMM
-
-    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        return BMM if kernel_name == BMM.kernel_name or solidx == 0 else None
-
-    def supports(self, solution: Solution, key, device: torch.device) -> bool:
-        return solution == BMM
-
-    def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
-        return torch.bmm if key.outdtype == key.dtype else _bmm_cast(key.outdtype)
+BACKENDS = (TorchBackend(),)

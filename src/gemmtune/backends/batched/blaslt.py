@@ -1,6 +1,6 @@
 """The batched family's `blaslt` backend: cuBLASLt strided-batched algorithms (through nvmath-python).
 
-The a16w16 `blaslt` backend's machinery (backends/blaslt.py: algorithm enumeration, stable names with
+The cuBLASLt machinery of lib/blaslt.py ( algorithm enumeration, stable names with
 the cuBLASLt version, re-creation from attributes, the check) applied to one strided-batched problem:
 every matrix layout carries BATCH_COUNT = B and its STRIDED_BATCH_OFFSET.
 
@@ -17,26 +17,25 @@ import functools
 
 import torch
 
-from ..families.batched import BatchedKey, stored
-from ..kernels._common import empty_out as _empty
-from .base import Runner
-from .blaslt import (
-    _CUDA_TYPE,
+from ...families.batched import BatchedKey, stored
+from ...kernels._common import empty_out as _empty  # tests swap in a NaN-filled allocation
+from ..base import Runner
+from ..lib.blaslt import (
     ALIGN,
+    CUDA_TYPE,
     WORKSPACE_BYTES,
     AlgoSpec,
-    BlasLtBackend,
-    _algo_array,
-    _cap_or,
-    _handle,
-    _index,
-    _lib,
-    _np,
-    _Problem,
-    _set,
-    _workspace,
+    LtBackend,
+    Problem,
+    algo_array,
     algo_from_spec,
+    bindings,
+    cap_or,
+    device_index,
+    handle,
     operand_layout,
+    set_attr,
+    workspace,
 )
 
 
@@ -61,13 +60,13 @@ def _key_strides(key: BatchedKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return a.stride(), b.stride()
 
 
-class _BatchedProblem(_Problem):
+class BatchedProblem(Problem):
     """cuBLASLt descriptors for one strided-batched layout of a key (heuristic, check and cleanup are
     the a16w16 problem's)."""
 
     def __init__(self, key: BatchedKey, layout, device_index: int):
         (op_a, ra, ca, lda, sa), (op_b, rb, cb, ldb, sb) = layout
-        self._describe(key, device_index, op_a, op_b, "DEFAULT")
+        self.describe_matmul(key, device_index, op_a, op_b, "DEFAULT")
         a_t, d_t = self.types[0], self.types[3]
         self.a = self._layout(a_t, ra, ca, lda, key.B, sa)
         self.b = self._layout(a_t, rb, cb, ldb, key.B, sb)
@@ -77,49 +76,49 @@ class _BatchedProblem(_Problem):
     def _layout(self, dtype: int, rows: int, cols: int, ld: int, batch: int, stride: int) -> int:
         lt = self.lt
         lay = lt.matrix_layout_create(dtype, rows, cols, ld)
-        lset = functools.partial(_set, lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype)
+        lset = functools.partial(set_attr, lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype)
         lset(lay, lt.MatrixLayoutAttribute.BATCH_COUNT, batch)
         lset(lay, lt.MatrixLayoutAttribute.STRIDED_BATCH_OFFSET, stride)
         return lay
 
 
-class BlasLtBatchedBackend(BlasLtBackend):
-    """Availability, names and table rows are the a16w16 blaslt backend's; the problem is batched."""
+class BlasLtBatchedBackend(LtBackend):
+    """Availability, names and table rows are lib/blaslt.py's; the problem is strided-batched."""
 
     family = "batched"
 
     def runner_scope(self, solution, key) -> tuple:
         return tuple(key)  # a strided-batched problem is described for one M (measured: another M failed)
 
-    @staticmethod
-    def _key_ok(key: BatchedKey) -> bool:
-        if key.dtype not in _CUDA_TYPE or key.outdtype not in _CUDA_TYPE:
+    def key_ok(self, key: BatchedKey) -> bool:
+        if key.dtype not in CUDA_TYPE or key.outdtype not in CUDA_TYPE:
             return False
         return key.dtype == key.outdtype or key.outdtype == torch.float32
 
-    def _problem(self, key: BatchedKey, device: torch.device) -> _BatchedProblem:
+    def problem(self, key: BatchedKey, device: torch.device) -> BatchedProblem:
         layout = blas_layout(key, *_key_strides(key), aligned=False)
-        return _BatchedProblem(key, layout, _index(device))
+        return BatchedProblem(key, layout, device_index(device))
 
-    def _sizes_ok(self, key: BatchedKey) -> bool:
+    def sizes_ok(self, key: BatchedKey) -> bool:
         return min(key.B, key.M, key.N, key.K) >= 1
 
-    def _runner(self, spec: AlgoSpec, key: BatchedKey, device: torch.device) -> Runner:
-        return _LtBatchedRunner(spec, key, device)
+    def runner(self, spec: AlgoSpec, key: BatchedKey, device: torch.device) -> Runner:
+        return LtBatchedRunner(spec, key, device)
 
 
 _COPY = None  # a plan entry meaning: these strides are copied to contiguous operands first
 
 
-class _LtBatchedRunner:
+class LtBatchedRunner:
     """runner(a, b) -> c for one algorithm; descriptors per stride pattern of (a, b) are made once."""
 
     def __init__(self, spec: AlgoSpec, key: BatchedKey, device: torch.device):
-        np = _np()
-        self.spec, self.key, self.dev = spec, key, _index(device)
-        self.lt = _lib()[0]
-        self.handle = _handle(self.dev)
-        self._ws_addr = _workspace(self.dev).data_ptr()
+        import numpy as np
+
+        self.spec, self.key, self.dev = spec, key, device_index(device)
+        self.lt = bindings()[0]
+        self.handle = handle(self.dev)
+        self._ws_addr = workspace(self.dev).data_ptr()
         self.alpha = np.ones(1, dtype=np.float32)
         self.beta = np.zeros(1, dtype=np.float32)
         self._alpha_addr, self._beta_addr = self.alpha.ctypes.data, self.beta.ctypes.data
@@ -132,21 +131,21 @@ class _LtBatchedRunner:
         self._contiguous = self._plan(*contiguous, aligned=False)
         self._plan(*_key_strides(key), aligned=False)  # the tuned layout, checked now
         algo = self._contiguous[1].tobytes()
-        self.align = max(ALIGN, _cap_or(algo, "MIN_ALIGNMENT_A_BYTES", ALIGN),
-                         _cap_or(algo, "MIN_ALIGNMENT_B_BYTES", ALIGN))  # fmt: skip
+        self.align = max(ALIGN, cap_or(algo, "MIN_ALIGNMENT_A_BYTES", ALIGN),
+                         cap_or(algo, "MIN_ALIGNMENT_B_BYTES", ALIGN))  # fmt: skip
 
     def _plan(self, sa: tuple, sb: tuple, aligned: bool = True):
         layout = blas_layout(self.key, sa, sb, aligned)
         plan = _COPY
         if layout is not None:
-            prob = _BatchedProblem(self.key, layout, self.dev)
+            prob = BatchedProblem(self.key, layout, self.dev)
             algo = algo_from_spec(self.spec, prob)
             if prob.check(algo) is None:
                 # A stride pattern the algorithm does not cover: cuBLASLt's own pick for it.
                 ranked = prob.heuristic(1, min_align=ALIGN)
                 algo = ranked[0][0] if ranked else None
             if algo is not None:
-                arr = _algo_array(algo)
+                arr = algo_array(algo)
                 plan = (prob, arr, arr.ctypes.data)  # the array stays alive beside its address
         if plan is _COPY and not aligned:
             raise RuntimeError(f"cuBLASLt has no algorithm for {self.key.describe()} with strides {sa}, {sb}")
@@ -176,3 +175,6 @@ class _LtBatchedRunner:
             torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         return c
+
+
+BACKENDS = (BlasLtBatchedBackend(),)

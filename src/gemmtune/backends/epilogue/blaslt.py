@@ -1,7 +1,7 @@
 """The epilogue family's `blaslt` backend: cuBLASLt algorithms with the matmul epilogue set (through
 nvmath-python), y = act(alpha * x @ w^T + beta * C + bias) in one cublasLtMatmul.
 
-The a16w16 `blaslt` backend's machinery (backends/blaslt.py: problem descriptors, algorithm enumeration,
+The cuBLASLt machinery of lib/blaslt.py ( problem descriptors, algorithm enumeration,
 stable names with the cuBLASLt version, re-creation from attributes, the check, the workspace) with:
 - act and bias: CUBLASLT_EPILOGUE_DEFAULT / BIAS / RELU / RELU_BIAS / GELU / GELU_BIAS (`lt_epilogue`).
   The bias (BIAS_POINTER, set before each call; BIAS_DATA_TYPE the out dtype) has one value per row of
@@ -26,21 +26,20 @@ from __future__ import annotations
 
 import torch
 
-from ..families.epilogue import EpilogueKey, tanh_for_erf
-from .base import Runner
-from .blaslt import (
-    _CUDA_TYPE,
+from ...families.epilogue import EpilogueKey, tanh_for_erf
+from ..base import Runner
+from ..lib.blaslt import (
     ALIGN,
+    CUDA_TYPE,
     AlgoSpec,
-    BlasLtBackend,
-    _algo_array,
-    _cap_or,
-    _index,
-    _np,
-    _Problem,
-    _workspace,
+    LtBackend,
+    Problem,
+    algo_array,
+    cap_or,
+    device_index,
     fitted_algo,
     operand_layout,
+    workspace,
 )
 
 TANH = "_tanh"  # the name tag of a tanh-GELU algorithm standing in for an erf-GELU key
@@ -91,13 +90,13 @@ def lt_layout(key: EpilogueKey, m: int, sx: tuple, sw: tuple, sc: tuple | None):
     return la, lb, sc[0] if m > 1 else key.N
 
 
-class _EpilogueProblem(_Problem):
+class EpilogueProblem(Problem):
     """cuBLASLt descriptors for one (key, M, layout of x / w / C) with the key's epilogue (heuristic,
     check, launch and cleanup are the a16w16 problem's)."""
 
     def __init__(self, key: EpilogueKey, m: int, layout, device_index: int):
         (op_a, ra, ca, lda), (op_b, rb, cb, ldb), ldc = layout
-        self._describe(key, device_index, op_a, op_b, lt_epilogue(key))
+        self.describe_matmul(key, device_index, op_a, op_b, lt_epilogue(key))
         lt, (a_t, _, _, d_t) = self.lt, self.types
         self.a = lt.matrix_layout_create(a_t, ra, ca, lda)
         self.b = lt.matrix_layout_create(a_t, rb, cb, ldb)
@@ -105,42 +104,42 @@ class _EpilogueProblem(_Problem):
         self.c = self.d if ldc is None else lt.matrix_layout_create(d_t, key.N, m, ldc)
 
 
-class BlasLtEpilogueBackend(BlasLtBackend):
-    """Availability, version check, enumeration and table rows are the a16w16 blaslt backend's."""
+class BlasLtEpilogueBackend(LtBackend):
+    """Availability, version check, enumeration and table rows are lib/blaslt.py's."""
 
     family = "epilogue"
 
-    @staticmethod
-    def _key_ok(key: EpilogueKey) -> bool:
-        if key.dtype not in _CUDA_TYPE or key.outdtype not in _CUDA_TYPE or lt_epilogue(key) is None:
+    def key_ok(self, key: EpilogueKey) -> bool:
+        if key.dtype not in CUDA_TYPE or key.outdtype not in CUDA_TYPE or lt_epilogue(key) is None:
             return False
         return key.dtype == key.outdtype or key.outdtype == torch.float32
 
-    def _sizes_ok(self, key: EpilogueKey) -> bool:
+    def sizes_ok(self, key: EpilogueKey) -> bool:
         return min(key.N, key.K) >= 1  # M == 0 is checked as M == 1
 
-    def _split(self, name: str) -> tuple[AlgoSpec | None, str]:
+    def split_name(self, name: str) -> tuple[AlgoSpec | None, str]:
         return split_name(name)
 
-    def _tag(self, key: EpilogueKey) -> str:
+    def name_tag(self, key: EpilogueKey) -> str:
         return name_tag(key)
 
-    def _problem(self, key: EpilogueKey, device: torch.device) -> _EpilogueProblem:
+    def problem(self, key: EpilogueKey, device: torch.device) -> EpilogueProblem:
         m = max(key.M, 1)
-        return _EpilogueProblem(key, m, lt_layout(key, m, *key_strides(key)), _index(device))
+        return EpilogueProblem(key, m, lt_layout(key, m, *key_strides(key)), device_index(device))
 
-    def _runner(self, spec: AlgoSpec, key: EpilogueKey, device: torch.device) -> Runner:
-        return _LtEpilogueRunner(spec, key, device)
+    def runner(self, spec: AlgoSpec, key: EpilogueKey, device: torch.device) -> Runner:
+        return LtEpilogueRunner(spec, key, device)
 
 
-class _LtEpilogueRunner:
+class LtEpilogueRunner:
     """runner(x, w, bias, c, alpha, beta) -> y for one algorithm, any M; descriptors per (M, strides of
     x, w, C) are made once (None: those strides are copied to contiguous operands first)."""
 
     def __init__(self, spec: AlgoSpec, key: EpilogueKey, device: torch.device):
-        np = _np()
-        self.spec, self.key, self.dev = spec, key, _index(device)
-        self._ws_addr = _workspace(self.dev).data_ptr()
+        import numpy as np
+
+        self.spec, self.key, self.dev = spec, key, device_index(device)
+        self._ws_addr = workspace(self.dev).data_ptr()
         self.scalars = np.array([1.0, 0.0], dtype=np.float32)  # alpha, beta: read by each cublasLtMatmul
         self._alpha_addr = self.scalars.ctypes.data  # read once: ndarray.ctypes is slow
         self._beta_addr = self._alpha_addr + 4
@@ -149,20 +148,20 @@ class _LtEpilogueRunner:
         plan = self._plan(max(key.M, 1), *key_strides(key))  # the tuned problem, checked now
         algo = plan[1].tobytes()
         self.align_w, self.align_x, self.align_c = (
-            max(ALIGN, _cap_or(algo, f"MIN_ALIGNMENT_{op}_BYTES", ALIGN)) for op in "ABC"
+            max(ALIGN, cap_or(algo, f"MIN_ALIGNMENT_{op}_BYTES", ALIGN)) for op in "ABC"
         )
 
     def _plan(self, m: int, sx: tuple, sw: tuple, sc: tuple | None):
         layout = lt_layout(self.key, m, sx, sw, sc)
         plan = None
         if layout is not None:
-            prob = _EpilogueProblem(self.key, m, layout, self.dev)
+            prob = EpilogueProblem(self.key, m, layout, self.dev)
             algo = fitted_algo(self.spec, prob)
             if algo is None:
                 raise RuntimeError(
                     f"cuBLASLt has no algorithm for {self.key.describe()} at M={m}, strides x {sx} w {sw} C {sc}"
                 )
-            arr = _algo_array(algo)
+            arr = algo_array(algo)
             plan = (prob, arr, arr.ctypes.data)  # the array stays alive beside its address
         self._plans[(m, sx, sw, sc)] = plan
         return plan
@@ -215,3 +214,6 @@ class _LtEpilogueRunner:
         cp = yp if c is None else c.data_ptr()
         prob.matmul(algo_addr, self._alpha_addr, self._beta_addr, w.data_ptr(), x.data_ptr(), cp, yp, self._ws_addr)
         return y
+
+
+BACKENDS = (BlasLtEpilogueBackend(),)

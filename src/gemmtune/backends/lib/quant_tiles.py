@@ -1,7 +1,7 @@
 """The Triton 8-bit tile configs offered per key (kernels/a8w8.py, kernels/blockscale.py).
 
 Small M (decode, M <= 32) is a weight stream: 16/32-row tiles, K split so that the N tiles times the
-splits come close to one wave over the SMs (the skinny kernels' rule, backends/skinny.py). Larger M
+splits come close to one wave over the SMs (the skinny kernels' rule, lib/skinny.py). Larger M
 takes the usual compute tiles (64-256 x 64-256, 128-deep K steps, which are 128 bytes of fp8/int8),
 split only when the output tiles alone leave most SMs idle. Block-scale tiles step K by 64 or 128 so
 one step never straddles a 128-wide scale group.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..device import facts
-from ..kernels.a8w8 import TileConfig
+from ...device import facts
+from ...kernels.a8w8 import TileConfig
 
 _SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 # (block_m, block_n, block_k, num_warps, num_stages)
@@ -22,7 +22,7 @@ _SMALL = ((16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 64, 128, 4, 5), (32, 6
 _MID = ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4),
         (128, 64, 128, 4, 4), (128, 128, 128, 8, 3))  # fmt: skip
 # Deeper pipelines and 256-deep K steps were offered here too and won nothing (int8 at M >= 1024 stayed
-# at 1.43x over bf16, H100): the 8-bit TMA GEMM (backends/a8w8_tg.py) is what lifted it.
+# at 1.43x over bf16, H100): the 8-bit TMA GEMM (quantized/triton_tg.py) is what lifted it.
 _LARGE = ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
           (64, 256, 128, 8, 3), (128, 64, 128, 4, 4), (64, 128, 128, 4, 4))  # fmt: skip
 # Block-scale tiles scale each K step's partial product in registers, so the MMA waits on it every
@@ -32,8 +32,6 @@ _LARGE_BLOCK = _LARGE + ((64, 128, 128, 4, 3), (64, 128, 128, 4, 5), (128, 64, 1
 SMEM = 227 * 1024
 
 
-def _sms(device_type: str, index: int | None) -> int:
-    return facts(torch.device(device_type, index) if index is not None else torch.device(device_type)).sms
 
 
 def _pick_split(tiles: int, k_iters: int, slots: int) -> int:
@@ -49,7 +47,7 @@ def _pick_split(tiles: int, k_iters: int, slots: int) -> int:
 
 
 def tile_configs(kind: str, key, device: torch.device) -> list[TileConfig]:
-    sms = _sms(device.type, device.index)
+    sms = facts(device).sms
     large = _LARGE_BLOCK if kind == "blockscale" else _LARGE
     tiles = _SMALL if key.M <= 32 else _MID if key.M <= 256 else large
     out = []
@@ -70,14 +68,14 @@ def tile_configs(kind: str, key, device: torch.device) -> list[TileConfig]:
 
 # The tiles an untuned key runs above M = 32 (the measured H100 winners at M >= 1024); decode keys
 # take the first small tile with its split. On CUDA GPUs these now serve only what the better defaults
-# leave (backends/quantized.py `_native_a8w8`): int8 at 16 < M <= 32, fp8 keys cuBLASLt cannot run
+# leave (quantized/policy.py): int8 at 16 < M <= 32, fp8 keys cuBLASLt cannot run
 # (fp32 / fp16 out with per-token scales, K or N % 16 != 0), and the block-scale family.
 _DEFAULT_LARGE = {"a8w8": (128, 256, 128, 8, 3), "blockscale": (64, 128, 128, 4, 4)}
 _DEFAULT_MID = (64, 128, 128, 4, 4)
 
 
 def default_config(kind: str, key, device: torch.device) -> TileConfig | None:
-    """The heuristic config for a key nobody tuned (the torch backend's `native` on a CUDA GPU)."""
+    """The heuristic config for a key nobody tuned (the Triton backend's default_solution)."""
     cfgs = tile_configs(kind, key, device)
     if not cfgs:
         return None

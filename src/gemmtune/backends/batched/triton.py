@@ -2,7 +2,7 @@
 
 A solution's kernel_name is the config string (`bmm_bm64_bn128_bk64_g8_w4_s4_sk1`, see
 kernels/batched_gemm.py), so a table row means the same kernel after a restart. The config space is
-the a16w16 Triton backend's tile lists and pruning (tiles that fit shared memory and are not far
+lib/triton_tiles.py's tile lists and pruning (the a16w16 Triton backend's) (tiles that fit shared memory and are not far
 taller than M; blocks wider than N or deeper than K narrowed to fit) with split-K counted over all
 B x tiles programs: a split is offered only when the batches' tiles together leave most SMs idle
 (DeepSeek MLA at tp 8: 16 heads x one or two tiles). `make_runner` binds the config to the key's
@@ -15,27 +15,27 @@ from __future__ import annotations
 
 import torch
 
-from ..families.batched import BatchedKey
-from ..kernels.batched_gemm import MAX_GRID_YZ, BmmConfig, BmmKernel, parse_config
-from .base import Backend, Runner, Solution
-from .triton_gemm import (
-    _SPLITS,
+from ...device import Needs
+from ...families.batched import BatchedKey
+from ...kernels.batched_gemm import MAX_GRID_YZ, BmmConfig, BmmKernel, parse_config
+from ..base import Backend, Runner, Solution
+from ..lib.triton_tiles import (
     SMEM_MARGIN,
+    SPLITS,
     Hardware,
-    TritonGemmBackend,
-    _cdiv,
-    _fits,
-    _next_pow2,
-    _tiles_for,
-    _twin,
+    cdiv,
     compile_in_workers,
     config_solution,
+    fits,
     hardware,
+    next_pow2,
     solution_from_name,
     split_factors,
+    tiles_for,
+    twin,
 )
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLIT_MODES = ("f", "r")  # in-kernel fixup (one launch), partials + reduce kernel (two)
 STREAM_MAX_M = 64  # up to this M a GEMM streams its weights (the a16w16 backend's stream tiles)
 
@@ -44,14 +44,14 @@ def config_space(key: BatchedKey, hw: Hardware) -> list[BmmConfig]:
     """The configs worth timing for `key` on hardware `hw` (see the module docstring for the pruning)."""
     out: list[BmmConfig] = []
     # Blocks wider than N or deeper than K (short per-head GEMMs) are narrowed rather than dropped.
-    n_cap, k_cap = max(32, _next_pow2(key.N)), max(32, _next_pow2(key.K))
-    tiles = dict.fromkeys((bm, min(bn, n_cap), min(bk, k_cap), w, s) for bm, bn, bk, w, s in _tiles_for(key))
+    n_cap, k_cap = max(32, next_pow2(key.N)), max(32, next_pow2(key.K))
+    tiles = dict.fromkeys((bm, min(bn, n_cap), min(bk, k_cap), w, s) for bm, bn, bk, w, s in tiles_for(key))
     for bm, bn, bk, warps, stages in tiles:
         base = BmmConfig(bm, bn, bk, 8, warps, stages)
-        if not _fits(base, key, hw):
+        if not fits(base, key, hw):
             continue
-        programs = key.B * _cdiv(key.M, bm) * _cdiv(key.N, bn)
-        k_tiles = _cdiv(key.K, bk)
+        programs = key.B * cdiv(key.M, bm) * cdiv(key.N, bn)
+        k_tiles = cdiv(key.K, bk)
         out.append(base)
         for split in split_factors(programs, k_tiles, hw.sms):
             out += [BmmConfig(bm, bn, bk, 8, warps, stages, split, mode) for mode in SPLIT_MODES]
@@ -67,23 +67,21 @@ def _wave_split(programs: int, k_tiles: int, sms: int) -> int | None:
     costs less; each split keeps >= 4 K tiles. One-launch fixup only."""
     if not sms <= programs < 3 * sms:
         return None
-    return next((s for s in _SPLITS if k_tiles // s >= 4 and programs * s >= 4 * sms), None)
+    return next((s for s in SPLITS if k_tiles // s >= 4 and programs * s >= 4 * sms), None)
 
 
-def _key_ok(key: BatchedKey) -> bool:
-    return key.dtype in _DTYPES and key.outdtype in _DTYPES and 1 <= key.B <= MAX_GRID_YZ
+def key_ok(key: BatchedKey) -> bool:
+    return key.dtype in DTYPES and key.outdtype in DTYPES and 1 <= key.B <= MAX_GRID_YZ
 
 
 class TritonBatchedBackend(Backend):
     name = "triton"
     family = "batched"
 
-    # Runs where the a16w16 Triton backend runs: GPUs, or the CPU through the Triton interpreter.
-    is_available = TritonGemmBackend.is_available
-    unavailable_reason = TritonGemmBackend.unavailable_reason
+    needs = Needs(triton=True)
 
     def candidates(self, key: BatchedKey, device: torch.device) -> list[Solution]:
-        if not _key_ok(key):
+        if not key_ok(key):
             return []
         return [config_solution(cfg) for cfg in config_space(key, hardware(device))]
 
@@ -92,7 +90,7 @@ class TritonBatchedBackend(Backend):
 
     def supports(self, solution: Solution, key: BatchedKey, device: torch.device) -> bool:
         cfg = parse_config(solution.kernel_name)
-        if cfg is None or solution.libtype != self.name or not _key_ok(key):
+        if cfg is None or solution.libtype != self.name or not key_ok(key):
             return False
         return cfg.smem_bytes(key.dtype.itemsize) + SMEM_MARGIN <= hardware(device).smem
 
@@ -141,7 +139,7 @@ def compile_signature(cfg: BmmConfig, key: BatchedKey) -> tuple:
     sa, sb, sc = (tuple(_twin_stride(s) for s in st) for st in stored_strides(key))
     split = BmmConfig(cfg.bm, cfg.bn, cfg.bk, cfg.group_m, cfg.warps, cfg.stages,
                       min(cfg.split_k, 2), cfg.sk_mode)  # fmt: skip
-    return (split.name, key.dtype, key.outdtype, _twin(key.N), _twin(key.K), key.K % cfg.bk, sa, sb, sc)
+    return (split.name, key.dtype, key.outdtype, twin(key.N), twin(key.K), key.K % cfg.bk, sa, sb, sc)
 
 
 def warmup(cfg: BmmConfig, key: BatchedKey, device: torch.device) -> None:
@@ -166,3 +164,6 @@ def precompile(jobs: list[tuple[Solution, BatchedKey]], device: torch.device, wo
         if cfg is not None:
             uniq.setdefault(compile_signature(cfg, key), (cfg.name, key))
     return compile_in_workers(TritonBatchedBackend, list(uniq.values()), device, workers)
+
+
+BACKENDS = (TritonBatchedBackend(),)

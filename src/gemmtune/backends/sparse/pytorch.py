@@ -1,4 +1,5 @@
-"""The sparse family's torch backend: runner(x [M, K], w sparse [N, K], bias) -> y [M, N].
+"""The sparse family's `torch` backend (what an untuned key runs): runner(x [M, K], w sparse [N, K], bias)
+-> y [M, N].
 
 Solutions:
 - `sparse`: the pattern's own kernel in the weight's dtype: torch.sparse (cuSPARSE on CUDA, MKL on the
@@ -18,8 +19,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..families.sparse import LAYOUTS, SparseKey, to_pattern
-from .base import Backend, Runner, Solution, stable_solidx
+from ...families.sparse import LAYOUTS, SparseKey, to_pattern
+from ...quant.semi_structured import prune_2_4_dense, semi_structured_reason
+from ..base import Backend, Runner, Solution, stable_solidx
 
 SPARSE = Solution("torch", "sparse", stable_solidx("sparse"), 0)
 SPARSE_FP32 = Solution("torch", "sparse_fp32", stable_solidx("sparse_fp32"), 0)
@@ -68,8 +70,6 @@ def _dense_linear(x, w, bias):
 @functools.cache
 def _probe(pattern: str, dtype: torch.dtype, block: str, device_type: str, index: int | None) -> bool:
     """Does torch run `pattern` x `dtype` (x `block`) natively on this device? One tiny product."""
-    from ..families.sparse import prune_2_4_dense
-
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     r, c = (int(v) for v in block.split("x")) if block else (1, 1)
     n, k = (64, 64) if pattern == "2:4" else (2 * r, 4 * c)
@@ -82,11 +82,8 @@ def _probe(pattern: str, dtype: torch.dtype, block: str, device_type: str, index
     dense = dense.to(dtype).to(device)
     x = torch.randn(16, k, generator=gen).to(dtype).to(device)
     try:
-        if pattern == "2:4":
-            from ..ops.sparse import semi_structured_reason
-
-            if semi_structured_reason(device, dtype, (n, k)):
-                return False
+        if pattern == "2:4" and semi_structured_reason(device, dtype, (n, k)):
+            return False
         y = (_semi_linear if pattern == "2:4" else _sparse_mm)(x, to_pattern(dense, pattern, block), None)
     except (RuntimeError, NotImplementedError, ValueError, TypeError):
         return False
@@ -101,9 +98,6 @@ def native_ok(key: SparseKey, device: torch.device, dtype: torch.dtype | None = 
 class TorchSparseBackend(Backend):
     name = "torch"
     family = "sparse"
-
-    def is_available(self, device: torch.device) -> bool:
-        return True
 
     def candidates(self, key: SparseKey, device: torch.device) -> list[Solution]:
         return [s for s in _ALL if self.supports(s, key, device)]
@@ -130,3 +124,6 @@ class TorchSparseBackend(Backend):
         if solution == SPARSE_FP32:
             return _sparse_mm_fp32
         return _semi_linear if key.pattern == "2:4" else _sparse_mm
+
+
+BACKENDS = (TorchSparseBackend(),)

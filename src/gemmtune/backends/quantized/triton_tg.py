@@ -1,8 +1,8 @@
 """The a8w8 `triton` candidates on the Triton GEMM kernel (kernels/a8w8_tg.py): `a8w8_tg_...` configs,
-offered above M = 32 beside kernels/a8w8.py's `a8w8_...` ones (backends/quantized.py's
+offered above M = 32 beside kernels/a8w8.py's `a8w8_...` ones (quantized/triton.py's
 TritonA8W8Backend asks this module for them and hands it their rows).
 
-The candidate space is backends/triton_gemm.py's `config_space` for a 1-byte key (its 8-bit tiles:
+The candidate space is lib/triton_tiles.py's `config_space` for a 1-byte key (its 8-bit tiles:
 128-deep K steps, 128x128 / 128x256 / 256x128, plain, persistent, split-K and TMA variants, PDL up to
 M = 256; for 8-bit keys only also split-K where a grid of several waves ends in a poor one, the
 flattened persistent grid `_pf`, and for int8 256-deep TMA tiles). `DEFAULT` is what an untuned int8
@@ -17,23 +17,29 @@ import dataclasses
 
 import torch
 
-from ..kernels._common import pdl_enabled
-from ..kernels.a8w8_tg import A8W8TGConfig, a8w8_tg_launch, check, parse_config
-from ..kernels.triton_gemm import TGKernel
-from ..keys import GemmKey
-from .base import Runner, Solution
-from .triton_gemm import (
+from ...kernels._common import pdl_enabled
+from ...kernels.a8w8_tg import A8W8TGConfig, a8w8_tg_launch, check, parse_config
+from ...kernels.triton_gemm import TGKernel
+from ...keys import GemmKey
+from ..base import Runner, Solution
+from ..lib.triton_tiles import (
     SMEM_MARGIN,
-    _cdiv,
-    _twin,
+    cdiv,
     compile_in_workers,
     config_solution,
     config_space,
     hardware,
     solution_from_name,
+    twin,
 )
 
 MIN_M = 33  # decode sizes stay with the a8w8_ tiles and the skinny kernels
+PREFIX = "a8w8_tg_"
+
+
+def is_tg_name(kernel_name: str) -> bool:
+    """Does a kernel name spell one of this module's configs?"""
+    return kernel_name.startswith(PREFIX) and parse_config(kernel_name) is not None
 
 
 def _gemm_key(key) -> GemmKey:
@@ -61,7 +67,7 @@ def supports(kernel_name: str, key, device: torch.device) -> bool:
 
 def standins(key, device: torch.device) -> tuple:
     """Operands that specialize a kernel like key's (M, N twins; K, dtypes, scale kind, bias), and y."""
-    m, n = _twin(max(key.M, 1)), _twin(key.N)
+    m, n = twin(max(key.M, 1)), twin(key.N)
     per_tensor = key.scale == "per_tensor"
     xq = torch.randn(m, key.K, device=device).to(key.q_dtype_w)
     wq = torch.randn(n, key.K, device=device).to(key.q_dtype_w)
@@ -77,7 +83,7 @@ def make_runner(kernel_name: str, key, device: torch.device) -> Runner:
         raise ValueError(f"triton a8w8 cannot run {kernel_name!r} for {key} on {device}")
     if cfg.pdl and not pdl_enabled(device):
         cfg = dataclasses.replace(cfg, pdl=0)  # the same kernel, plain launch
-    kern = TGKernel(cfg, device, lock_tiles=_cdiv(max(key.M, 1), cfg.bm) * _cdiv(key.N, cfg.bn))
+    kern = TGKernel(cfg, device, lock_tiles=cdiv(max(key.M, 1), cfg.bm) * cdiv(key.N, cfg.bn))
     n, k, out = key.N, key.K, key.outdtype
 
     def run(xq, wq, xs, ws, bias):
@@ -93,7 +99,7 @@ def make_runner(kernel_name: str, key, device: torch.device) -> Runner:
     return run
 
 
-# What an untuned 8-bit key above M = 32 runs (backends/quantized.py's native, int8; fp8 keeps cuBLASLt):
+# What an untuned int8 key above M = 32 runs (quantized/policy.py; fp8 keeps cuBLASLt):
 # the config that won 22 of the 36 int8 prefill points on an H100 (M 1024-4096, Llama-3-8B /
 # Llama-3-70B tp8 / Qwen3-32B shapes; its non-TMA twin 2 more, the 128x256 4-stage tile 9:
 # benchmarks/results/h100/a8w8_vs_bf16/prefill_int8.md), as that twin where TMA cannot run
@@ -121,6 +127,6 @@ def precompile(backend_cls, jobs: list, device: torch.device, workers: int = 8) 
         if cfg is None:
             continue
         kernel = dataclasses.replace(cfg, split_k=min(cfg.split_k, 2)).name  # the split is a runtime value
-        sig = (kernel, key.q_dtype_w, key.scale, key.bias, key.outdtype, _twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
+        sig = (kernel, key.q_dtype_w, key.scale, key.bias, key.outdtype, twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
         uniq.setdefault(sig, (cfg.name, key._replace(M=MIN_M)))
     return compile_in_workers(backend_cls, list(uniq.values()), device, workers)

@@ -1,32 +1,29 @@
-"""The `triton` backend: explicit Triton GEMM configs (tiles, split-K, persistent grid, TMA) per shape.
+"""Triton GEMM tile machinery shared by the Triton backends of several families: the tile lists, the
+shared-memory fit, split-K and wave rules, `config_space` (the a16w16 kernel's configs for a key, also
+the 8-bit and batched spaces), config <-> solution naming, and compiling configs in worker processes.
 
-A solution's kernel_name is the config string (`tg_bm128_bn128_bk64_g8_w8_s4_sk1`, see
-kernels/triton_gemm.py), so a table row means the same kernel after a restart. The candidate space is
-pruned per shape: configs whose buffers cannot fit shared memory, whose tile is far taller than M, or
-that would leave most SMs idle are not offered (and so never compiled). `make_runner` compiles the
-config before returning (on tiny stand-in tensors with the same specialization), so a runner can be
-captured in a CUDA graph at once; `precompile` does that for many configs in parallel processes.
+A config's solution is named by the config string (`tg_bm128_bn128_bk64_g8_w8_s4_sk1`, see
+kernels/triton_gemm.py) with solidx its crc, so a table row means the same kernel after a restart.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from ..device import facts
-from ..kernels._common import pdl_enabled
-from ..kernels.tile_config import GemmTileConfig
-from ..kernels.triton_gemm import TensorDescriptor, TGConfig, TGKernel, check_operands, parse_config
-from ..keys import GemmKey
-from .base import Backend, Runner, Solution, stable_solidx
+from ...device import facts
+from ...kernels._common import pdl_enabled
+from ...kernels.tile_config import GemmTileConfig
+from ...kernels.triton_gemm import TensorDescriptor, TGConfig
+from ...keys import GemmKey
+from ..base import Backend, Solution, stable_solidx
 
 log = logging.getLogger(__name__)
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the 16/32-bit kernels take
 
 
 class Hardware(NamedTuple):
@@ -42,17 +39,17 @@ def hardware(device: torch.device) -> Hardware:
     return Hardware(f.sms, f.smem_per_block, hopper and TensorDescriptor is not None, pdl_enabled(device))
 
 
-def _next_pow2(v: int) -> int:
+def next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 # (BM, BN, BK, warps, stages) for 2-byte inputs. Weight-streaming tiles for small M (BM is filled in
 # from M), and compute tiles for larger M; taken from Triton's Hopper tutorials and vLLM/SGLang tables.
-_STREAM_TILES = [
+STREAM_TILES = [
     (64, 128, 4, 4),
     (64, 128, 4, 6),
     (128, 128, 4, 4),
@@ -64,14 +61,14 @@ _STREAM_TILES = [
     (32, 256, 4, 6),
     (32, 128, 4, 6),
 ]
-_MID_TILES = [
+MID_TILES = [
     (128, 128, 64, 4, 4),
     (128, 128, 64, 8, 4),
     (128, 256, 64, 8, 3),
     (64, 256, 64, 4, 4),
     (128, 64, 64, 4, 4),
 ]
-_COMPUTE_TILES = [
+COMPUTE_TILES = [
     (128, 256, 64, 8, 3),
     (256, 128, 64, 8, 3),
     (128, 128, 64, 8, 4),
@@ -83,14 +80,14 @@ _COMPUTE_TILES = [
 ]
 # 8-bit operands (a8w8 on this kernel, backends/a8w8_tg.py; offered above M = 32): 128-deep K steps
 # (128 bytes, the bf16 tiles' 64) on the large tiles; 64-row tiles beside them up to M = 128.
-_8BIT_TILES = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 128, 8, 4),
+EIGHT_BIT_TILES = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 128, 8, 4),
                (256, 128, 128, 8, 3)]  # fmt: skip
-_8BIT_SHORT_TILES = [(64, 128, 128, 4, 4), (64, 256, 128, 8, 3)]
+EIGHT_BIT_SHORT_TILES = [(64, 128, 128, 4, 4), (64, 256, 128, 8, 3)]
 # int8 only: Triton (3.9 checked, sm_90 PTX) keeps an int32-accumulating wgmma synchronous (a wait for
 # it after every K step; fp32 accumulators stay one step in flight), so each step idles the tensor
 # cores once. 256-deep steps halve those waits per MAC (TMA variants only, to keep the space small).
-_INT8_DEEP_TILES = [(128, 128, 256, 8, 3), (128, 256, 256, 8, 2)]
-_SPLITS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
+INT8_DEEP_TILES = [(128, 128, 256, 8, 3), (128, 256, 256, 8, 2)]
+SPLITS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 SPLIT_MODES = ("f", "r")  # in-kernel fixup, separate reduce kernel
 SMEM_MARGIN = 4 * 1024  # barriers and the epilogue's scratch
 # Up to this M a GEMM is short enough (5-30 us) that a launch's fixed cost shows, so each config also
@@ -98,35 +95,43 @@ SMEM_MARGIN = 4 * 1024  # barriers and the epilogue's scratch
 PDL_MAX_M = 256
 
 
-def _tiles_for(key: GemmKey) -> list[tuple[int, int, int, int, int]]:
+def tiles_for(key: GemmKey) -> list[tuple[int, int, int, int, int]]:
     M = key.M
     if key.dtype.itemsize == 1:
-        deep = _INT8_DEEP_TILES if key.dtype == torch.int8 and M > 128 else []
-        return _8BIT_TILES + (_8BIT_SHORT_TILES if M <= 128 else []) + deep
+        deep = INT8_DEEP_TILES if key.dtype == torch.int8 and M > 128 else []
+        return EIGHT_BIT_TILES + (EIGHT_BIT_SHORT_TILES if M <= 128 else []) + deep
     if M <= 64:  # weight streaming: one row-tile as tall as M
-        bm = max(16, _next_pow2(M))
-        tiles = [(bm, *t) for t in _STREAM_TILES]
+        bm = max(16, next_pow2(M))
+        tiles = [(bm, *t) for t in STREAM_TILES]
     elif M <= 256:
-        tiles = [(64, *t) for t in _STREAM_TILES] + [t for t in _MID_TILES if t[0] <= _next_pow2(M)]
+        tiles = [(64, *t) for t in STREAM_TILES] + [t for t in MID_TILES if t[0] <= next_pow2(M)]
     else:
-        tiles = list(_COMPUTE_TILES)
+        tiles = list(COMPUTE_TILES)
     if key.dtype.itemsize == 4:  # same bytes per stage for fp32
         tiles = [(bm, bn, max(16, bk // 2), w, s) for bm, bn, bk, w, s in tiles]
     return list(dict.fromkeys(tiles))
 
 
-def _fits(cfg: TGConfig, key: GemmKey, hw: Hardware) -> bool:
+def fits(cfg: TGConfig, key: GemmKey, hw: Hardware) -> bool:
     if cfg.smem_bytes(key.dtype.itemsize) + SMEM_MARGIN > hw.smem:
         return False
-    if cfg.bm > max(64, _next_pow2(key.M)):  # a tile far taller than M only computes padding
+    if cfg.bm > max(64, next_pow2(key.M)):  # a tile far taller than M only computes padding
         return False
-    return cfg.bn <= max(32, _next_pow2(key.N)) and cfg.bk <= max(32, _next_pow2(key.K))
+    return cfg.bn <= max(32, next_pow2(key.N)) and cfg.bk <= max(32, next_pow2(key.K))
+
+
+def runs_here(cfg: TGConfig, key: GemmKey, hw: Hardware) -> bool:
+    """Can the config run `key` on hardware `hw` at all: its buffers fit shared memory, and a TMA config
+    has TMA and rows of whole 16-byte steps."""
+    if cfg.smem_bytes(key.dtype.itemsize) + SMEM_MARGIN > hw.smem:
+        return False
+    return not cfg.tma or (hw.tma and (key.K * key.dtype.itemsize) % 16 == 0)
 
 
 def split_factors(tiles: int, k_tiles: int, sms: int) -> list[int]:
     """Split-K factors that bring a short grid to about one and about two full waves, each split
     keeping >= 4 K-tiles; [] when splitting cannot help."""
-    ok = [s for s in _SPLITS if k_tiles // s >= 4 and tiles * s <= 2.2 * sms]
+    ok = [s for s in SPLITS if k_tiles // s >= 4 and tiles * s <= 2.2 * sms]
     if not ok or tiles >= sms:
         return []
     one = [s for s in ok if tiles * s >= 0.8 * sms]
@@ -136,7 +141,7 @@ def split_factors(tiles: int, k_tiles: int, sms: int) -> list[int]:
 
 def wave_efficiency(programs: int, sms: int) -> float:
     """Busy fraction of the SMs over the waves `programs` equal programs take (1.0: a full last wave)."""
-    return programs / (_cdiv(programs, sms) * sms)
+    return programs / (cdiv(programs, sms) * sms)
 
 
 WAVE_GAIN = 0.1  # how much a split must lift the wave efficiency to be worth timing
@@ -151,7 +156,7 @@ def wave_split_factors(tiles: int, k_tiles: int, sms: int, most: int = 2) -> lis
     if tiles < sms:
         return []
     base = wave_efficiency(tiles, sms)
-    ok = [s for s in _SPLITS if k_tiles // s >= WAVE_MIN_K_TILES]
+    ok = [s for s in SPLITS if k_tiles // s >= WAVE_MIN_K_TILES]
     gain = [s for s in ok if wave_efficiency(tiles * s, sms) >= base + WAVE_GAIN]
     best = max((wave_efficiency(tiles * s, sms) for s in gain), default=0.0)
     return [s for s in gain if wave_efficiency(tiles * s, sms) >= best - WAVE_NEAR][:most]
@@ -162,12 +167,12 @@ def config_space(key: GemmKey, hw: Hardware, cls: type[TGConfig] = TGConfig) -> 
     `cls` (a TGConfig subclass names another family's configs: 8-bit ones take key.dtype int8)."""
     out: list[TGConfig] = []
     tma_ok = hw.tma and (key.K * key.dtype.itemsize) % 16 == 0
-    for bm, bn, bk, warps, stages in _tiles_for(key):
+    for bm, bn, bk, warps, stages in tiles_for(key):
         base = cls(bm, bn, bk, 8, warps, stages)
-        if not _fits(base, key, hw):
+        if not fits(base, key, hw):
             continue
-        tiles = _cdiv(key.M, bm) * _cdiv(key.N, bn)
-        splits = split_factors(tiles, _cdiv(key.K, bk), hw.sms)
+        tiles = cdiv(key.M, bm) * cdiv(key.N, bn)
+        splits = split_factors(tiles, cdiv(key.K, bk), hw.sms)
         variants: list[TGConfig] = []
         if tiles >= hw.sms // 2:  # enough programs to keep most SMs busy without splitting K
             variants.append(base)
@@ -175,7 +180,7 @@ def config_space(key: GemmKey, hw: Hardware, cls: type[TGConfig] = TGConfig) -> 
             variants.append(cls(bm, bn, bk, 8, warps, stages, persistent=True))
         for split in splits:
             variants += [cls(bm, bn, bk, 8, warps, stages, split, mode) for mode in SPLIT_MODES]
-        deep = key.dtype == torch.int8 and (bm, bn, bk, warps, stages) in _INT8_DEEP_TILES  # TMA only
+        deep = key.dtype == torch.int8 and (bm, bn, bk, warps, stages) in INT8_DEEP_TILES  # TMA only
         if deep and not tma_ok:
             continue
         for cfg in variants:
@@ -196,85 +201,17 @@ def _8bit_extras(base: TGConfig, tiles: int, key: GemmKey, hw: Hardware) -> list
     grid (TMA, 3-stage tiles)."""
     cls = type(base)
     fields = {**base.__dict__, "sk_mode": "f"}
-    splits = wave_split_factors(tiles, _cdiv(key.K, base.bk), hw.sms, most=1)
+    splits = wave_split_factors(tiles, cdiv(key.K, base.bk), hw.sms, most=1)
     extras = [cls(**{**fields, "split_k": s}) for s in splits]
     if tiles > hw.sms and base.tma and base.stages == 3:  # one pipeline depth: flattening adds a buffer
         extras.append(cls(**{**base.__dict__, "persistent": True, "flatten": True}))
-    return [c for c in extras if _fits(c, key, hw)]
+    return [c for c in extras if fits(c, key, hw)]
 
 
-def _twin(n: int) -> int:
+def twin(n: int) -> int:
     """A small size Triton specializes exactly like n (n == 1, n % 16 == 0, or neither)."""
     return n if n <= 16 else (16 if n % 16 == 0 else 17)
 
-
-class TritonGemmBackend(Backend):
-    name = "triton"
-
-    def is_available(self, device: torch.device) -> bool:
-        if device.type == "cuda":
-            return True
-        return os.environ.get("TRITON_INTERPRET") == "1"  # CPU only through the (slow) interpreter
-
-    def unavailable_reason(self, device: torch.device) -> str:
-        if self.is_available(device):
-            return ""
-        return f"triton runs on GPUs (or on the CPU with TRITON_INTERPRET=1), not on {device.type}"
-
-    def candidates(self, key: GemmKey, device: torch.device) -> list[Solution]:
-        if not self._key_ok(key):
-            return []
-        return [config_solution(cfg) for cfg in config_space(key, hardware(device))]
-
-    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        return solution_from_name(parse_config, kernel_name, solidx)
-
-    @staticmethod
-    def _key_ok(key: GemmKey) -> bool:
-        return not key.scaleAB and not key.bpreshuffle and key.dtype in _DTYPES and key.outdtype in _DTYPES
-
-    def supports(self, solution: Solution, key: GemmKey, device: torch.device) -> bool:
-        cfg = parse_config(solution.kernel_name)
-        if cfg is None or solution.libtype != self.name or not self._key_ok(key):
-            return False
-        hw = hardware(device)
-        if cfg.smem_bytes(key.dtype.itemsize) + SMEM_MARGIN > hw.smem:
-            return False
-        return not cfg.tma or (hw.tma and (key.K * key.dtype.itemsize) % 16 == 0)
-
-    def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
-        cfg = parse_config(solution.kernel_name)
-        if cfg is None or not self.supports(solution, key, device):
-            raise ValueError(f"triton cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
-        if cfg.pdl and not pdl_enabled(device):
-            cfg = TGConfig(**{**cfg.__dict__, "pdl": 0})  # the same kernel, plain launch
-        kern = TGKernel(cfg, device, lock_tiles=_cdiv(max(key.M, 1), cfg.bm) * _cdiv(key.N, cfg.bn))
-        N, K, out_dtype = key.N, key.K, key.outdtype
-
-        def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            x2 = x if x.dim() == 2 else x.reshape(-1, K)
-            if x2.shape[1] != K or w.shape[0] != N or x.dtype != w.dtype:
-                check_operands(x, w, bias)
-                raise ValueError(f"triton runner for N={N} K={K} got x {tuple(x.shape)}, w {tuple(w.shape)}")
-            y = torch.empty((x2.shape[0], N), dtype=out_dtype, device=x.device)
-            kern(x2, w, bias, y)
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
-
-        self.warmup(kern, key, device)
-        return run
-
-    @staticmethod
-    def warmup(kern: TGKernel, key: GemmKey, device: torch.device) -> None:
-        """Compile `kern` for `key` now: one launch on stand-in tensors that specialize like the real ones.
-
-        Skipped while a CUDA graph is being captured (a launch there would be recorded)."""
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return
-        M, N = _twin(max(key.M, 1)), _twin(key.N)
-        x = torch.randn(M, key.K, device=device).to(key.dtype)
-        w = torch.randn(N, key.K, device=device).to(key.dtype)
-        b = torch.randn(N, device=device).to(key.dtype) if key.bias else None
-        kern(x, w, b, torch.empty((M, N), dtype=key.outdtype, device=device))
 
 
 def config_solution(cfg: GemmTileConfig) -> Solution:
@@ -303,7 +240,7 @@ def _precompile_worker(args):
         try:
             run = backend.make_runner(backend.solution_from_row(0, name, 0), key, device)
             if getattr(backend, "compiles_on_first_call", False):  # its kernels compile when first run
-                from ..families import get as family
+                from ...families import get as family
 
                 run(*family(getattr(backend, "family", "a16w16")).make_inputs(key, device, 1, 0)[0])
         except Exception as exc:  # noqa: BLE001 - reported back, the tuner drops the config
@@ -328,17 +265,3 @@ def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]
         results = pool.map(_precompile_worker, args)
     return [f for r in results for f in r]
 
-
-def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8) -> list:
-    """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
-    this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
-    # One job per distinct compiled kernel: M does not specialize, N and K only through these facts.
-    uniq: dict[tuple, tuple[str, GemmKey]] = {}
-    for sol, key in jobs:
-        cfg = parse_config(sol.kernel_name)
-        if cfg is None:
-            continue
-        kernel = TGConfig(**{**cfg.__dict__, "split_k": min(cfg.split_k, 2)}).name  # split is runtime
-        sig = (kernel, key.dtype, key.outdtype, key.bias, _twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
-        uniq.setdefault(sig, (cfg.name, key._replace(M=16)))
-    return compile_in_workers(TritonGemmBackend, list(uniq.values()), device, workers)

@@ -1,0 +1,149 @@
+"""The fmoe family's `triton` backend: every pair with a Triton stage (`moe1_...|moe2_...`, the other stage
+may be `grouped_mm`), and `grouped_mm|grouped_mm` with gemmtune's Triton kernels around the two
+torch._grouped_mm GEMMs (the sort by expert, gated activation and combine: fmoe/stages.py's glue).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...device import Needs, facts
+from ...families.fmoe import MoeKey, act_name, join_name, split_name
+from ...kernels import fused_moe as kmoe
+from ..base import Backend, Runner, Solution
+from .stages import GM, TRITON_DTYPES, Stage, grouped_mm_fits, pair_runner, parse_stage, stage_name, stage_runner
+
+
+def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]:
+    """A reasonable (stage 1, stage 2) pair for an untuned key."""
+    slots = key.token * (key.topk + key.shared_expert)
+    hit = max(1, min(key.expert, slots))
+    per_expert = slots / hit
+    direct = slots <= 128
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 256 else 128
+    big = bm >= 64
+    bk = 64 if big else 128
+    c1 = kmoe.MoeGemmConfig(1, direct, bm, 64 if not big else 128 if bm == 64 else 64, bk, 1, 4 if bm < 128 else 8,
+                            3 if not big else 4)  # fmt: skip
+    n_tiles = -(-key.model_dim // 64)
+    programs = hit * n_tiles * max(1, -(-slots // hit // bm))
+    sk = 1
+    while sk < 8 and programs * sk * 2 <= 2 * sms and key.inter_dim // (2 * sk * bk) >= 2:
+        sk *= 2
+    c2 = kmoe.MoeGemmConfig(2, direct, bm, 64 if not big else 128, bk, sk, 4 if bm < 128 else 8, 3 if not big else 4)
+    return c1, c2
+
+
+def sweep_configs(key: MoeKey) -> list[tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]]:
+    """Candidate (stage 1, stage 2) pairs worth timing for `key` (the heuristic first)."""
+    slots = key.token * (key.topk + key.shared_expert)
+    out = [heuristic_configs(key)]
+    modes = [True, False] if slots <= kmoe.DIRECT_MAX_SLOTS else [False]
+    for direct in modes:
+        for bm in (16, 32, 64, 128):
+            if bm > 16 and bm >= 2 * max(16, slots):
+                continue
+            for bn, bk, w, s in ((64, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (128, 64, 8, 3)):
+                if bm == 128 and w == 4 and bn == 128:
+                    continue
+                for sk in (1, 2, 4) if bm <= 32 else (1,):
+                    pair = (kmoe.MoeGemmConfig(1, direct, bm, bn, bk, 1, w, s),
+                            kmoe.MoeGemmConfig(2, direct, bm, bn, bk, sk, w, s))  # fmt: skip
+                    if pair not in out:
+                        out.append(pair)
+    # Nearest the heuristic first (block_m, then mode), so a short sweep tries the likely winners.
+    h1 = out[0][0]
+    rest = sorted(out[1:], key=lambda p: (abs(p[0].block_m.bit_length() - h1.block_m.bit_length()),
+                                          p[0].direct != h1.direct))  # fmt: skip
+    return out[:1] + rest
+
+
+def stage_configs(key: MoeKey, stage: int) -> list[kmoe.MoeGemmConfig]:
+    """The distinct configs of one stage among sweep_configs' pairs, in their order (heuristic first)."""
+    return list(dict.fromkeys(pair[stage - 1] for pair in sweep_configs(key)))
+
+
+
+def solution_of(s1: Stage, s2: Stage) -> Solution:
+    """This backend's solution for a pair (solidx: its Triton stage's block_m, 0 for the glued grouped_mm
+    pair; splitK: stage 2's)."""
+    tri = s1 if s1 != GM else s2
+    block_m = 0 if tri == GM else tri.block_m
+    return Solution("triton", join_name(stage_name(s1), stage_name(s2)), block_m, 1 if s2 == GM else s2.split_k)
+
+
+GROUPED_MM_GLUED = solution_of(GM, GM)  # torch._grouped_mm GEMMs with the Triton sort, activation, combine
+
+
+@functools.cache
+def _stages_of(kernel_name: str) -> tuple[Stage, Stage] | None:
+    """(stage 1, stage 2) of a pair this backend runs (a Triton stage, or two glued grouped_mm), else None."""
+    n1, n2 = split_name(kernel_name)
+    s1, s2 = parse_stage(n1, 1), parse_stage(n2, 2)
+    if s1 is None or s2 is None:
+        return None
+    return s1, s2
+
+
+def _triton_stage_ok(key: MoeKey) -> bool:
+    return key.q_type == "QuantType.No" and key.dtype in TRITON_DTYPES and act_name(key.act_type) in kmoe.ACTS
+
+
+
+class TritonMoeBackend(Backend):
+    name = "triton"
+    family = "fmoe"
+    needs = Needs(triton=True)
+
+    def candidates(self, key: MoeKey, device: torch.device) -> list[Solution]:
+        """The heuristic pair and the grouped_mm pair with Triton glue: the tuner draws every other pair
+        from the stages timed apart."""
+        sols = [self.default_solution(key, device), GROUPED_MM_GLUED]
+        return [s for s in sols if self.supports(s, key, device)]
+
+    def default_solution(self, key: MoeKey, device: torch.device) -> Solution:
+        """The heuristic pair of Triton stages."""
+        return solution_of(*heuristic_configs(key, facts(device).sms))
+
+    def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
+        stages = _stages_of(kernel_name)
+        return solution_of(*stages) if stages else None
+
+    def supports(self, solution: Solution, key: MoeKey, device: torch.device) -> bool:
+        stages = _stages_of(solution.kernel_name)
+        if solution.libtype != self.name or stages is None or not _triton_stage_ok(key):
+            return False
+        if GM in stages and not grouped_mm_fits(key, device):
+            return False
+        slots = key.token * (key.topk + key.shared_expert)
+        return all(s.fits(slots) for s in stages if s != GM)
+
+    def make_runner(self, solution: Solution, key: MoeKey, device: torch.device) -> Runner:
+        stages = _stages_of(solution.kernel_name)
+        if stages is None:
+            raise ValueError(f"not a Triton fused-MoE solution: {solution.kernel_name!r}")
+        return pair_runner(key, *stages, triton_glue=True)
+
+    # stages: every Triton config of the sweep, per stage
+    def stage_candidates(self, key: MoeKey, device: torch.device, stage: int) -> list[str]:
+        if not _triton_stage_ok(key):
+            return []
+        slots = key.token * (key.topk + key.shared_expert)
+        return [c.name for c in stage_configs(key, stage) if c.fits(slots)]
+
+    def make_stage_runner(self, stage: int, name: str, key: MoeKey, device: torch.device) -> Runner:
+        s = parse_stage(name, stage)
+        if s is None or s == GM:
+            raise ValueError(f"not a Triton fused-MoE stage-{stage} config: {name!r}")
+        return stage_runner(key, stage, s, triton_glue=True)
+
+    def pair_solution(self, names: tuple[str, ...], key: MoeKey, device: torch.device) -> Solution | None:
+        """A pair with a Triton stage; two grouped_mm stages are the torch backend's pair (this backend's
+        glued twin of it is among its candidates)."""
+        stages = _stages_of(join_name(*names))
+        return solution_of(*stages) if stages and stages != (GM, GM) else None
+
+
+BACKENDS = (TritonMoeBackend(),)

@@ -1,0 +1,70 @@
+"""What an untuned key of each quantized family runs: (backend name, solution), the backend named after
+the library that really runs it (a Triton kernel is a `skinny` or `triton` row, never `torch`).
+
+a8w8 (and its bpreshuffle twin), measured on an H100 (benchmarks/results/h100/a8w8_vs_bf16/):
+- on an NVIDIA GPU where Triton runs, M <= 16, fp8 and int8: the 8-bit skinny kernel's default tile
+  (triton_skinny.DEFAULT_TILE: the skinny kernels won all 72 decode points, 1.6x over
+  torch._scaled_mm, decode_fp8_int8.md);
+- fp8 above that: cuBLASLt through torch._scaled_mm where it applies;
+- on an NVIDIA GPU, int8 from M = 33: the Triton GEMM kernel's 8-bit config that won most prefill points
+  (triton_tg.DEFAULT, 1.47x over bf16 at M >= 1024 tuned, prefill_int8.md; cuBLAS int8 via _int_mm ran
+  at 0.5x of bf16), else the Triton tile kernel's heuristic config (lib/quant_tiles.default_config);
+- else torch: _int_mm, else dequantize. ROCm: scaled_mm where it applies, else _int_mm, else dequantize.
+a8w8_blockscale: the blockwise torch._scaled_mm where the probe found it right; else on a GPU the Triton
+tile kernel's heuristic config; else dequantize.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import device as device_facts
+from ..base import Solution
+from .pytorch import DEQUANT, SCALED_MM, SCALED_MM_BLOCKWISE, TorchA8W8Backend, blockwise_ok, scaled_mm_ok
+
+SKINNY_MAX_M = 16  # the decode rows an untuned key runs on the 8-bit skinny kernels
+
+
+def _triton_on_gpu(device: torch.device, vendors: tuple[str, ...]) -> bool:
+    return device_facts.vendor(device) in vendors and device_facts.triton_runs_on(device)
+
+
+def a8w8(key, device: torch.device) -> tuple[str, Solution]:
+    device = torch.device(device)
+    nvidia = _triton_on_gpu(device, (device_facts.NVIDIA,))
+    if nvidia and key.M <= SKINNY_MAX_M:
+        from .triton_skinny import SkinnyA8W8Backend
+
+        sol = SkinnyA8W8Backend().default_solution(key, device)
+        if sol is not None:
+            return "skinny", sol
+    if scaled_mm_ok(key, device):
+        return "torch", SCALED_MM
+    if nvidia:
+        from .triton import TritonA8W8Backend
+
+        sol = TritonA8W8Backend().default_solution(key, device)
+        if sol is not None:
+            return "triton", sol
+    return "torch", TorchA8W8Backend().torch_choice(key, device)
+
+
+def a8w8_blockscale(key, device: torch.device) -> tuple[str, Solution]:
+    device = torch.device(device)
+    if blockwise_ok(key, device):
+        return "torch", SCALED_MM_BLOCKWISE
+    if _triton_on_gpu(device, (device_facts.NVIDIA, device_facts.AMD)):
+        from .triton import TritonBlockscaleBackend
+
+        sol = TritonBlockscaleBackend().default_solution(key, device)
+        if sol is not None:
+            return "triton", sol
+    return "torch", DEQUANT
+
+
+POLICIES = {
+    "a8w8": a8w8,
+    "a8w8_bpreshuffle": a8w8,
+    "a8w8_blockscale": a8w8_blockscale,
+    "a8w8_blockscale_bpreshuffle": a8w8_blockscale,
+}
