@@ -44,15 +44,20 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _check_libtypes(libtypes) -> None:
+    if libtypes is not None and (isinstance(libtypes, str) or not all(isinstance(x, str) for x in libtypes)):
+        raise TypeError(
+            f"gemmtune.set_online_tuning: libtypes must be a list of backend names or None, got {libtypes!r}"
+        )
+
+
 class OnlineTuner:
     """Tunes missed keys into `path` (per family), within a time budget per key."""
 
     def __init__(self, path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"gemmtune.set_online_tuning: path must be a str or None, got {type(path).__name__}")
-        if libtypes is not None and (isinstance(libtypes, str) or not all(isinstance(x, str) for x in libtypes)):
-            raise TypeError(f"gemmtune.set_online_tuning: libtypes must be a list of backend names or None, "
-                            f"got {libtypes!r}")  # fmt: skip
+        _check_libtypes(libtypes)
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
             raise ValueError(f"gemmtune.set_online_tuning: budget_s must be a positive number of seconds, "
                              f"got {budget_s!r}")  # fmt: skip
@@ -138,6 +143,7 @@ def set_online_tuning(path: str | None, budget_s: float | None = None,
                       libtypes: list[str] | None = None) -> OnlineTuner | None:  # fmt: skip
     """Python API for GEMMTUNE_TUNE_ONLINE: tune keys no table answers at their first eager call into
     `path` (None: off, whatever the variable says); clears the runner caches."""
+    _check_libtypes(libtypes)
     tuner = OnlineTuner(path, DEFAULT_BUDGET_S if budget_s is None else budget_s, libtypes) if path else None
     get_dispatcher().set_miss_hook(tuner)
     return tuner
