@@ -6,31 +6,13 @@ from . import tuned_gemm
 from .configs import ConfigTable
 from .dispatch import get_dispatcher, resolve, set_capture, set_config, set_miss_hook_factory
 from .keys import GemmKey
-from .ops import (
-    batched_gemm,
-    batched_gemm_a8w8,
-    cutlass_gemm,
-    fused_moe,
-    gemm,
-    gemm_a8w8,
-    gemm_a8w8_blockscale,
-    gemm_a8w8_blockscale_bpreshuffle,
-    gemm_a8w8_bpreshuffle,
-    gemm_bias,
-    gemm_epilogue,
-    gemm_gelu,
-    gemm_relu,
-    grouped_gemm,
-    int8_gemm,
-    prepare_expert_weights,
-    prune_2_4,
-    softcap_attention,
-    sparse_gemm,
-)
+from .ops.registry import exports as _op_exports
 from .tuner.online import OnlineTuner, set_online_tuning
 
 # Online tuning is the dispatcher's miss hook, installed before any op runs: GEMMTUNE_TUNE_ONLINE needs no call.
 set_miss_hook_factory(OnlineTuner.from_env)
+
+globals().update(_op_exports())  # the public ops and helpers, as their modules declare them (ops/registry.py)
 
 __version__ = "0.1.0"
 
@@ -56,27 +38,8 @@ def __getattr__(name):
 __all__ = [
     "ConfigTable",
     "GemmKey",
-    "batched_gemm",
-    "batched_gemm_a8w8",
-    "cutlass_gemm",
-    "fused_moe",
-    "gemm",
-    "gemm_a8w8",
-    "gemm_a8w8_blockscale",
-    "gemm_a8w8_blockscale_bpreshuffle",
-    "gemm_a8w8_bpreshuffle",
-    "gemm_bias",
-    "gemm_epilogue",
-    "gemm_gelu",
-    "gemm_relu",
-    "grouped_gemm",
-    "int8_gemm",
-    "prune_2_4",
-    "softcap_attention",
-    "sparse_gemm",
     "get_dispatcher",
     "load_config",
-    "prepare_expert_weights",
     "resolve",
     "set_capture",
     "set_config",
@@ -86,4 +49,5 @@ __all__ = [
     "restore",
     "load_fp8_checkpoint",
     "profile",
+    *_op_exports(),
 ]

@@ -262,9 +262,11 @@ class Dispatcher:
         backend, sol = backends.default(fam.name, key, device)
         return Resolution(key, sol, row, self._runner(backend, sol, key, device, fam), note, fam)
 
-    def runner_for(self, key, device: torch.device, needs_grad: bool = False, family: str = A16W16) -> Runner:
+    def runner_for(self, key, device: torch.device, family: str = A16W16,
+                   autograd: Callable[[Runner], Runner] | None = None) -> Runner:  # fmt: skip
         """Resolve (tuning the key first when online tuning is on and no row answers it), then wrap for
-        autograd and capture as needed; called on a cache miss."""
+        autograd and capture as needed; called on a cache miss. `autograd` (from an op whose call needs
+        gradients) wraps a runner whose solution computes the forward only: any backend but torch's own ops."""
         res = self.resolve(key, device, family)
         hook = self.miss_hook()
         if hook is not None and res.row is None and backends.all_backends(family):
@@ -272,10 +274,8 @@ class Dispatcher:
                 res = self.resolve(key, device, family)
         (log.info if _log_enabled() else log.debug)("%s", res.describe())
         run = res.runner
-        if needs_grad and family == A16W16 and res.solution.libtype != DEFAULT_BACKEND:
-            from .ops.autograd import with_autograd
-
-            run = with_autograd(run)
+        if autograd is not None and res.solution.libtype != DEFAULT_BACKEND:  # a forward-only kernel
+            run = autograd(run)
         cap = self.capture(res.family)
         if cap is not None:
             cap.add_key(key)

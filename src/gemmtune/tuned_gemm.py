@@ -3,25 +3,19 @@
 Same argument names as aiter's `tuned_gemm.gemm_a16w16` so call sites move over unchanged. B is the
 weight in nn.Linear layout [N, K]. aiter's quantization scales are not supported here: pass them as
 None (a non-None scale is an error rather than a silently unscaled result). aiter's other GEMM entry
-points with the same names and arguments: gemm_bias, gemm_gelu, gemm_relu, cutlass_gemm (ops/epilogue.py)
-and sparse_gemm (ops/sparse.py).
+points with the same names and arguments (gemm_bias, gemm_gelu, gemm_relu, cutlass_gemm, the 8-bit ops,
+sparse_gemm) are the ops that declare those names (`aiter_names` in ops/registry.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .ops.epilogue import cutlass_gemm, gemm_bias, gemm_gelu, gemm_relu
-from .ops.gemm import gemm
-from .ops.quantized import (  # noqa: F401 - aiter's 8-bit op names, re-exported
-    gemm_a8w8,
-    gemm_a8w8_blockscale,
-    gemm_a8w8_blockscale_bpreshuffle,
-    gemm_a8w8_bpreshuffle,
-    int8_gemm,
-)
-from .ops.sparse import sparse_gemm
-from .quant.shuffle import shuffle_weight  # noqa: F401
+from .ops import gemm
+from .ops.registry import aiter_exports as _aiter_exports
+from .quant.shuffle import shuffle_weight as shuffle_weight  # aiter has it beside the 8-bit ops
+
+globals().update(_aiter_exports())
 
 
 def gemm_a16w16(
@@ -38,17 +32,4 @@ def gemm_a16w16(
     return gemm(A, B, bias, otype)
 
 
-__all__ = [
-    "cutlass_gemm",
-    "gemm_a16w16",
-    "gemm_a8w8",
-    "gemm_a8w8_blockscale",
-    "gemm_a8w8_blockscale_bpreshuffle",
-    "gemm_a8w8_bpreshuffle",
-    "gemm_bias",
-    "gemm_gelu",
-    "gemm_relu",
-    "int8_gemm",
-    "shuffle_weight",
-    "sparse_gemm",
-]
+__all__ = sorted([*_aiter_exports(), "gemm_a16w16", "shuffle_weight"])

@@ -1,40 +1,15 @@
-"""Public GEMM ops, one module per family (and the softcapped attention op)."""
+"""Public GEMM ops, one module per family (and the softcapped attention op).
 
-from .attention import softcap_attention
-from .batched import batched_gemm
-from .batched_a8w8 import batched_gemm_a8w8
-from .epilogue import cutlass_gemm, gemm_bias, gemm_epilogue, gemm_gelu, gemm_relu
-from .gemm import gemm, key_of, validate
-from .moe import fused_moe, grouped_gemm, prepare_expert_weights
-from .quantized import (
-    gemm_a8w8,
-    gemm_a8w8_blockscale,
-    gemm_a8w8_blockscale_bpreshuffle,
-    gemm_a8w8_bpreshuffle,
-    int8_gemm,
-)
-from .sparse import prune_2_4, sparse_gemm
+Each op module declares its public functions in ops/registry.py as it is imported (ops/hot_path.py's
+public_op, spelling_of, public_helper); this package exports what they declared. A new op module joins
+by its name in the import line below.
+"""
 
-__all__ = [
-    "batched_gemm",
-    "batched_gemm_a8w8",
-    "cutlass_gemm",
-    "fused_moe",
-    "gemm",
-    "gemm_a8w8",
-    "gemm_a8w8_blockscale",
-    "gemm_a8w8_blockscale_bpreshuffle",
-    "gemm_a8w8_bpreshuffle",
-    "gemm_bias",
-    "gemm_epilogue",
-    "gemm_gelu",
-    "gemm_relu",
-    "grouped_gemm",
-    "int8_gemm",
-    "key_of",
-    "prepare_expert_weights",
-    "prune_2_4",
-    "softcap_attention",
-    "sparse_gemm",
-    "validate",
-]
+from . import attention, batched, batched_a8w8, epilogue, gemm, moe, quantized, sparse  # noqa: F401 - they declare
+from .registry import exports as _exports
+
+# gemm's key and validation, kept under the package for the callers of gemmtune.ops.key_of / validate
+key_of, validate = gemm.key_of, gemm.validate
+globals().update(_exports())  # gemmtune.ops.gemm is the op, as gemmtune.gemm is
+
+__all__ = sorted([*_exports(), "key_of", "validate"])

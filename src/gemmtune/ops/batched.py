@@ -13,12 +13,11 @@ import torch
 
 from ..dispatch import get_dispatcher
 from ..families.batched import BatchedKey
+from .hot_path import public_op
 
 FAMILY = "batched"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _dispatcher = get_dispatcher()
-_runners = _dispatcher.cache(FAMILY)  # cleared in place by the dispatcher, never rebound
-_is_compiling = torch.compiler.is_compiling
 
 
 def _error(msg: str, a, b) -> ValueError:
@@ -61,53 +60,27 @@ def key_of(a, b, transpose_a: bool, transpose_b: bool, out_dtype) -> BatchedKey:
     return BatchedKey(B, M, N, K, a.dtype, out_dtype or a.dtype, bool(transpose_a), bool(transpose_b))
 
 
-def _miss(sig, a, b, transpose_a, transpose_b, out_dtype):
-    validate(a, b, transpose_a, transpose_b, out_dtype)
+def _signature(a, b, transpose_a, transpose_b, out_dtype) -> tuple:
+    return (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, transpose_a, transpose_b, out_dtype)
+
+
+def _bind(a, b, transpose_a, transpose_b, out_dtype):
     key = key_of(a, b, transpose_a, transpose_b, out_dtype)
     if 0 in (key.B, key.M, key.N):
-        run = _empty_runner(key)
-    elif key.K == 0:
-        run = _zeros_runner(key)
-    else:
-        run = _dispatcher.runner_for(key, a.device, family=FAMILY)
-    _runners[sig] = run
-    return run
+        return lambda a, b: a.new_empty((key.B, key.M, key.N), dtype=key.outdtype)
+    if key.K == 0:
+        return lambda a, b: a.new_zeros((key.B, key.M, key.N), dtype=key.outdtype)
+    run = _dispatcher.runner_for(key, a.device, family=FAMILY)
+    if not (transpose_a or transpose_b):
+        return run
+
+    def call(a, b):  # runners take the logical (B, M, K) and (B, K, N) views
+        return run(a.transpose(-1, -2) if transpose_a else a, b.transpose(-1, -2) if transpose_b else b)
+
+    return call
 
 
-def _empty_runner(key: BatchedKey):
-    return lambda a, b: a.new_empty((key.B, key.M, key.N), dtype=key.outdtype)
-
-
-def _zeros_runner(key: BatchedKey):
-    return lambda a, b: a.new_zeros((key.B, key.M, key.N), dtype=key.outdtype)
-
-
-def batched_gemm(a: torch.Tensor, b: torch.Tensor, transpose_a: bool = False, transpose_b: bool = False,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
-    """(B, M, N) = op(a) @ op(b) per batch, in `out_dtype` (default a's dtype); the tuned solution for
-    this (B, M, N, K, dtype, layout), else torch.bmm. Same result as torch.bmm within the dtype's tolerance."""
-    if _is_compiling():
-        return torch.ops.gemmtune.batched_gemm(a, b, transpose_a, transpose_b, out_dtype)
-    try:
-        sig = (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, transpose_a, transpose_b, out_dtype)
-    except AttributeError:  # a non-tensor argument: validate names it
-        validate(a, b, transpose_a, transpose_b, out_dtype)
-        raise
-    run = _runners.get(sig)
-    if run is None:
-        run = _miss(sig, a, b, transpose_a, transpose_b, out_dtype)
-    return run(a.transpose(-1, -2) if transpose_a else a, b.transpose(-1, -2) if transpose_b else b)
-
-
-@torch.library.custom_op("gemmtune::batched_gemm", mutates_args=())
-def _batched_op(a: torch.Tensor, b: torch.Tensor, transpose_a: bool, transpose_b: bool,
-                out_dtype: torch.dtype | None) -> torch.Tensor:  # fmt: skip
-    with torch.no_grad():
-        return batched_gemm(a, b, transpose_a, transpose_b, out_dtype)
-
-
-@_batched_op.register_fake
-def _batched_fake(a, b, transpose_a, transpose_b, out_dtype):
+def _fake(a, b, transpose_a, transpose_b, out_dtype):
     validate(a, b, transpose_a, transpose_b, out_dtype)
     key = key_of(a, b, transpose_a, transpose_b, out_dtype)
     return a.new_empty((key.B, key.M, key.N), dtype=key.outdtype)
@@ -130,4 +103,9 @@ def _backward(ctx, grad):
     return (ga.transpose(-1, -2) if ta else ga), (gb.transpose(-1, -2) if tb else gb), None, None, None
 
 
-_batched_op.register_autograd(_backward, setup_context=_setup_context)
+@public_op(family=FAMILY, signature=_signature, validate=validate, bind=_bind, call=("a", "b"), fake=_fake,
+           autograd=(_backward, _setup_context))  # fmt: skip
+def batched_gemm(a: torch.Tensor, b: torch.Tensor, transpose_a: bool = False, transpose_b: bool = False,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """(B, M, N) = op(a) @ op(b) per batch, in `out_dtype` (default a's dtype); the tuned solution for
+    this (B, M, N, K, dtype, layout), else torch.bmm. Same result as torch.bmm within the dtype's tolerance."""

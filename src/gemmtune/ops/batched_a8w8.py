@@ -15,13 +15,12 @@ import torch
 from ..dispatch import get_dispatcher
 from ..families.quantized import BatchedQuantKey
 from ..quant import formats
+from .hot_path import public_op
 
 FAMILY = "batched_a8w8"
 OP = "gemmtune.batched_gemm_a8w8"
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 _dispatcher = get_dispatcher()
-_runners = _dispatcher.cache(FAMILY)
-_is_compiling = torch.compiler.is_compiling
 
 
 def _q_dtypes() -> tuple:
@@ -56,51 +55,37 @@ def validate(XQ, WQ, x_scale, w_scale, dtype) -> BatchedQuantKey:
     return BatchedQuantKey(B, M, N, K, XQ.dtype, dtype)
 
 
-def _miss(sig, XQ, WQ, x_scale, w_scale, dtype):
+def _signature(XQ, WQ, x_scale, w_scale, dtype) -> tuple:
+    return (XQ.shape, WQ.shape, x_scale.shape, w_scale.shape, XQ.dtype, WQ.dtype, XQ.device, dtype)
+
+
+def _bind(XQ, WQ, x_scale, w_scale, dtype):
     key = validate(XQ, WQ, x_scale, w_scale, dtype)
     B, M, N, K = key.B, key.M, key.N, key.K
     if 0 in (B, M, N):
-        run = lambda *a: XQ.new_empty((B, M, N), dtype=dtype)  # noqa: E731
-    elif K == 0:
-        run = lambda *a: XQ.new_zeros((B, M, N), dtype=dtype)  # noqa: E731
-    else:
-        inner = _dispatcher.runner_for(key, XQ.device, family=FAMILY)
+        return lambda XQ, *rest: XQ.new_empty((B, M, N), dtype=dtype)
+    if K == 0:
+        return lambda XQ, *rest: XQ.new_zeros((B, M, N), dtype=dtype)
+    inner = _dispatcher.runner_for(key, XQ.device, family=FAMILY)
 
-        def run(XQ, WQ, x_scale, w_scale):
-            xs = x_scale.reshape(B, M, 1).to(torch.float32)
-            ws = w_scale.reshape(B, 1, N).to(torch.float32)
-            # Kernels need unit stride along K; the copy happens only for other layouts.
-            return inner(XQ if XQ.stride(-1) == 1 else XQ.contiguous(), WQ if WQ.stride(-1) == 1 else WQ.contiguous(),
-                         xs, ws)  # fmt: skip
+    def run(XQ, WQ, x_scale, w_scale):
+        xs = x_scale.reshape(B, M, 1).to(torch.float32)
+        ws = w_scale.reshape(B, 1, N).to(torch.float32)
+        # Kernels need unit stride along K; the copy happens only for other layouts.
+        return inner(XQ if XQ.stride(-1) == 1 else XQ.contiguous(), WQ if WQ.stride(-1) == 1 else WQ.contiguous(),
+                     xs, ws)  # fmt: skip
 
-    _runners[sig] = run
     return run
 
 
+def _fake(XQ, WQ, x_scale, w_scale, dtype):
+    key = validate(XQ, WQ, x_scale, w_scale, dtype)
+    return XQ.new_empty((key.B, key.M, key.N), dtype=dtype)
+
+
+@public_op(family=FAMILY, signature=_signature, validate=validate, bind=_bind, call=("XQ", "WQ", "x_scale", "w_scale"),
+           fake=_fake)  # fmt: skip
 def batched_gemm_a8w8(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """[B, M, N] = (XQ @ WQ^T) * x_scale * w_scale per batch, in `dtype`: the tuned solution for this
     (B, M, N, K, dtype), else dequantize + torch.bmm."""
-    if _is_compiling():
-        return torch.ops.gemmtune.batched_gemm_a8w8(XQ, WQ, x_scale, w_scale, dtype)
-    try:
-        sig = (XQ.shape, WQ.shape, x_scale.shape, w_scale.shape, XQ.dtype, WQ.dtype, XQ.device, dtype)
-    except AttributeError:  # a non-tensor argument: validate names it
-        validate(XQ, WQ, x_scale, w_scale, dtype)
-        raise
-    run = _runners.get(sig)
-    if run is None:
-        run = _miss(sig, XQ, WQ, x_scale, w_scale, dtype)
-    return run(XQ, WQ, x_scale, w_scale)
-
-
-@torch.library.custom_op("gemmtune::batched_gemm_a8w8", mutates_args=())
-def _op(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-        dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    return batched_gemm_a8w8(XQ, WQ, x_scale, w_scale, dtype)
-
-
-@_op.register_fake
-def _fake(XQ, WQ, x_scale, w_scale, dtype):
-    key = validate(XQ, WQ, x_scale, w_scale, dtype)
-    return XQ.new_empty((key.B, key.M, key.N), dtype=dtype)

@@ -25,12 +25,11 @@ import torch
 from ..backends.epilogue.pytorch import UNFUSED, TorchEpilogueBackend
 from ..dispatch import get_dispatcher
 from ..families.epilogue import ACTS, EpilogueKey, apply_act, expand_c
+from .hot_path import public_op, spelling_of
 
 FAMILY = "epilogue"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _dispatcher = get_dispatcher()
-_calls = _dispatcher.cache(FAMILY)  # cleared in place by the dispatcher, never rebound
-_is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -156,7 +155,7 @@ def composite(x, w, bias, c, act: str, alpha: float, beta: float, out_dtype, w_l
     return y.to(out_dtype) if out_dtype is not None else y
 
 
-def _bind(run, key: EpilogueKey, out_shape: tuple):
+def _bind_views(run, key: EpilogueKey, out_shape: tuple):
     """The cached call: views in, the runner's (M, N) result viewed as the output shape."""
     M, N, K, kind, use_c, transpose = key.M, key.N, key.K, key.c, key.beta, key.w_layout == "kn"
 
@@ -174,98 +173,40 @@ def _bind(run, key: EpilogueKey, out_shape: tuple):
     return call
 
 
-def _miss(sig, x, w, bias, c, act, alpha, beta, out_dtype, w_layout):
-    validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
-    if sig[-1]:  # gradients needed: torch's own ops, differentiable as they are
-
-        def call(x, w, bias, c, alpha, beta):
-            return composite(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
-
-    else:
-        key = key_of(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
-        if 0 in (key.M, key.N, key.K):  # nothing to tune: the plain path handles empty sizes
-            run = TorchEpilogueBackend().make_runner(UNFUSED, key, x.device)
-        else:
-            run = _dispatcher.runner_for(key, x.device, family=FAMILY)
-        call = _bind(run, key, (*x.shape[:-1], key.N))
-    _calls[sig] = call
-    return call
-
-
 def _meta(t):
     return None if t is None else (t.shape, t.dtype, t.device)
 
 
-def gemm_epilogue(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str = "none",
-    alpha: float = 1.0,
-    beta: float = 0.0,
-    c: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    w_layout: str = "nk",
-) -> torch.Tensor:
-    """y[..., N] = act(alpha * x[..., K] @ W + beta * c + bias) with W = w^T for w [N, K] (w_layout
-    "nk", nn.Linear) or W = w for w [K, N] ("kn"); act one of none, relu, gelu, gelu_tanh. Runs the
-    tuned solution for this key, else the unfused torch path; the same result within the dtype's
-    tolerance."""
-    if _is_compiling():
-        return torch.ops.gemmtune.gemm_epilogue(x, w, bias, c, act, float(alpha), float(beta), out_dtype, w_layout)
-    try:
-        sig = (
-            x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, _meta(bias), _meta(c), act, alpha != 1, beta != 0,
-            out_dtype, w_layout,
-            _grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
-                                 or (c is not None and c.requires_grad)),
-        )  # fmt: skip
-    except AttributeError:  # a non-tensor argument: validate names it
-        validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
-        raise
-    call = _calls.get(sig)
-    if call is None:
-        call = _miss(sig, x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
-    return call(x, w, bias, c, alpha, beta)
+def _signature(x, w, bias, act, alpha, beta, c, out_dtype, w_layout) -> tuple:
+    # alpha and beta count only as whether they apply: the cached call takes their values.
+    return (
+        x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, _meta(bias), _meta(c), act, alpha != 1, beta != 0,
+        out_dtype, w_layout,
+        _grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
+                             or (c is not None and c.requires_grad)),
+    )  # fmt: skip
 
 
-# ---- aiter's spellings --------------------------------------------------------------------------
-def gemm_bias(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transpose_weight: bool = True):
-    """input @ weight^T + bias with weight [N, K] (transpose_weight=True, nn.Linear), or input @ weight
-    + bias with weight [K, N] (transpose_weight=False)."""
-    return gemm_epilogue(input, weight, bias, w_layout="nk" if transpose_weight else "kn")
+def _validate(x, w, bias, act, alpha, beta, c, out_dtype, w_layout) -> None:
+    validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
 
 
-def gemm_gelu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none"):
-    """gelu(input @ weight^T + bias), weight [N, K]; approximate "none" (erf) or "tanh" as F.gelu."""
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"gemmtune.gemm_gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return gemm_epilogue(input, weight, bias, act="gelu" if approximate == "none" else "gelu_tanh")
+def _bind(x, w, bias, act, alpha, beta, c, out_dtype, w_layout):
+    if _signature(x, w, bias, act, alpha, beta, c, out_dtype, w_layout)[-1]:  # gradients: torch's own ops
+
+        def call(x, w, bias, c, alpha, beta):
+            return composite(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
+
+        return call
+    key = key_of(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
+    if 0 in (key.M, key.N, key.K):  # nothing to tune: the plain path handles empty sizes
+        run = TorchEpilogueBackend().make_runner(UNFUSED, key, x.device)
+    else:
+        run = _dispatcher.runner_for(key, x.device, family=FAMILY)
+    return _bind_views(run, key, (*x.shape[:-1], key.N))
 
 
-def gemm_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """relu(input @ weight^T + bias), weight [N, K]."""
-    return gemm_epilogue(input, weight, bias, act="relu")
-
-
-def cutlass_gemm(
-    a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, beta: float = 0.0, c: torch.Tensor | None = None
-):
-    """alpha * a @ b + beta * c with a [..., K], b [K, N] (c broadcast over the output as torch.addmm)."""
-    return gemm_epilogue(a, b, None, alpha=alpha, beta=beta, c=c, w_layout="kn")
-
-
-# ---- the custom op (torch.compile, export) -----------------------------------------------------
-@torch.library.custom_op("gemmtune::gemm_epilogue", mutates_args=())
-def _epilogue_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor | None, act: str,
-                 alpha: float, beta: float, out_dtype: torch.dtype | None, w_layout: str) -> torch.Tensor:  # fmt: skip
-    with torch.no_grad():  # autograd for the op is registered below
-        return gemm_epilogue(x, w, bias, act=act, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype, w_layout=w_layout)
-
-
-@_epilogue_op.register_fake
-def _epilogue_fake(x, w, bias, c, act, alpha, beta, out_dtype, w_layout):
+def _fake(x, w, bias, c, act, alpha, beta, out_dtype, w_layout):
     validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
     N = w.shape[0] if w_layout == "nk" else w.shape[1]
     return x.new_empty((*x.shape[:-1], N), dtype=out_dtype or x.dtype)
@@ -290,4 +231,54 @@ def _backward(ctx, grad):
     return (*out, None, None, None, None, None)
 
 
-_epilogue_op.register_autograd(_backward, setup_context=_setup_context)
+@public_op(
+    family=FAMILY, signature=_signature, validate=_validate, bind=_bind, call=("x", "w", "bias", "c", "alpha", "beta"),
+    op_params=("x", "w", "bias", "c", "act", "alpha", "beta", "out_dtype", "w_layout"), fake=_fake,
+    autograd=(_backward, _setup_context),
+)  # fmt: skip
+def gemm_epilogue(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str = "none",
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    c: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    w_layout: str = "nk",
+) -> torch.Tensor:
+    """y[..., N] = act(alpha * x[..., K] @ W + beta * c + bias) with W = w^T for w [N, K] (w_layout
+    "nk", nn.Linear) or W = w for w [K, N] ("kn"); act one of none, relu, gelu, gelu_tanh. Runs the
+    tuned solution for this key, else the unfused torch path; the same result within the dtype's
+    tolerance."""
+
+
+# ---- aiter's spellings --------------------------------------------------------------------------
+@spelling_of(gemm_epilogue, aiter_names=("gemm_bias",))
+def gemm_bias(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transpose_weight: bool = True):
+    """input @ weight^T + bias with weight [N, K] (transpose_weight=True, nn.Linear), or input @ weight
+    + bias with weight [K, N] (transpose_weight=False)."""
+    return gemm_epilogue(input, weight, bias, w_layout="nk" if transpose_weight else "kn")
+
+
+@spelling_of(gemm_epilogue, aiter_names=("gemm_gelu",))
+def gemm_gelu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none"):
+    """gelu(input @ weight^T + bias), weight [N, K]; approximate "none" (erf) or "tanh" as F.gelu."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gemmtune.gemm_gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return gemm_epilogue(input, weight, bias, act="gelu" if approximate == "none" else "gelu_tanh")
+
+
+@spelling_of(gemm_epilogue, aiter_names=("gemm_relu",))
+def gemm_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """relu(input @ weight^T + bias), weight [N, K]."""
+    return gemm_epilogue(input, weight, bias, act="relu")
+
+
+@spelling_of(gemm_epilogue, aiter_names=("cutlass_gemm",))
+def cutlass_gemm(
+    a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, beta: float = 0.0, c: torch.Tensor | None = None
+):
+    """alpha * a @ b + beta * c with a [..., K], b [K, N] (c broadcast over the output as torch.addmm)."""
+    return gemm_epilogue(a, b, None, alpha=alpha, beta=beta, c=c, w_layout="kn")

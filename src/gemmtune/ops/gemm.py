@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import get_dispatcher
+from ..dispatch import A16W16, get_dispatcher
 from ..keys import GemmKey
-from .autograd import linear_backward
+from .autograd import linear_backward, with_autograd
+from .hot_path import public_op
 
 # The dtypes every backend computes, in and out (float64, fp8 and integer GEMMs are not gemm's job).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _dispatcher = get_dispatcher()
-_runners = _dispatcher.runners  # cleared in place by the dispatcher, never rebound
-_is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -66,49 +65,23 @@ def key_of(x, w, bias, out_dtype) -> GemmKey:
     return GemmKey(M, w.shape[0], K, bias is not None, x.dtype, out_dtype or x.dtype)
 
 
-def _miss(sig, x, w, bias, out_dtype):
-    validate(x, w, bias, out_dtype)
-    needs_grad = sig[-1]
-    run = _dispatcher.runner_for(key_of(x, w, bias, out_dtype), x.device, needs_grad)
-    _runners[sig] = run
-    return run
+def _signature(x, w, bias, out_dtype) -> tuple:
+    # Everything validate() checks, and whether the call needs gradients (then the runner has autograd).
+    return (
+        x.shape, w.shape, x.dtype, w.dtype, x.device, w.device,
+        None if bias is None else (bias.shape, bias.dtype, bias.device), out_dtype,
+        _grad_enabled() and (w.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)),
+    )  # fmt: skip
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
-    """y[..., N] = x[..., K] @ w[N, K]^T (+ bias), in `out_dtype` (default x's dtype).
-
-    Runs the solution the config table recorded for this (M, N, K, dtype, bias), else the vendor
-    default. Same result as F.linear within the dtype's tolerance.
-    """
-    if _is_compiling():
-        return torch.ops.gemmtune.gemm(x, w, bias, out_dtype)
-    # The signature is the validation memo: everything validate() checks is in it.
-    try:
-        sig = (
-            x.shape, w.shape, x.dtype, w.dtype, x.device, w.device,
-            None if bias is None else (bias.shape, bias.dtype, bias.device), out_dtype,
-            _grad_enabled() and (w.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)),
-        )  # fmt: skip
-    except AttributeError:  # a non-tensor argument: validate names it
-        validate(x, w, bias, out_dtype)
-        raise
-    run = _runners.get(sig)
-    if run is None:
-        run = _miss(sig, x, w, bias, out_dtype)
-    return run(x, w, bias)
+def _bind(x, w, bias, out_dtype):
+    wants_grad = _signature(x, w, bias, out_dtype)[-1]
+    return _dispatcher.runner_for(
+        key_of(x, w, bias, out_dtype), x.device, autograd=with_autograd if wants_grad else None
+    )
 
 
-# ---- the custom op (torch.compile, export) -----------------------------------------------------
-@torch.library.custom_op("gemmtune::gemm", mutates_args=())
-def _gemm_op(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
-) -> torch.Tensor:
-    with torch.no_grad():  # autograd for the op is registered below, not taken from the runner
-        return gemm(x, w, bias, out_dtype)
-
-
-@_gemm_op.register_fake
-def _gemm_fake(x, w, bias, out_dtype):
+def _fake(x, w, bias, out_dtype):
     validate(x, w, bias, out_dtype)
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype or x.dtype)
 
@@ -125,4 +98,11 @@ def _backward(ctx, grad):
     return gx, gw, gb, None
 
 
-_gemm_op.register_autograd(_backward, setup_context=_setup_context)
+@public_op(family=A16W16, signature=_signature, validate=validate, bind=_bind, call=("x", "w", "bias"), fake=_fake,
+           autograd=(_backward, _setup_context))  # fmt: skip
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """y[..., N] = x[..., K] @ w[N, K]^T (+ bias), in `out_dtype` (default x's dtype).
+
+    Runs the solution the config table recorded for this (M, N, K, dtype, bias), else the vendor
+    default. Same result as F.linear within the dtype's tolerance.
+    """

@@ -179,8 +179,8 @@ def _fused_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, dowei
 @public_op(
     family=FAMILY, signature=_fused_signature, validate=_fused_validate, bind=_fused_bind, fake=_fused_fake,
     call=("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "expert_map", "check_ids"),
-    op_params=("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation", "doweight_stage1", "expert_map",
-               "num_shared_experts"),
+    op_params=("hidden=hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation", "doweight_stage1",
+               "expert_map", "num_shared_experts"),
     op_fixed={"check_ids": False},  # the check syncs with the host: never inside a compiled graph
 )  # fmt: skip
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -337,7 +337,7 @@ def _grouped_fake(input, weights, expert_ids, topk, weights_transposed):
 @public_op(
     family=FAMILY, cache="fmoe.grouped_gemm", signature=_grouped_signature, validate=_grouped_validate,
     bind=_grouped_bind, fake=_grouped_fake, call=("input", "weights", "expert_ids", "check_ids"),
-    op_params=("input", "weights", "expert_ids", "topk", "weights_transposed"), op_fixed={"check_ids": False},
+    op_params=("x=input", "w=weights", "ids=expert_ids", "topk", "weights_transposed"), op_fixed={"check_ids": False},
 )  # fmt: skip
 def grouped_gemm(input: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, topk: int | None = None, *,
                  weights_transposed: bool = False, check_ids: bool | None = None) -> torch.Tensor:  # fmt: skip

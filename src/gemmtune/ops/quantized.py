@@ -24,10 +24,10 @@ from ..dispatch import get_dispatcher
 from ..families.quantized import BlockKey, QuantKey
 from ..quant.formats import BLOCK, QUANT_DTYPES, SCALE_DTYPE
 from ..quant.shuffle import is_shuffled
+from .hot_path import public_op, spelling_of
 
 _OUT = (torch.float16, torch.bfloat16, torch.float32)
 _dispatcher = get_dispatcher()
-_is_compiling = torch.compiler.is_compiling
 
 
 def _d(t) -> str:
@@ -166,52 +166,83 @@ def _zeros_call(shape, dtype):
     return lambda XQ, *rest: XQ.new_zeros(shape, dtype=dtype)
 
 
-# ---- gemm_a8w8 --------------------------------------------------------------------------------------
-def _a8w8_miss(family, op, cache, sig, XQ, WQ, x_scale, w_scale, bias, dtype):
-    key = validate_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype, op)
-    if family == "a8w8_bpreshuffle":
-        _check_shuffled(op, WQ)
-    shape = (*XQ.shape[:-1], key.N)
-    if key.M == 0 or key.N == 0:
-        call = _empty_call(shape, dtype)
-    elif key.K == 0:
-        call = _zeros_call(shape, dtype)
-    else:
-        run = _dispatcher.runner_for(key, XQ.device, family=family)
-        call = _a8w8_call(run, key, tuple(XQ.shape), _is_canonical_a8w8(XQ, WQ, x_scale, w_scale, bias, key))
-    cache[sig] = call
-    return call
-
-
-def _sig(XQ, WQ, x_scale, w_scale, bias, dtype, op="gemm_a8w8"):
-    if not all(isinstance(t, torch.Tensor) for t in (XQ, WQ, x_scale, w_scale)) or not (
-        bias is None or isinstance(bias, torch.Tensor)
-    ):
-        _check_common(op, XQ, WQ, x_scale, w_scale, bias, dtype)  # raises the TypeError
+# ---- the hot path's pieces, per op ----------------------------------------------------------------
+def _a8w8_signature(XQ, WQ, x_scale, w_scale, bias, dtype) -> tuple:
     b = None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride())
     return (XQ.shape, WQ.shape, x_scale.shape, w_scale.shape, XQ.dtype, WQ.dtype, x_scale.dtype, w_scale.dtype,
             XQ.device, WQ.device, x_scale.device, w_scale.device, XQ.stride(), WQ.stride(), x_scale.stride(),
             w_scale.stride(), b, dtype)  # fmt: skip
 
 
-_a8w8_cache = _dispatcher.cache("a8w8")
-_a8w8_bps_cache = _dispatcher.cache("a8w8_bpreshuffle")
-_block_cache = _dispatcher.cache("a8w8_blockscale")
-_block_bps_cache = _dispatcher.cache("a8w8_blockscale_bpreshuffle")
+def _block_signature(XQ, WQ, x_scale, w_scale, dtype) -> tuple:
+    return (XQ.shape, WQ.shape, x_scale.shape, w_scale.shape, XQ.dtype, WQ.dtype, x_scale.dtype, w_scale.dtype,
+            XQ.device, WQ.device, x_scale.device, w_scale.device, XQ.stride(), WQ.stride(), x_scale.stride(),
+            w_scale.stride(), dtype)  # fmt: skip
 
 
+def _a8w8_pieces(family: str, op: str) -> dict:
+    """validate, bind and fake of gemm_a8w8 (family a8w8) or gemm_a8w8_bpreshuffle (a8w8_bpreshuffle)."""
+    shuffled = family == "a8w8_bpreshuffle"
+
+    def validate(XQ, WQ, x_scale, w_scale, bias, dtype):
+        validate_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype, op)
+        if shuffled:
+            _check_shuffled(op, WQ)
+
+    def bind(XQ, WQ, x_scale, w_scale, bias, dtype):
+        key = validate_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype, op)
+        shape = (*XQ.shape[:-1], key.N)
+        if key.M == 0 or key.N == 0:
+            return _empty_call(shape, dtype)
+        if key.K == 0:
+            return _zeros_call(shape, dtype)
+        run = _dispatcher.runner_for(key, XQ.device, family=family)
+        return _a8w8_call(run, key, tuple(XQ.shape), _is_canonical_a8w8(XQ, WQ, x_scale, w_scale, bias, key))
+
+    def fake(XQ, WQ, x_scale, w_scale, bias, dtype):
+        key = validate_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype, op)
+        return XQ.new_empty((*XQ.shape[:-1], key.N), dtype=dtype)
+
+    return dict(family=family, signature=_a8w8_signature, validate=validate, bind=bind, fake=fake,
+                call=("XQ", "WQ", "x_scale", "w_scale", "bias"), aiter_names=(op,))  # fmt: skip
+
+
+def _block_pieces(family: str, op: str) -> dict:
+    """validate, bind and fake of gemm_a8w8_blockscale (and its bpreshuffle twin)."""
+    shuffled = family == "a8w8_blockscale_bpreshuffle"
+
+    def validate(XQ, WQ, x_scale, w_scale, dtype):
+        validate_blockscale(XQ, WQ, x_scale, w_scale, dtype, op)
+        if shuffled:
+            _check_shuffled(op, WQ)
+
+    def bind(XQ, WQ, x_scale, w_scale, dtype):
+        key = validate_blockscale(XQ, WQ, x_scale, w_scale, dtype, op)
+        shape = (*XQ.shape[:-1], key.N)
+        if key.M == 0 or key.N == 0:
+            return _empty_call(shape, dtype)
+        if key.K == 0:  # an empty sum, as gemm_a8w8 and torch.mm answer it
+            return _zeros_call(shape, dtype)
+        run = _dispatcher.runner_for(key, XQ.device, family=family)
+        canonical = XQ.dim() == 2 and XQ.is_contiguous() and WQ.stride(1) == 1
+        return _block_call(run, key, tuple(XQ.shape), canonical)
+
+    def fake(XQ, WQ, x_scale, w_scale, dtype):
+        key = validate_blockscale(XQ, WQ, x_scale, w_scale, dtype, op)
+        return XQ.new_empty((*XQ.shape[:-1], key.N), dtype=dtype)
+
+    return dict(family=family, signature=_block_signature, validate=validate, bind=bind, fake=fake,
+                call=("XQ", "WQ", "x_scale", "w_scale"), aiter_names=(op,))  # fmt: skip
+
+
+# ---- the ops ----------------------------------------------------------------------------------------
+@public_op(**_a8w8_pieces("a8w8", "gemm_a8w8"))
 def gemm_a8w8(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """y[..., N] = (XQ[..., K] @ WQ[N, K]^T) * x_scale * w_scale (+ bias), in `dtype`."""
-    if _is_compiling():
-        return torch.ops.gemmtune.gemm_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype)
-    sig = _sig(XQ, WQ, x_scale, w_scale, bias, dtype)
-    call = _a8w8_cache.get(sig)
-    if call is None:
-        call = _a8w8_miss("a8w8", "gemm_a8w8", _a8w8_cache, sig, XQ, WQ, x_scale, w_scale, bias, dtype)
-    return call(XQ, WQ, x_scale, w_scale, bias)
 
 
+@public_op(**_a8w8_pieces("a8w8_bpreshuffle", "gemm_a8w8_bpreshuffle"))
 def gemm_a8w8_bpreshuffle(
     XQ: torch.Tensor,
     WQ: torch.Tensor,
@@ -221,16 +252,9 @@ def gemm_a8w8_bpreshuffle(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """gemm_a8w8 with WQ from shuffle_weight (its own tuned table, a8w8_bpreshuffle)."""
-    if _is_compiling():
-        return torch.ops.gemmtune.gemm_a8w8_bpreshuffle(XQ, WQ, x_scale, w_scale, bias, dtype)
-    sig = _sig(XQ, WQ, x_scale, w_scale, bias, dtype, "gemm_a8w8_bpreshuffle")
-    call = _a8w8_bps_cache.get(sig)
-    if call is None:
-        call = _a8w8_miss("a8w8_bpreshuffle", "gemm_a8w8_bpreshuffle", _a8w8_bps_cache, sig, XQ, WQ, x_scale,
-                          w_scale, bias, dtype)  # fmt: skip
-    return call(XQ, WQ, x_scale, w_scale, bias)
 
 
+@spelling_of(gemm_a8w8, aiter_names=("int8_gemm",))
 def int8_gemm(input: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor, weight_scale: torch.Tensor,
               output_dtype: torch.dtype = torch.float16) -> torch.Tensor:  # fmt: skip
     """int8 x int8 -> output_dtype with per-token/per-tensor input and per-channel/per-tensor weight scales."""
@@ -240,37 +264,13 @@ def int8_gemm(input: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tens
     return gemm_a8w8(input, weight, input_scale, weight_scale, None, output_dtype)
 
 
-# ---- block-scale ------------------------------------------------------------------------------------
-def _block_miss(family, op, cache, sig, XQ, WQ, x_scale, w_scale, dtype):
-    key = validate_blockscale(XQ, WQ, x_scale, w_scale, dtype, op)
-    if family == "a8w8_blockscale_bpreshuffle":
-        _check_shuffled(op, WQ)
-    shape = (*XQ.shape[:-1], key.N)
-    if key.M == 0 or key.N == 0:
-        call = _empty_call(shape, dtype)
-    elif key.K == 0:  # an empty sum, as gemm_a8w8 and torch.mm answer it
-        call = _zeros_call(shape, dtype)
-    else:
-        run = _dispatcher.runner_for(key, XQ.device, family=family)
-        canonical = XQ.dim() == 2 and XQ.is_contiguous() and WQ.stride(1) == 1
-        call = _block_call(run, key, tuple(XQ.shape), canonical)
-    cache[sig] = call
-    return call
-
-
+@public_op(**_block_pieces("a8w8_blockscale", "gemm_a8w8_blockscale"))
 def gemm_a8w8_blockscale(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """y[..., N] = sum over 128-wide K groups g of (XQ[:, g] @ WQ[:, g]^T) * x_scale[m, g] * w_scale[n // 128, g]."""
-    if _is_compiling():
-        return torch.ops.gemmtune.gemm_a8w8_blockscale(XQ, WQ, x_scale, w_scale, dtype)
-    sig = _sig(XQ, WQ, x_scale, w_scale, None, dtype, "gemm_a8w8_blockscale")
-    call = _block_cache.get(sig)
-    if call is None:
-        call = _block_miss("a8w8_blockscale", "gemm_a8w8_blockscale", _block_cache, sig, XQ, WQ, x_scale, w_scale,
-                           dtype)  # fmt: skip
-    return call(XQ, WQ, x_scale, w_scale)
 
 
+@public_op(**_block_pieces("a8w8_blockscale_bpreshuffle", "gemm_a8w8_blockscale_bpreshuffle"))
 def gemm_a8w8_blockscale_bpreshuffle(
     XQ: torch.Tensor,
     WQ: torch.Tensor,
@@ -279,50 +279,7 @@ def gemm_a8w8_blockscale_bpreshuffle(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """gemm_a8w8_blockscale with WQ from shuffle_weight (its own tuned table)."""
-    if _is_compiling():
-        return torch.ops.gemmtune.gemm_a8w8_blockscale_bpreshuffle(XQ, WQ, x_scale, w_scale, dtype)
-    sig = _sig(XQ, WQ, x_scale, w_scale, None, dtype, "gemm_a8w8_blockscale_bpreshuffle")
-    call = _block_bps_cache.get(sig)
-    if call is None:
-        call = _block_miss("a8w8_blockscale_bpreshuffle", "gemm_a8w8_blockscale_bpreshuffle", _block_bps_cache, sig,
-                           XQ, WQ, x_scale, w_scale, dtype)  # fmt: skip
-    return call(XQ, WQ, x_scale, w_scale)
 
-
-# ---- custom ops (torch.compile) ---------------------------------------------------------------------
-def _register_a8w8(name, fn, op):
-    @torch.library.custom_op(f"gemmtune::{name}", mutates_args=())
-    def _op(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-            bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        return fn(XQ, WQ, x_scale, w_scale, bias, dtype)
-
-    @_op.register_fake
-    def _fake(XQ, WQ, x_scale, w_scale, bias, dtype):
-        key = validate_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype, op)
-        return XQ.new_empty((*XQ.shape[:-1], key.N), dtype=dtype)
-
-    return _op
-
-
-def _register_block(name, fn, op):
-    @torch.library.custom_op(f"gemmtune::{name}", mutates_args=())
-    def _op(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-            dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        return fn(XQ, WQ, x_scale, w_scale, dtype)
-
-    @_op.register_fake
-    def _fake(XQ, WQ, x_scale, w_scale, dtype):
-        key = validate_blockscale(XQ, WQ, x_scale, w_scale, dtype, op)
-        return XQ.new_empty((*XQ.shape[:-1], key.N), dtype=dtype)
-
-    return _op
-
-
-_register_a8w8("gemm_a8w8", gemm_a8w8, "gemm_a8w8")
-_register_a8w8("gemm_a8w8_bpreshuffle", gemm_a8w8_bpreshuffle, "gemm_a8w8_bpreshuffle")
-_register_block("gemm_a8w8_blockscale", gemm_a8w8_blockscale, "gemm_a8w8_blockscale")
-_register_block("gemm_a8w8_blockscale_bpreshuffle", gemm_a8w8_blockscale_bpreshuffle,
-                "gemm_a8w8_blockscale_bpreshuffle")  # fmt: skip
 
 __all__ = [
     "gemm_a8w8",

@@ -20,13 +20,13 @@ import torch
 from ..dispatch import get_dispatcher
 from ..families.sparse import ALIASES, LAYOUTS, PATTERNS, SparseKey, density_bucket
 from ..quant.semi_structured import is_semi_structured, prune_2_4, semi_structured_reason
+from .hot_path import public_helper, public_op
 
 __all__ = ["normalize_pattern", "prune_2_4", "semi_structured_reason", "sparse_gemm", "validate"]
 
 FAMILY = "sparse"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _dispatcher = get_dispatcher()
-_calls = _dispatcher.cache(FAMILY)  # cleared in place by the dispatcher, never rebound
 
 
 # ---- the op -------------------------------------------------------------------------------------
@@ -120,54 +120,52 @@ def key_of(x, w, bias, pattern: str) -> SparseKey:
     return SparseKey(M, N, K, pattern, density_bucket(density), block, bias is not None, x.dtype)
 
 
-def _miss(sig, x, w, bias, pattern):
-    validate(x, w, bias, pattern)
-    key = key_of(x, w, bias, pattern)
-    out_shape = (*x.shape[:-1], key.N)
+def _pattern(sparsity_pattern) -> str:
+    pattern = ALIASES.get(sparsity_pattern, sparsity_pattern)
+    return pattern if pattern in PATTERNS else normalize_pattern(sparsity_pattern)  # raises naming the choices
+
+
+def _signature(input, weight, sparsity_pattern, bias) -> tuple:
+    pattern = _pattern(sparsity_pattern)
+    return (input.shape, input.dtype, input.device, weight.shape, weight.dtype, weight.device, pattern,
+            _wmeta(weight, pattern), None if bias is None else (bias.shape, bias.dtype, bias.device))  # fmt: skip
+
+
+def _validate(input, weight, sparsity_pattern, bias) -> None:
+    validate(input, weight, bias, normalize_pattern(sparsity_pattern))
+
+
+def _bind(input, weight, sparsity_pattern, bias):
+    key = key_of(input, weight, bias, normalize_pattern(sparsity_pattern))
+    out_shape = (*input.shape[:-1], key.N)
     if 0 in (key.M, key.N, key.K):  # nothing to multiply: bias (or zeros) broadcast
 
         def call(x, w, bias):
             y = x.new_zeros(out_shape)
             return y + bias if bias is not None else y
-    else:
-        run = _dispatcher.runner_for(key, x.device, family=FAMILY)
-        M, K = key.M, key.K
 
-        def call(x, w, bias):
-            return run(x.reshape(M, K), w, bias).reshape(out_shape)
+        return call
+    run = _dispatcher.runner_for(key, input.device, family=FAMILY)
+    M, K = key.M, key.K
 
-    _calls[sig] = call
+    def call(x, w, bias):
+        return run(x.reshape(M, K), w, bias).reshape(out_shape)
+
     return call
 
 
-def sparse_gemm(input: torch.Tensor, weight: torch.Tensor, sparsity_pattern: str, bias: torch.Tensor | None = None):
+def _fake(input, weight, sparsity_pattern, bias):
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))
+
+
+# The custom op returns a fresh plain tensor, not the transposed view torch.sparse may give.
+@public_op(family=FAMILY, signature=_signature, validate=_validate, bind=_bind, call=("input", "weight", "bias"),
+           fake=_fake, finish=torch.Tensor.contiguous, aiter_names=("sparse_gemm",))  # fmt: skip
+def sparse_gemm(input: torch.Tensor, weight: torch.Tensor, sparsity_pattern: str,
+                bias: torch.Tensor | None = None):  # fmt: skip
     """y[..., N] = input[..., K] @ weight^T (+ bias) with weight a sparse [N, K] tensor stored as
     `sparsity_pattern` says ('csr', 'coo', 'block'/'bsr', '2:4'). Runs the tuned solution for this
     (shape, pattern, density, block), else the weight's own format."""
-    pattern = ALIASES.get(sparsity_pattern, sparsity_pattern)
-    if pattern not in PATTERNS:
-        pattern = normalize_pattern(sparsity_pattern)  # raises naming the choices
-    if not all(isinstance(t, torch.Tensor) for t in (input, weight)) or not isinstance(
-        bias, (torch.Tensor, None.__class__)
-    ):
-        validate(input, weight, bias, pattern)  # raises naming the argument
-    sig = (input.shape, input.dtype, input.device, weight.shape, weight.dtype, weight.device, pattern,
-           _wmeta(weight, pattern), None if bias is None else (bias.shape, bias.dtype, bias.device))  # fmt: skip
-    call = _calls.get(sig)
-    if call is None:
-        call = _miss(sig, input, weight, bias, pattern)
-    return call(input, weight, bias)
 
 
-# ---- the custom op (torch.compile, export) -----------------------------------------------------
-@torch.library.custom_op("gemmtune::sparse_gemm", mutates_args=())
-def _sparse_op(input: torch.Tensor, weight: torch.Tensor, sparsity_pattern: str,
-               bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    with torch.no_grad():
-        y = sparse_gemm(input, weight, sparsity_pattern, bias)
-    return y.contiguous()  # a custom op returns a fresh plain tensor, not a transposed view
-
-
-@_sparse_op.register_fake
-def _sparse_fake(input, weight, sparsity_pattern, bias):
-    return input.new_empty((*input.shape[:-1], weight.shape[0]))
+public_helper(family=FAMILY)(prune_2_4)

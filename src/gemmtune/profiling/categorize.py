@@ -14,6 +14,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..ops.registry import gemm_custom_ops
+
 CATEGORIES = ("gemm", "attention", "elementwise", "memory", "other", "idle")
 LABELS = {
     "gemm": "GEMM",
@@ -42,13 +44,14 @@ class Frame:
 
 
 # ---- op names -----------------------------------------------------------------------------------
+# torch's GEMMs and gemmtune's GEMM custom ops, as the op modules declare them (ops/registry.py)
 GEMM_OPS = frozenset(
     f"aten::{n}"
     for n in (
         "mm", "addmm", "linear", "matmul", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot",
         "_scaled_mm", "_int_mm", "_addmm_activation", "_grouped_mm", "_scaled_grouped_mm",
     )
-) | {"gemmtune::gemm"}  # fmt: skip
+) | gemm_custom_ops()  # fmt: skip
 GEMM_ANNOTATION = "gemmtune.gemm"  # profiling.gemms wraps eager gemmtune.gemm calls in this range
 MEMORY_OPS = frozenset(
     f"aten::{n}"
