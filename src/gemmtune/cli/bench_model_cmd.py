@@ -100,14 +100,13 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
     """
     import os
 
-    import torch
-
+    from ..device import default_device
     from ..errors import GemmtuneError
     from ..kernels.compile_mode import describe, parse
     from ..keys import parse_dtype
     from ..profiling import bench_model, bench_report
 
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = device or default_device().type
     if dev not in ("cuda", "cpu") and not dev.startswith("cuda:"):
         raise click.BadParameter(f"--device {dev!r}: expected cuda or cpu")
     defaults = _GPU_DEFAULTS if dev.startswith("cuda") else _CPU_DEFAULTS
