@@ -3,11 +3,12 @@ additions to the Triton GEMM candidate space (backends/lib/triton_tiles.py: spli
 wave, the flattened persistent grid, int8's 256-deep tiles).
 
 On the CPU the choice is checked as it resolves on an H100 (the device vocabulary patched to answer an
-NVIDIA sm90 GPU; device facts off a GPU are an H100's), against the measured winners in benchmarks/results/h100/a8w8_vs_bf16/: the skinny
-default must pick the winner's split wherever its tile won a decode point, the int8 prefill default
-must be the config that won most points. On a GPU: the new candidates pass the family check and replay
-bit-equal in a CUDA graph, and an untuned key at M = 8 and 1024 runs its default, captured in a graph
-on its first call, within the family's threshold of the dequantized reference.
+NVIDIA sm90 GPU; device facts off a GPU are an H100's), against the measured winners in
+benchmarks/results/h100/a8w8_vs_bf16/: the skinny default must pick the winner's split wherever its tile
+won a decode point, the int8 prefill default must be the config that won most points. On a GPU: the new
+candidates pass the family check and replay bit-equal in a CUDA graph, and an untuned key at M = 8 and 1024
+runs its default, captured in a graph on its first call, within the family's threshold of the dequantized
+reference.
 """
 
 from __future__ import annotations

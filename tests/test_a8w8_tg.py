@@ -1,4 +1,5 @@
-"""8-bit GEMMs on the Triton GEMM kernel (kernels/a8w8_tg.py on kernels/triton_gemm.py, backends/a8w8_tg.py).
+"""8-bit GEMMs on the Triton GEMM kernel (kernels/a8w8_tg.py on kernels/triton_gemm.py,
+backends/quantized/triton_tg.py).
 
 Kernel cases run without a GPU under the Triton interpreter in a subprocess (int8 dots with int32
 accumulation are exact there; this Triton's interpreter also runs fp8 e4m3 dots and TMA descriptors),

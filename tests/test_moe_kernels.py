@@ -5,7 +5,7 @@ equal to eager. Every output buffer the kernels write starts NaN, so a skipped e
 Cases: odd sizes (H, I not multiples of any block, E not a power of two), experts with no tokens,
 all tokens on one expert, topk 1/2/8, direct and sorted routing, split-K, ungated, doweight_stage1,
 expert parallelism (expert_map) and a fused shared expert. Mixed pairs run a torch._grouped_mm stage
-(backends/moe.py, GM) with a Triton one, and two GM stages with the Triton combine: rows past the
+(backends/fmoe/stages.py, GM) with a Triton one, and two GM stages with the Triton combine: rows past the
 last expert's group, which torch._grouped_mm leaves unwritten, are made NaN too.
 """
 

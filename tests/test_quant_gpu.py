@@ -95,7 +95,7 @@ def test_ops_with_dynamic_activation_quant_replay_in_a_graph(dt, gpu):
     assert _rel(block(), ref) < (0.02 if dt == torch.int8 else 0.05)  # ~1.2% measured for int8
 
 
-# ---- torch._scaled_mm block-scaled (backends/blockwise.py) ------------------------------------------
+# ---- torch._scaled_mm block-scaled (backends/lib/scaled_mm_blockwise.py) ------------------------------------------
 def _cuda_version() -> tuple[int, int]:
     v = (torch.version.cuda or "0.0").split(".")
     return int(v[0]), int(v[1])

@@ -1,4 +1,4 @@
-"""Skinny (small-M) 8-bit GEMMs (kernels/skinny_a8w8.py on kernels/skinny.py, backends/skinny_quant.py).
+"""Skinny (small-M) 8-bit GEMMs (kernels/skinny_a8w8.py on kernels/skinny.py, backends/quantized/triton_skinny.py).
 
 Kernel cases run without a GPU under the Triton interpreter in a subprocess (int8 dots with int32
 accumulation are exact there, and this Triton's interpreter also runs fp8 e4m3 loads and dots), with

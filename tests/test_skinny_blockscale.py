@@ -1,5 +1,5 @@
 """Skinny (small-M) fp8 block-scale GEMMs (kernels/skinny_blockscale.py on kernels/skinny.py,
-backends/skinny_blockscale.py).
+backends/quantized/triton_skinny_blockscale.py).
 
 Kernel cases run without a GPU under the Triton interpreter in a subprocess (fp8 e4m3 loads and dots
 run there), with a GPU on it: every kernel kind x split-K reduction, BLOCK_K 32 / 64 / 128, M 1/3/16,

@@ -141,5 +141,4 @@ class LtRunner:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], key.N)
 
 
-
 BACKENDS = (BlasLtBackend(),)

@@ -103,5 +103,4 @@ def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, worke
     return compile_in_workers(TritonGemmBackend, list(uniq.values()), device, workers)
 
 
-
 BACKENDS = (TritonGemmBackend(),)

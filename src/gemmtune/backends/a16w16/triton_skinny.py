@@ -142,5 +142,4 @@ def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, worke
     return compile_in_workers(SkinnyBackend, list(uniq), device, workers)
 
 
-
 BACKENDS = (SkinnyBackend(),)

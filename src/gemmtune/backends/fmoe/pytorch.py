@@ -27,8 +27,6 @@ def _expert_mlp(key: MoeKey, act: str, x, w1e, w2e, scale=None):
     return torch.matmul(h, w2e.transpose(-1, -2))
 
 
-
-
 def _loop_runner(key: MoeKey) -> Runner:
     act = act_name(key.act_type)
 
@@ -63,8 +61,6 @@ def _dense_runner(key: MoeKey) -> Runner:
         return finish(key, contrib, ids, weights, hidden.dtype)
 
     return run
-
-
 
 
 def grouped_mm_torch_runner(key: MoeKey) -> Runner:

@@ -50,8 +50,6 @@ def gated(key: MoeKey) -> bool:
     return bool(key.use_g1u1)
 
 
-
-
 # ---- grouped_mm availability --------------------------------------------------------------------
 def grouped_mm_usable(dtype: torch.dtype, device: torch.device) -> bool:
     """torch._grouped_mm runs here without a host sync: CUDA sm90/sm100 in bf16 (its CUTLASS path;
@@ -210,7 +208,6 @@ def finish(key: MoeKey, contrib, ids, weights, out_dtype):
     return torch.where(bad, float("nan"), out).to(out_dtype)
 
 
-
 def stage_name(s: Stage) -> str:
     return s if isinstance(s, str) else s.name
 
@@ -221,4 +218,3 @@ def parse_stage(name: str, stage: int) -> Stage | None:
         return GM
     cfg = kmoe.MoeGemmConfig.parse(name)
     return cfg if cfg is not None and cfg.stage == stage else None
-

@@ -65,7 +65,6 @@ def stage_configs(key: MoeKey, stage: int) -> list[kmoe.MoeGemmConfig]:
     return list(dict.fromkeys(pair[stage - 1] for pair in sweep_configs(key)))
 
 
-
 def solution_of(s1: Stage, s2: Stage) -> Solution:
     """This backend's solution for a pair (solidx: its Triton stage's block_m, 0 for the glued grouped_mm
     pair; splitK: stage 2's)."""
@@ -89,7 +88,6 @@ def _stages_of(kernel_name: str) -> tuple[Stage, Stage] | None:
 
 def _triton_stage_ok(key: MoeKey) -> bool:
     return key.q_type == "QuantType.No" and key.dtype in TRITON_DTYPES and act_name(key.act_type) in kmoe.ACTS
-
 
 
 class TritonMoeBackend(Backend):

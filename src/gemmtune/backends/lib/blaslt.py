@@ -112,6 +112,7 @@ def library_missing() -> str:
         return f"nvmath-python's cuBLASLt bindings cannot be loaded ({type(exc).__name__}: {exc})"
     return ""
 
+
 @functools.lru_cache(maxsize=1)
 def lt_version() -> int:
     return int(bindings()[0].get_version())
@@ -437,7 +438,6 @@ def wide_algos(prob: Problem, clusters=(0, 2, 3, 5), limit: int = WIDE_LIMIT) ->
                         if len(out) >= limit:
                             return list(out.values())
     return list(out.values())
-
 
 
 def device_index(device: torch.device) -> int:

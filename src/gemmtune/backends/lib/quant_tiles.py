@@ -32,8 +32,6 @@ _LARGE_BLOCK = _LARGE + ((64, 128, 128, 4, 3), (64, 128, 128, 4, 5), (128, 64, 1
 SMEM = 227 * 1024
 
 
-
-
 def _pick_split(tiles: int, k_iters: int, slots: int) -> int:
     best, best_waves = 1, tiles / slots
     for sk in _SPLITS[1:]:

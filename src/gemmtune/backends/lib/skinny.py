@@ -124,4 +124,3 @@ def tile_configs(shape: Shape, device: torch.device, dot_tiles=DOT_TILES, gemv_t
     if pdl_enabled(device):
         out += [dataclasses.replace(c, pdl=p) for c in out if c.reduce != ks.REDUCE_KERNEL for p in PDL_VARIANTS]
     return list(dict.fromkeys(out))
-

@@ -213,7 +213,6 @@ def twin(n: int) -> int:
     return n if n <= 16 else (16 if n % 16 == 0 else 17)
 
 
-
 def config_solution(cfg: GemmTileConfig) -> Solution:
     """A Triton tile config as a solution: the kernel name is the config's name, solidx its hash."""
     return Solution("triton", cfg.name, stable_solidx(cfg.name), cfg.split_k)
@@ -264,4 +263,3 @@ def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]
     with mp.get_context("spawn").Pool(workers) as pool:
         results = pool.map(_precompile_worker, args)
     return [f for r in results for f in r]
-
