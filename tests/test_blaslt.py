@@ -74,8 +74,8 @@ def _rel_err(y, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_gpu_candidates_match_reference(lt, gpu, dtype, bias):
     m, n, k = 77, 1000, 1032
     key = GemmKey(m, n, k, bias, dtype, dtype)

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from tiers import tiered
 
 ACTS = ("none", "relu", "gelu", "gelu_tanh")
 C_SHAPES = {"full": lambda s: s, "row": lambda s: s[-1:], "col": lambda s: (*s[:-1], 1), "scalar": lambda s: ()}
@@ -435,8 +436,8 @@ GPU_CONFIGS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("act", tiered(ACTS, lambda a: a == "gelu_tanh"))
 def test_gpu_every_solution_matches_fp32(gpu, act, dtype):
     from gemmtune.backends import get as get_backend
     from gemmtune.backends.lib.triton_tiles import hardware

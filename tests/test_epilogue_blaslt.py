@@ -142,8 +142,10 @@ SCALINGS = [(False, "none"), (True, "none"), (True, "full"), (False, "row"), (Tr
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("alpha", "c"), SCALINGS)
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("alpha", "c"), [s if s == (True, "full") else pytest.param(*s, marks=pytest.mark.slow) for s in SCALINGS]
+)
+@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize("act", ["none", "relu", "gelu", "gelu_tanh"])
 def test_gpu_every_epilogue_matches_fp32(lt, gpu, act, bias, alpha, c):
     from gemmtune.families import get
@@ -222,6 +224,7 @@ def test_gpu_tuned_row_dispatches_the_tanh_kernel_for_gelu(lt, gpu, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_tuner_checks_and_times_blaslt_candidates(lt, gpu):
     from gemmtune.tuner.search import OK, TuneOptions, tune_shape
 

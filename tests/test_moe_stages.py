@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from moe_cases import make_case, nan_buffers
+from tiers import tiered
 
 import gemmtune
 from gemmtune import backends
@@ -314,7 +315,7 @@ GPU_CASES = [("bf16", T, H, inter, E, k, routing, 0, 0, 0, extra) for T, H, inte
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("triton_glue", [False, True], ids=["torch-glue", "triton-glue"])
-@pytest.mark.parametrize("case", GPU_CASES, ids=_id)
+@pytest.mark.parametrize("case", tiered(GPU_CASES, lambda c: c[1] in (1, 257)), ids=_id)
 def test_gpu_grouped_mm_pair_matches_fp32_loop(case, triton_glue, gpu):
     _need_grouped_mm(gpu)
     key, inputs = make_case(case, "cuda")
@@ -351,6 +352,7 @@ def test_gpu_grouped_mm_rules_match_torch(gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_tuning_times_triton_and_grouped_mm_stages_apart(monkeypatch, gpu):
     """A real staged search on a small key, the Triton sweep cut to 3 configs per stage so it is quick:
     every stage kernel checked and timed, the 2 fastest of each stage paired across backends and timed

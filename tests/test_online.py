@@ -95,6 +95,7 @@ def test_the_dispatcher_asks_any_miss_hook_once_per_new_key_except_while_quiet()
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_graph_capture_in_online_mode_neither_tunes_nor_breaks(gpu, tmp_path):
     table = tmp_path / "online.csv"
     tuner = gemmtune.set_online_tuning(str(table), budget_s=10)

@@ -453,6 +453,16 @@ def test_fused_ops_compile_fullgraph_in_both_modes(mode):
     assert graphs[0].code.count("gemmtune.") == (4 if mode == "op" else 0)
 
 
+@pytest.fixture(scope="module")
+def gpu_models():
+    """The tiny stock model and its optimized twin on the GPU, built once for the module's GPU tests
+    (torch.compile wraps the model, and profiling only runs it: neither changes it)."""
+    stock, _ = build_model("tiny-llama", layers=2, device="cuda")
+    opt = copy.deepcopy(stock)
+    gemmtune.optimize(opt)
+    return stock, opt
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["ref", "op"])
 def test_fused_ops_under_inductor_match_eager_gpu(gpu, mode):
@@ -468,11 +478,9 @@ def test_fused_ops_under_inductor_match_eager_gpu(gpu, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["ref", "op"])
-def test_optimized_model_compiles_fullgraph_gpu(gpu, mode):
-    stock, _ = build_model("tiny-llama", layers=2, device="cuda")
-    opt = copy.deepcopy(stock)
-    gemmtune.optimize(opt)
+@pytest.mark.parametrize("mode", [pytest.param("ref", marks=pytest.mark.slow), "op"])
+def test_optimized_model_compiles_fullgraph_gpu(gpu_models, mode):
+    stock, opt = gpu_models
     ids = torch.arange(16, device="cuda")[None]
     with torch.no_grad():
         want = stock(input_ids=ids, use_cache=False).logits.float()
@@ -483,10 +491,8 @@ def test_optimized_model_compiles_fullgraph_gpu(gpu, mode):
 
 
 @pytest.mark.gpu
-def test_profile_on_gpu_sites_and_graph_hints(gpu):
-    stock, _ = build_model("tiny-llama", layers=2, device="cuda")
-    opt = copy.deepcopy(stock)
-    gemmtune.optimize(opt)
+def test_profile_on_gpu_sites_and_graph_hints(gpu_models):
+    _, opt = gpu_models
     ids = torch.arange(SEQ, device="cuda")[None]
 
     def step():

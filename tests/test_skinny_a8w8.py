@@ -26,6 +26,7 @@ from kernel_cases import (
     rel_outcome,
     skinny_candidate_kinds,
 )
+from tiers import tiered
 
 from gemmtune.families.quantized import FP8, QuantKey
 
@@ -121,7 +122,9 @@ _GPU_KEYS = [QuantKey(1, 1000, 1030, dt, "per_token", True, torch.bfloat16) for 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key", _GPU_KEYS, ids=lambda k: k.describe().replace(" ", "_"))
+@pytest.mark.parametrize(
+    "key", tiered(_GPU_KEYS, lambda k: k.M == 1 and k.q_dtype_w == FP8), ids=lambda k: k.describe().replace(" ", "_")
+)
 def test_gpu_every_candidate_passes_the_family_check_and_replays_bit_equal(gpu, key):
     from gemmtune import backends, families
 

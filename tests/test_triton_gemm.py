@@ -227,7 +227,7 @@ GPU_CONFIGS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_matches_fp32_reference(gpu, name, dtype):
     from gemmtune.backends.lib.triton_tiles import hardware

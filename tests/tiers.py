@@ -1,0 +1,12 @@
+"""The GPU test tiers: `-m "gpu and not slow"` is the default tier (under 8 minutes on one H100), a few
+representative cases of every sweep; `-m "gpu and slow"` runs the rest of the sweeps, the tuning runs
+and the compile-heavy whole-model tests. A parametrized case is slow when any of its parameters is."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def tiered(values, in_default) -> list:
+    """A sweep's values in their order: those `in_default` accepts stay in the default tier, the rest are slow."""
+    return [v if in_default(v) else pytest.param(v, marks=pytest.mark.slow) for v in values]
