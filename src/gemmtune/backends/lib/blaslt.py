@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import re
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -461,17 +462,20 @@ class LtBackend(Backend):
         return self.m_agnostic_scope(key)  # descriptors are made per M (and layout) inside the runner
 
     # ---- what a family's subclass says ----------------------------------------------------------
+    @abstractmethod
     def key_ok(self, key) -> bool:
-        raise NotImplementedError
+        """Does this family's cuBLASLt problem take `key` (dtypes, epilogue)?"""
 
     def sizes_ok(self, key) -> bool:
         return True  # M == 0 is checked as M == 1
 
+    @abstractmethod
     def problem(self, key, device: torch.device) -> Problem:
-        raise NotImplementedError
+        """The cuBLASLt descriptors of `key` as the tuner's inputs lay it out."""
 
+    @abstractmethod
     def runner(self, spec: AlgoSpec, key, device: torch.device) -> Runner:
-        raise NotImplementedError
+        """The runner of algorithm `spec` for `key`."""
 
     def split_name(self, name: str) -> tuple[AlgoSpec | None, str]:
         """(the algorithm a kernel name names or None, its tag)."""
