@@ -28,7 +28,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: suites, bench_skinny
 
-from bench_skinny import SUITE, _variant_runner, check_inputs, check_runner, geomean, precompile, with_producer  # noqa: E402
+from bench_skinny import (  # noqa: E402
+    SUITE,
+    _variant_runner,
+    check_inputs,
+    check_runner,
+    geomean,
+    precompile,
+    with_producer,
+)
 from suites import find_models_dir, suite_shapes  # noqa: E402
 
 from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend  # noqa: E402
