@@ -1,6 +1,13 @@
-"""GEMMTUNE_PLUGINS: modules that register extra backends, imported wherever gemmtune dispatches or tunes
-(the runtime's first resolution, `tune`, `bench`, every tuning worker), so a serving process gets the
-plugin's backends too instead of falling back to torch without a word."""
+"""GEMMTUNE_PLUGINS: modules that register extra backends or whole GEMM families, imported wherever gemmtune
+needs what they register: the dispatcher's first resolution, the family registry (detecting a table's
+family, loading GEMMTUNE_CONFIG_<FAMILY>, naming an unknown family), `tune`, `bench` and every tuning
+worker. So a serving process gets the plugin's backends and families too, instead of falling back to
+torch or refusing the plugin's tables without a word.
+
+Each module is imported once. One that fails raises the same error at every later ask and is never
+imported again: half of it may have registered already, and a mode that changes after the first call
+(plugins quietly off) is worse than the error.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,10 @@ import os
 
 from .errors import EnvVarError
 
-PLUGINS_ENV = "GEMMTUNE_PLUGINS"  # comma list of modules to import (they register extra backends)
+PLUGINS_ENV = "GEMMTUNE_PLUGINS"  # comma list of modules to import (they register backends or families)
 _imported: set[str] = set()
+_importing: set[str] = set()  # a plugin whose import asks for the plugins again gets its own partial module
+_failed: dict[str, str] = {}  # module -> why its import failed
 
 
 def env_plugins(environ=None) -> list[str]:
@@ -19,18 +28,26 @@ def env_plugins(environ=None) -> list[str]:
 
 
 def import_plugin(name: str, source: str = PLUGINS_ENV) -> None:
-    """Import plugin module `name` once; EnvVarError naming `source` and the module when it fails."""
-    if name in _imported:
+    """Import plugin module `name` once; EnvVarError naming `source` and the module when it fails (now
+    and at every later call)."""
+    if name in _imported or name in _importing:
         return
-    try:
-        importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - any failure of a plugin's import is reported the same way
-        why = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+    why = _failed.get(name)
+    if why is None:
+        _importing.add(name)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any failure of a plugin's import is reported the same way
+            why = _failed[name] = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+        else:
+            _imported.add(name)
+        finally:
+            _importing.discard(name)
+    if why is not None:
         raise EnvVarError(f"{source} {name!r}: cannot import plugin module: {why}") from None
-    _imported.add(name)
 
 
 def import_plugins(environ=None) -> None:
-    """Import every module GEMMTUNE_PLUGINS names (idempotent)."""
+    """Import every module GEMMTUNE_PLUGINS names (idempotent; cheap once they are imported)."""
     for name in env_plugins(environ):
         import_plugin(name)

@@ -5,7 +5,8 @@ Layout: `backends/<family group>/<library>[_<kernel kind>].py` (library: `pytorc
 library machinery several groups share. The registry is built from declarations: every module of every
 group package (each subpackage but lib/) is imported once, and its module-level `BACKENDS` (backend
 instances) and `POLICIES` ({family: policy}) are registered; adding a backend to a family is one new
-module. Plugins call `register` / `register_policy` themselves.
+module. A plugin (GEMMTUNE_PLUGINS) registers a whole family with one call, `register_family(spec,
+*backend_modules)`, or adds backends to a family with `register` / `register_policy`.
 
 Backends are registered per GEMM family under their libtype: `get("torch")` is the a16w16 torch
 backend, `get("torch", "batched")` the batched one (torch.bmm). A module whose import fails for a
@@ -18,9 +19,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
+from .. import families
+from ..families import Family
 from .base import Backend, Runner, Solution, stable_solidx
 
 # A family's default policy: (key, device) -> (backend name, solution), what runs `key` with no table row.
@@ -60,10 +64,25 @@ def load_module(module: str) -> None:
     except ImportError as exc:
         _import_errors[short] = str(exc)
         return
-    for backend in getattr(mod, "BACKENDS", ()):
+    register_declared(mod)
+
+
+def register_declared(module: ModuleType) -> None:
+    """Register what a backend module declares: its BACKENDS and its POLICIES ({family: policy})."""
+    for backend in getattr(module, "BACKENDS", ()):
         register(backend)
-    for family, policy in getattr(mod, "POLICIES", {}).items():
+    for family, policy in getattr(module, "POLICIES", {}).items():
         register_policy(family, policy)
+
+
+def register_family(family: Family, *backend_modules: ModuleType) -> Family:
+    """A GEMM family from outside gemmtune in one call: its spec (families.register) and what each backend
+    module declares (BACKENDS, POLICIES), as a builtin group folder's modules do. The family's op needs no
+    call: `ops.hot_path.public_op` declares it when its module is imported."""
+    families.register(family)
+    for module in backend_modules:
+        register_declared(module)
+    return family
 
 
 def group_modules() -> list[str]:
@@ -146,6 +165,8 @@ __all__ = [
     "import_errors",
     "load_module",
     "register",
+    "register_declared",
+    "register_family",
     "register_policy",
     "stable_solidx",
 ]

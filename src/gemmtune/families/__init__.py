@@ -3,8 +3,13 @@
 Detection: a header belongs to every family whose `signature` columns it has and whose `excludes` it
 lacks. Several can match one header (aiter's bf16 and a8w8 batched tables share theirs; an `M,N,K`
 list fits a16w16 and block-scale alike): the file name's hints settle it (`a8w8_tuned_batched_gemm.csv`),
-then the kernel names in the rows, then the family that ranks first here. An env var or `--family`
-names the family outright (the header must still fit it).
+then the kernel names in the rows, then the most specific family (one whose signature holds another
+match's and more: a plugin's `M,N,K,<own column>` is not an a16w16 list), then the family that ranks first
+here (builtins in the order below, plugins after them). An env var or `--family` names the family outright
+(the header must still fit it).
+
+Plugin families (GEMMTUNE_PLUGINS) are imported before the registry is listed or names a family unknown,
+so their tables load in any process, not only in the tuner.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from __future__ import annotations
 import os
 
 from ..errors import ConfigError
+from ..plugins import import_plugins
 from .base import Column, Family, Roles
 
 _REGISTRY: dict[str, Family] = {}
+_builtins_loaded = False
 
 
 def register(family: Family) -> Family:
@@ -25,6 +32,10 @@ def register(family: Family) -> Family:
 
 
 def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
     from . import a16w16, aiter_moe, batched, epilogue, fmoe, quantized, sparse
 
     for fam in (
@@ -40,18 +51,21 @@ def _load_builtins() -> None:
 
 
 def get(name: str) -> Family:
-    """The family called `name`; ConfigError listing the known ones otherwise."""
-    if not _REGISTRY:
-        _load_builtins()
+    """The family called `name` (a plugin's too); ConfigError listing the known ones otherwise."""
+    _load_builtins()
     fam = _REGISTRY.get(name)
+    if fam is None:
+        import_plugins()
+        fam = _REGISTRY.get(name)
     if fam is None:
         raise ConfigError(f"unknown GEMM family {name!r} (known: {', '.join(_REGISTRY)})")
     return fam
 
 
 def all_families() -> list[Family]:
-    if not _REGISTRY:
-        _load_builtins()
+    """Every family: the builtins, then the plugins' (GEMMTUNE_PLUGINS is imported first)."""
+    _load_builtins()
+    import_plugins()
     return list(_REGISTRY.values())
 
 
@@ -94,7 +108,8 @@ def detect(header: list[str], path: str = "", kernel_names: list[str] | None = N
         best = max(matches, key=lambda f: score[f.name])
         if score[best.name]:
             return best
-    return matches[0]
+    specific = [f for f in matches if not any(f.signature < g.signature for g in matches)]
+    return specific[0]
 
 
 __all__ = ["Column", "Family", "Roles", "all_families", "detect", "fits", "get", "normalize",
