@@ -229,3 +229,16 @@ def test_only_device_py_reads_hip_and_the_interpreter_variable():
         for hit in _own_way_reads(path)
     ]
     assert not found, "ask gemmtune.device (vendor, is_rocm, interpreter, triton_runs_on):\n" + "\n".join(found)
+
+
+def test_the_vocabulary_traces_under_torch_compile():
+    # Kernels ask these inside compiled models: dynamo must trace them without a graph break
+    # (importlib's find_spec, for one, it refuses to trace).
+    def f(x):
+        if dev.triton_installed() and dev.triton_on_gpu(x.device):
+            return x + 1
+        return x * 2 if dev.vendor(x.device) == CPU else x
+
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0))

@@ -85,9 +85,12 @@ def capability(device: torch.device | str | None = None) -> tuple[int, int]:
     return facts(device).capability if is_gpu(device) else (0, 0)
 
 
-@functools.cache
+# Looked up once at import: kernels ask inside torch.compile'd code, where dynamo cannot trace find_spec.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def interpreter() -> bool:

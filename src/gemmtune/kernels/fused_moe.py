@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import HAS_TRITON, tl, triton
+from .gemm_ref import fp32_matmul
 
 ACTS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
 NOT_LOCAL = -1  # routed to an expert of another rank
@@ -130,16 +131,6 @@ def slot_weights(topk_weights: torch.Tensor, shared: int = 0) -> torch.Tensor:
     return w
 
 
-def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in fp32 with TF32 off."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return a.float() @ b.float()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 def moe_gemm_ref(a_rows: torch.Tensor, b: torch.Tensor, local_ids: torch.Tensor, activation: str = "none",
                  gated: bool = False, weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """fp32 loop reference of moe_gemm: a_rows (S, K) one row per slot, b (E, K, N or 2N), local_ids (S,).
@@ -150,7 +141,7 @@ def moe_gemm_ref(a_rows: torch.Tensor, b: torch.Tensor, local_ids: torch.Tensor,
         rows = (local_ids == e).nonzero().flatten()
         if rows.numel() == 0:
             continue
-        y = _mm32(a_rows[rows], b[e])
+        y = fp32_matmul(a_rows[rows], b[e])
         y = act_ref(y[:, :n], activation) * y[:, n:] if gated else act_ref(y, activation)
         out[rows] = y if weights is None else y * weights[rows].float().unsqueeze(1)
     return out

@@ -19,7 +19,7 @@ import torch
 
 from ..dispatch import get_dispatcher
 from ..families.sparse import ALIASES, LAYOUTS, PATTERNS, SparseKey, density_bucket
-from ..quant.semi_structured import is_semi_structured, prune_2_4, semi_structured_reason
+from ..quant.semi_structured import describe, is_semi_structured, prune_2_4, semi_structured_reason
 from .hot_path import public_helper, public_op
 
 __all__ = ["normalize_pattern", "prune_2_4", "semi_structured_reason", "sparse_gemm", "validate"]
@@ -30,17 +30,8 @@ _dispatcher = get_dispatcher()
 
 
 # ---- the op -------------------------------------------------------------------------------------
-def _d(t) -> str:
-    if t is None:
-        return "None"
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    kind = type(t).__name__ if is_semi_structured(t) else str(t.layout)
-    return f"{tuple(t.shape)} {t.dtype} {kind} on {t.device}"
-
-
 def _error(msg: str, x, w, bias) -> ValueError:
-    return ValueError(f"gemmtune.sparse_gemm: {msg} (input {_d(x)}, weight {_d(w)}, bias {_d(bias)})")
+    return ValueError(f"gemmtune.sparse_gemm: {msg} (input {describe(x)}, weight {describe(w)}, bias {describe(bias)})")
 
 
 _HOW = {

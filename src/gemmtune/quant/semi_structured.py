@@ -63,7 +63,8 @@ def prune_2_4_dense(w: torch.Tensor) -> torch.Tensor:
     return (groups * mask).reshape(n, k)
 
 
-def _describe(t) -> str:
+def describe(t) -> str:
+    """A tensor argument as error messages show it: shape, dtype, layout (or 2:4 class), device."""
     if t is None:
         return "None"
     if not isinstance(t, torch.Tensor):
@@ -79,9 +80,9 @@ def prune_2_4(weight: torch.Tensor, compress: bool = True):
     fp16/bf16, N and K multiples of 64; a clear ValueError elsewhere); compress=False the pruned dense
     tensor (any device), e.g. to measure the error or to keep a dense twin."""
     if not isinstance(weight, torch.Tensor) or weight.layout != torch.strided or weight.dim() != 2:
-        raise ValueError(f"gemmtune.prune_2_4: weight must be a dense 2-D [N, K] tensor, got {_describe(weight)}")
+        raise ValueError(f"gemmtune.prune_2_4: weight must be a dense 2-D [N, K] tensor, got {describe(weight)}")
     if weight.shape[1] % 4:
-        raise ValueError(f"gemmtune.prune_2_4: K={weight.shape[1]} is not a multiple of 4 ({_describe(weight)})")
+        raise ValueError(f"gemmtune.prune_2_4: K={weight.shape[1]} is not a multiple of 4 ({describe(weight)})")
     if not weight.dtype.is_floating_point:
         raise ValueError(f"gemmtune.prune_2_4: weight must be a float tensor, got {weight.dtype}")
     with torch.no_grad():
