@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import empty_out as _empty  # tests swap in a NaN-filled allocation
+
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of program_id(0), GROUP_M row tiles at a time (weight tiles reused from L2)."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -64,7 +66,7 @@ def _a8w8_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, ite
                  XS_ROWS: tl.constexpr, WS_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN_K: tl.constexpr, IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -177,12 +179,7 @@ class TileConfig:
 _REDUCE_TILE = (32, 128)
 
 
-def _empty(shape, like: torch.Tensor) -> torch.Tensor:
-    """Output allocation like `like` (tests swap in a NaN-filled one to prove every element is written)."""
-    return torch.empty(shape, device=like.device, dtype=like.dtype)
-
-
-def _out_like(xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def out_like(xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, device=xq.device, dtype=dtype)
 
 
@@ -244,7 +241,7 @@ def a8w8_launch(cfg: TileConfig, xq, wq, xs, ws, bias, y) -> torch.Tensor:
 def gemm_a8w8_triton(xq, wq, xs, ws, bias=None, out_dtype=torch.bfloat16, cfg: TileConfig | None = None):
     """The checked entry: allocate y and run one config (the backend's runners call a8w8_launch)."""
     cfg = cfg or TileConfig()
-    y = _empty((xq.shape[0], wq.shape[0]), _out_like(xq, out_dtype))
+    y = _empty((xq.shape[0], wq.shape[0]), out_like(xq, out_dtype))
     return a8w8_launch(cfg, xq, wq, xs, ws, bias, y)
 
 

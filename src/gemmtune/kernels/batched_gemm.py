@@ -27,12 +27,12 @@ import triton.language as tl
 from ._common import empty_out as _empty
 from .tile_config import GemmTileConfig
 from .triton_gemm import (
-    _epilogue,
-    _mainloop,
-    _split_k_range,
-    _store_partial_arrive,
-    _sum_partials,
-    _tile_coords,
+    split_k_range,
+    store_partial_arrive,
+    sum_partials,
+    tile_coords,
+    tile_epilogue,
+    tile_mainloop,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,7 +61,9 @@ def parse_config(name: str) -> BmmConfig | None:
 @triton.jit
 def _store(acc, y, M, N, sym, syn, pid_m, pid_n, BM: tl.constexpr, BN: tl.constexpr):
     """The plain epilogue: cast and store the tile (no bias, scales or activation)."""
-    _epilogue(acc, y, y, M, N, sym, syn, pid_m, pid_n, BM, BN, False, y, 0, 0, 1.0, 0.0, False, False, 0, y, y, 0, 0)
+    tile_epilogue(
+        acc, y, y, M, N, sym, syn, pid_m, pid_n, BM, BN, False, y, 0, 0, 1.0, 0.0, False, False, 0, y, y, 0, 0
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -76,14 +78,14 @@ def _bmm_kernel(
     batch = tl.program_id(1).to(tl.int64)  # batch offsets pass 2^31 elements on large shapes
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
-    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     a += batch * sab
     b += batch * sbb
     c += batch * scb
     k_tiles = tl.cdiv(K, BK)
-    kt0, kt1 = _split_k_range(k_tiles, split_k, 2, IS_SPLIT)
+    kt0, kt1 = split_k_range(k_tiles, split_k, 2, IS_SPLIT)
     # The a16w16 main loop computes x[M, K] @ w[N, K]^T from w's (N, K) strides: b's (K, N) swapped.
-    acc = _mainloop(
+    acc = tile_mainloop(
         a, b, M, N, K, sam, sak, sbn, sbk, pid_m, pid_n, kt0, kt1,
         BM, BN, BK, EVEN_K, False, INPUT_PREC, STAGES, False,
     )  # fmt: skip
@@ -96,9 +98,9 @@ def _bmm_kernel(
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         tile_part = part + slot * (split_k * BM * BN)
         if FIXUP:
-            arrived = _store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM, BN)
+            arrived = store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM, BN)
             if arrived == split_k - 1:  # the last split adds all partials (its own included)
-                acc = _sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
+                acc = sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
                 _store(acc, c, M, N, scm, scn, pid_m, pid_n, BM, BN)
                 tl.atomic_xchg(lock + slot, 0, sem="relaxed", scope="gpu")  # ready for the next call
         else:
@@ -115,12 +117,10 @@ def _bmm_reduce(
     batch = tl.program_id(1).to(tl.int64)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
-    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_part = part + (batch * (num_pid_m * num_pid_n) + tile) * (split_k * BM * BN)
-    acc = _sum_partials(
-        tile_part, offs, split_k, BM, BN, ""
-    )  # a default constexpr str reaches Triton 3.6 as a bare str
+    acc = sum_partials(tile_part, offs, split_k, BM, BN, "")  # a default constexpr str reaches Triton 3.6 as a bare str
     _store(acc, c + batch * scb, M, N, scm, scn, pid_m, pid_n, BM, BN)
 
 

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .a8w8 import TileConfig, _empty, _out_like, _tile_ids, launch_plan, reduce_partials
+from ._common import empty_out as _empty  # tests swap in a NaN-filled allocation
+from .a8w8 import TileConfig, launch_plan, out_like, reduce_partials, tile_ids
 
 GROUP = 128
 
@@ -26,7 +27,7 @@ def _blockscale_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, p_ptr, M, N, K, iter
                        stride_xm, stride_wn, stride_ym, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr):  # fmt: skip
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,7 +94,7 @@ def blockscale_launch(cfg: TileConfig, xq, wq, xs, ws, y) -> torch.Tensor:
 
 def gemm_blockscale_triton(xq, wq, xs, ws, out_dtype=torch.bfloat16, cfg: TileConfig | None = None):
     cfg = cfg or TileConfig("blockscale")
-    y = _empty((xq.shape[0], wq.shape[0]), _out_like(xq, out_dtype))
+    y = _empty((xq.shape[0], wq.shape[0]), out_like(xq, out_dtype))
     return blockscale_launch(cfg, xq, wq, xs, ws, y)
 
 

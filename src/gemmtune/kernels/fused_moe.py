@@ -195,7 +195,7 @@ def fused_moe_ref(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk
 if HAS_TRITON:
 
     @triton.jit
-    def _slot_expert(slots, valid, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+    def slot_expert(slots, valid, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
                      num_local_routed, HAS_MAP: tl.constexpr):  # fmt: skip
         """Local expert id of each slot (-1 other rank / -2 bad id), as local_expert_ids computes it."""
         t = slots // TK
@@ -271,7 +271,7 @@ if HAS_TRITON:
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         slots = tl.arange(0, SLOTS)
-        ids = _slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+        ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
                            num_local_routed, HAS_MAP)  # fmt: skip
         hit = (ids == e).to(tl.int32)
         count = tl.sum(hit, axis=0)
@@ -311,7 +311,7 @@ if HAS_TRITON:
         n_ok = offs < N
         j = tl.arange(0, TK_P2)
         slots = t * TK + j
-        e = _slot_expert(slots, j < TK, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+        e = slot_expert(slots, j < TK, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
                          num_local_routed, HAS_MAP)  # fmt: skip
         live = e >= 0
         w = tl.load(w_ptr + t * stride_wt + j * stride_wj, mask=live & (j < TOPK), other=1.0).to(tl.float32)

@@ -28,7 +28,7 @@ from ._common import HAS_TRITON, tl, triton
 from .fused_moe import Routing
 
 if HAS_TRITON:
-    from .fused_moe import _slot_expert
+    from .fused_moe import slot_expert
 
 
 class SortedSlots(NamedTuple):
@@ -79,7 +79,7 @@ if HAS_TRITON:
                 stride_ij, HAS_MAP: tl.constexpr, SPARE: tl.constexpr):  # fmt: skip
         """Sort key of each slot: its local expert, num_experts (no local expert), SPARE (past the end)."""
         valid = slots < n_slots
-        e = _slot_expert(slots, valid, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+        e = slot_expert(slots, valid, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
                          num_local_routed, HAS_MAP)  # fmt: skip
         e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
         return tl.where(valid, e, SPARE)

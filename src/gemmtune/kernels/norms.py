@@ -160,7 +160,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         raise ValueError(f"add_rmsnorm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
 
 
-def _kernel_dtypes_ok(x, weight, residual, cast_before_weight) -> bool:
+def kernel_dtypes_ok(x, weight, residual, cast_before_weight) -> bool:
     """The dtype mixes the kernel reproduces exactly (its output is then x's dtype, like the reference)."""
     return (
         x.dtype in _KERNEL_DTYPES
@@ -174,7 +174,7 @@ def _kernel_dtypes_ok(x, weight, residual, cast_before_weight) -> bool:
 def _use_kernel(x, weight, residual, cast_before_weight, impl: str) -> bool:
     if impl == "ref" or (impl == "auto" and not triton_on_gpu(x.device)):
         return False
-    ok = triton_installed() and _kernel_dtypes_ok(x, weight, residual, cast_before_weight)
+    ok = triton_installed() and kernel_dtypes_ok(x, weight, residual, cast_before_weight)
     if impl == "triton":
         if not ok:
             raise ValueError(
@@ -233,7 +233,7 @@ def _traced(x, residual, weight, eps, offset, cast_before_weight):
     op = "rmsnorm" if residual is None else "add_rmsnorm"
     if (
         compile_impl(op) == "op"
-        and _kernel_dtypes_ok(x, weight, residual, cast_before_weight)
+        and kernel_dtypes_ok(x, weight, residual, cast_before_weight)
         and not _needs_grad(x, residual, weight)
     ):
         args = (weight, float(eps), float(offset), bool(cast_before_weight))

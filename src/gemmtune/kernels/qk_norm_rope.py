@@ -17,9 +17,9 @@ from ..device import triton_installed, triton_on_gpu
 from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import empty_out as _empty
 from ._common import pdl_kwargs as _pdl_kwargs
-from .norms import _kernel_dtypes_ok as norm_dtypes_ok
+from .norms import kernel_dtypes_ok as norm_dtypes_ok
 from .norms import rmsnorm, rmsnorm_ref
-from .rope import _kernel_fits as rope_fits
+from .rope import kernel_fits as rope_fits
 from .rope import rope, rope_ref
 
 _is_compiling = torch.compiler.is_compiling
@@ -101,7 +101,7 @@ def _check(q, k, wq, wk, cos, sin) -> None:
         raise ValueError(f"qk_norm_rope: cos/sin {tuple(cos.shape)} do not fit q {tuple(q.shape)}")
 
 
-def _kernel_fits(q, k, wq, wk, cos, sin, cast_before_weight) -> bool:
+def kernel_fits(q, k, wq, wk, cos, sin, cast_before_weight) -> bool:
     """The dtype mixes and layouts the kernel reproduces exactly: those the rope and rmsnorm kernels take."""
     return (
         triton_installed()
@@ -136,7 +136,7 @@ def qk_norm_rope(
         return qk_norm_rope_ref(q, k, wq, wk, cos, sin, eps_q, eps_k, **kw)
     if impl == "auto" and (_is_compiling() or not triton_on_gpu(q.device)):
         return _unfused(q, k, wq, wk, cos, sin, eps_q, eps_k, kw)
-    if _kernel_fits(q, k, wq, wk, cos, sin, cast_before_weight):
+    if kernel_fits(q, k, wq, wk, cos, sin, cast_before_weight):
         return _launch(q, k, wq, wk, cos, sin, eps_q, eps_k, offset, cast_before_weight)
     if impl == "triton":
         raise ValueError(

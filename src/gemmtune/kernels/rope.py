@@ -109,7 +109,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     R = cos.shape[-1]
     if R > D or R % 2 or cos.shape[1] != S or cos.shape[0] not in (1, B):
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit q {tuple(q.shape)} (need [1|B, S, R<=D])")
-    ok = triton_installed() and _kernel_fits(q, k, cos, sin)
+    ok = triton_installed() and kernel_fits(q, k, cos, sin)
     if impl == "auto" and _is_compiling():
         return _traced(q, k, cos, sin)
     if impl == "ref" or (impl == "auto" and not (ok and triton_on_gpu(q.device))):
@@ -119,7 +119,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return _launch(q, k, cos, sin)
 
 
-def _kernel_fits(q, k, cos, sin) -> bool:
+def kernel_fits(q, k, cos, sin) -> bool:
     return (
         q.dtype in _KERNEL_DTYPES
         and k.dtype == q.dtype
@@ -162,7 +162,7 @@ def _traced(q, k, cos, sin):
     """The custom op (mode "op", kernel layouts, no gradient needed: it has no backward) or the
     reference for inductor to fuse."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
-    if compile_impl("rope") == "op" and _kernel_fits(q, k, cos, sin) and not grad:
+    if compile_impl("rope") == "op" and kernel_fits(q, k, cos, sin) and not grad:
         return torch.ops.gemmtune.rope(q, k, cos, sin)
     return rope_ref(q, k, cos, sin)
 

@@ -88,7 +88,7 @@ def parse_config(name: str) -> TGConfig | None:
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     # Grouped order: GROUP_M row-tiles share each weight column-tile while it is still in L2.
     in_group = GROUP_M * num_pid_n
     group = tile_id // in_group
@@ -100,7 +100,7 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _split_k_range(k_tiles, split_k, SPLIT_AXIS: tl.constexpr, IS_SPLIT: tl.constexpr):
+def split_k_range(k_tiles, split_k, SPLIT_AXIS: tl.constexpr, IS_SPLIT: tl.constexpr):
     """The K tiles [kt0, kt1) this program's split (its grid index along SPLIT_AXIS) covers, possibly
     none (its partial is then zero); all of them when K is not split."""
     kt0 = 0
@@ -113,7 +113,7 @@ def _split_k_range(k_tiles, split_k, SPLIT_AXIS: tl.constexpr, IS_SPLIT: tl.cons
 
 
 @triton.jit
-def _sum_partials(tile_part, offs, split_k, BM: tl.constexpr, BN: tl.constexpr, CACHE: tl.constexpr):
+def sum_partials(tile_part, offs, split_k, BM: tl.constexpr, BN: tl.constexpr, CACHE: tl.constexpr):
     """The split_k fp32 partial blocks of one tile ([split_k, BM, BN], contiguous) added in split
     order, so the sum does not depend on which split finished last: replays are bit-identical."""
     acc = tl.load(tile_part + offs, cache_modifier=CACHE)
@@ -123,7 +123,7 @@ def _sum_partials(tile_part, offs, split_k, BM: tl.constexpr, BN: tl.constexpr, 
 
 
 @triton.jit
-def _store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM: tl.constexpr, BN: tl.constexpr):
+def store_partial_arrive(acc, tile_part, offs, pid_k, lock, slot, BM: tl.constexpr, BN: tl.constexpr):
     """In-kernel split-K fixup, first half: store this split's partial, then count its arrival at
     lock[slot]; returns how many splits had arrived before (split_k - 1: this one is the last)."""
     tl.store(tile_part + pid_k * (BM * BN) + offs, acc, cache_modifier=".cg")
@@ -149,7 +149,7 @@ def _pdl_prologue(w, pid_n, kt0, N, K, swn, swk, BN: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
-def _mainloop(
+def tile_mainloop(
     x,
     w,
     M,
@@ -208,9 +208,9 @@ ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
 
 
 @triton.jit
-def _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
-              c, scm, scn, alpha, beta, HAS_ALPHA: tl.constexpr, HAS_C: tl.constexpr, ACT: tl.constexpr,
-              xs, ws, XS: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+def tile_epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM: tl.constexpr, BN: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, c, scm, scn, alpha, beta, HAS_ALPHA: tl.constexpr, HAS_C: tl.constexpr,
+                  ACT: tl.constexpr, xs, ws, XS: tl.constexpr, WS: tl.constexpr):  # fmt: skip
     """y = act(alpha * acc * xs * ws + beta * c + bias), in fp32 registers, one rounding at the store. C's
     strides may be zero (a row, a column or a scalar broadcast over the tile). The 8-bit scales (XS, WS:
     0 none, 1 one for all, 2 per row of x / per column of y) come first, on the whole (split) sum."""
@@ -293,30 +293,30 @@ def _tg_kernel(
     num_pid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     if PDL > 0:  # this program's first tile (the persistent grid's too) and its first K tile
-        _, first_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _, first_n = tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         first_kt = tl.program_id(1) * tl.cdiv(k_tiles, split_k) if IS_SPLIT else 0
         _pdl_prologue(w, first_n, first_kt, N, K, swn, swk, BN, BK, USE_TMA, PDL)
     if PERSISTENT:
         # FLATTEN lets the pipeliner fold the K loop into the tile loop, so the next tile's first loads
         # are in flight during this tile's epilogue (off by default: the loop compiles as before).
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN):
-            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-            acc = _mainloop(
+            pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            acc = tile_mainloop(
                 x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, 0, k_tiles,
                 BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES, ACC_INT,
             )  # fmt: skip
-            _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
+            tile_epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT, xs, ws, XS, WS)  # fmt: skip
     else:
         tile = tl.program_id(0)
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        kt0, kt1 = _split_k_range(k_tiles, split_k, 1, IS_SPLIT)
-        acc = _mainloop(
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        kt0, kt1 = split_k_range(k_tiles, split_k, 1, IS_SPLIT)
+        acc = tile_mainloop(
             x, w, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, kt0, kt1,
             BM, BN, BK, EVEN_K, USE_TMA, INPUT_PREC, STAGES, ACC_INT,
         )  # fmt: skip
         if not IS_SPLIT:
-            _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
+            tile_epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT, xs, ws, XS, WS)  # fmt: skip
         else:
             pid_k = tl.program_id(1)
@@ -324,10 +324,10 @@ def _tg_kernel(
             offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
             tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
             if FIXUP:
-                arrived = _store_partial_arrive(acc, tile_part, offs, pid_k, lock, tile, BM, BN)
+                arrived = store_partial_arrive(acc, tile_part, offs, pid_k, lock, tile, BM, BN)
                 if arrived == split_k - 1:  # the last split adds all partials (its own included)
-                    acc = _sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
-                    _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
+                    acc = sum_partials(tile_part, offs, split_k, BM, BN, ".cg")
+                    tile_epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT, xs, ws, XS, WS)  # fmt: skip
                     tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
             else:
@@ -365,13 +365,11 @@ def _tg_reduce(
     tile = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
-    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     tile_part = part + tile.to(tl.int64) * (split_k * BM * BN)
-    acc = _sum_partials(
-        tile_part, offs, split_k, BM, BN, ""
-    )  # a default constexpr str reaches Triton 3.6 as a bare str
-    _epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
+    acc = sum_partials(tile_part, offs, split_k, BM, BN, "")  # a default constexpr str reaches Triton 3.6 as a bare str
+    tile_epilogue(acc, bias, y, M, N, sym, syn, pid_m, pid_n, BM, BN, HAS_BIAS,
                       c, scm, scn, alpha, beta, HAS_ALPHA, HAS_C, ACT, xs, ws, XS, WS)  # fmt: skip
 
 
