@@ -514,3 +514,13 @@ def test_profile_on_gpu_sites_and_graph_hints(gpu_models):
         step()
     replay = gemmtune.profile(g.replay, iters=3, hints=eager.kernel_categories(), annotate=False)
     assert replay.categories["gemm"] > 0 and replay.categories["elementwise"] > 0
+
+
+def test_a_gemm_custom_op_without_readable_shapes_gives_way_to_the_gemm_inside():
+    from gemmtune.profiling.breakdown import _outer_gemm
+    from gemmtune.profiling.timeline import Node
+
+    inner = Node("aten::addmm", 0, 1, 0, 0, ((32,), (8, 64), (64, 32)), ("float",) * 3)
+    outer = Node("gemmtune::fused_moe", 0, 1, 0, 0, ((8, 64),), ("float",))
+    assert _outer_gemm([inner, outer]) is inner  # innermost first, as launch chains are
+    assert _outer_gemm([outer]) is outer  # nothing readable: still attributed to the GEMM op

@@ -7,10 +7,11 @@ from .configs import ConfigTable
 from .dispatch import get_dispatcher, resolve, set_capture, set_config, set_miss_hook_factory
 from .keys import GemmKey
 from .ops.registry import exports as _op_exports
-from .tuner.online import OnlineTuner, set_online_tuning
+from .tuner.online import from_env as _online_tuner_from_env
+from .tuner.online import set_online_tuning
 
 # Online tuning is the dispatcher's miss hook, installed before any op runs: GEMMTUNE_TUNE_ONLINE needs no call.
-set_miss_hook_factory(OnlineTuner.from_env)
+set_miss_hook_factory(_online_tuner_from_env)
 
 globals().update(_op_exports())  # the public ops and helpers, as their modules declare them (ops/registry.py)
 

@@ -193,6 +193,14 @@ class Dispatcher:
         self.clear_cache()
         return hook
 
+    def forget_runners(self, family: str) -> None:
+        """Empty the runner caches of `family`'s ops so their next calls resolve anew (a row was added).
+        Safe from another thread: dict.clear is atomic under the GIL, a call in flight keeps the runner it
+        fetched, and the shared runners stay, so resolving again rebuilds nothing."""
+        for name, c in list(self._caches.items()):
+            if name == family or name.startswith(family + "."):
+                c.clear()
+
     def clear_cache(self) -> None:
         for c in self._caches.values():
             c.clear()

@@ -8,6 +8,7 @@ import click
 
 from ..errors import GemmtuneError
 from ..tuner.candidates import MIN_GAIN, SEARCHES, TuneOptions
+from ..tuner.distributed import joined, launched_by_torchrun, tune_fleet
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
 from . import _validate as v
 
@@ -110,11 +111,14 @@ def _log(msg: str) -> None:
 )
 @click.option("--plugin", multiple=True, callback=v.plugins,
               help="Module to import (workers too) that registers more backends.")  # fmt: skip
+@click.option("--distributed/--no-distributed", default=None,
+              help="Shard the keys over the ranks of a torchrun launch, rows written by rank 0 (default: on "
+              "when torchrun's variables are set; docs/tuner.md Fleet).")  # fmt: skip
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
 @click.option("-v", "--verbose", is_flag=True, help="Per-shape and per-rejected-candidate lines.")
 def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, timeout, mp_workers, all_shapes,
             profile_file, device, family, ms, verify_range, stage_limit, search, seed, precompile, plugin,
-            progress, verbose) -> None:  # fmt: skip
+            distributed, progress, verbose) -> None:  # fmt: skip
     """Tune every shape of SHAPES (aiter's untuned CSV of any GEMM family, or a capture file) and write
     the winners into OUTPUT, a tuned table of the same family.
 
@@ -135,10 +139,28 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
     opts = TuneOptions(libtypes=libs, err_ratio=err_ratio, min_gain=min_gain, top=top, reps=reps, batch=batch,
                        seed=seed, verify_range=verify_range, stage_limit=stage_limit, search=search)  # fmt: skip
     ladder = ms
+    args = dict(
+        mp_workers=mp_workers,
+        timeout=timeout,
+        all_shapes=all_shapes,
+        profile_file=profile_file,
+        precompile=precompile,
+        progress=progress,
+        log=_log,
+        verbose=verbose,
+        family=family,
+        ms=ladder,
+    )
+    if distributed is None:
+        distributed = launched_by_torchrun()
     try:
-        report = tune_file(shapes, output, opts, dev, mp_workers=mp_workers, timeout=timeout,
-                           all_shapes=all_shapes, profile_file=profile_file, precompile=precompile,
-                           progress=progress, log=_log, verbose=verbose, family=family, ms=ladder)  # fmt: skip
+        if distributed:
+            with joined(dev.type) as fleet:
+                report = tune_fleet(shapes, output, opts, dev, fleet, **args)
+            if fleet.rank:
+                return  # rank 0 reports every rank's keys
+        else:
+            report = tune_file(shapes, output, opts, dev, **args)
     except (GemmtuneError, ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in summary_lines(report, output):

@@ -99,12 +99,16 @@ def _clip(start: float, end: float, windows: list[tuple[float, float]], starts: 
 
 
 def _outer_gemm(chain: list[Node]) -> Node | None:
-    """The outermost GEMM frame of a launch chain (innermost first): the call the user made."""
-    found = None
+    """The outermost GEMM frame of a launch chain (innermost first) whose shapes say the call: the call
+    the user made. A GEMM custom op whose inputs the table cannot read (gemmtune::fused_moe, ...) gives
+    way to the GEMM inside it; with none readable, the outermost GEMM frame."""
+    outer = readable = None
     for n in chain:
         if gemms.is_gemm_frame(n.frame):
-            found = n
-    return found
+            outer = n
+            if gemms.call_of(n.frame) is not None:
+                readable = n
+    return readable or outer
 
 
 class _Acc:

@@ -1,18 +1,22 @@
 """Online tuning, as aiter's HIP_ONLINE_TUNING and PyTorch's TunableOp offer it.
 
 With `GEMMTUNE_TUNE_ONLINE=table.csv` (or `gemmtune.set_online_tuning("table.csv")`), a key that no
-row of the tables in effect answers is tuned at its first eager call, in this process, and its row is
-appended to table.csv under the file's lock (other families go beside it: table.batched.csv ...).
-The row then serves every later call and every later run that loads the table.
+row of the tables in effect answers is tuned and its row appended to table.csv under the file's lock
+(other families go beside it: table.batched.csv ...). The row then serves every later call and every
+later run that loads the table. `GEMMTUNE_TUNE_ONLINE_MODE` (or `mode=`) says when:
+- `background` (the default): the miss is served by the default at once and the key is tuned by a
+  background thread in a worker process; the row is adopted at the key's next call outside a CUDA graph
+  capture (online_background.py);
+- `blocking`: the key is tuned at its first eager call, in this process, and that call waits for it.
 
 Never while a CUDA graph is being captured (a tuning run would be recorded into the graph) and never
-while torch.compile traces (tracing runs the ops' fake implementations, not this): such a key gets the
-default for now and is queued; the next eager miss tunes the queue first. Bounded: every key gets
-`GEMMTUNE_TUNE_ONLINE_BUDGET` seconds (default 20) for checking candidates before the screen, and
-`GEMMTUNE_TUNE_ONLINE_LIBTYPES` may restrict the backends. Off: unset the variable, set it to 0, or
-`set_online_tuning(None)`. Each tuned key logs one line.
+while torch.compile traces (tracing runs the ops' fake implementations, not this): in blocking mode such
+a key gets the default for now and is queued, and the next eager miss tunes the queue first. Bounded:
+every key gets `GEMMTUNE_TUNE_ONLINE_BUDGET` seconds (default 20) for checking candidates before the
+screen, and `GEMMTUNE_TUNE_ONLINE_LIBTYPES` may restrict the backends. Off: unset the variable, set it
+to 0, or `set_online_tuning(None)`. Each tuned key logs one line.
 
-The dispatcher knows nothing of tuning: an OnlineTuner is its miss hook (Dispatcher.set_miss_hook), and
+The dispatcher knows nothing of tuning: a tuner is its miss hook (Dispatcher.set_miss_hook), and
 `from_env` the factory the package installs (gemmtune/__init__.py), so the variables work without a call.
 """
 
@@ -36,12 +40,24 @@ log = logging.getLogger("gemmtune")
 ENV = "GEMMTUNE_TUNE_ONLINE"
 BUDGET_ENV = "GEMMTUNE_TUNE_ONLINE_BUDGET"
 LIBTYPES_ENV = "GEMMTUNE_TUNE_ONLINE_LIBTYPES"
+MODE_ENV = "GEMMTUNE_TUNE_ONLINE_MODE"
+MODES = ("background", "blocking")
 DEFAULT_BUDGET_S = 20.0
 
 
 def capturing(device: torch.device) -> bool:
     """Is a CUDA graph being captured on the current stream (no tuning may run now)?"""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def safe_point(device: torch.device) -> bool:
+    """May this thread tune a key or build a tuned runner now: no graph capture, no torch.compile trace?"""
+    return not (capturing(device) or torch.compiler.is_compiling())
+
+
+def verdict(res) -> str:
+    """What a tuned key's row says, for its log line."""
+    return "default kept" if res.kept_default else f"{res.winner.name}, {res.speedup:.2f}x"
 
 
 def _check_libtypes(libtypes) -> None:
@@ -51,8 +67,14 @@ def _check_libtypes(libtypes) -> None:
         )
 
 
-class OnlineTuner:
-    """Tunes missed keys into `path` (per family), within a time budget per key."""
+def _check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(f"gemmtune.set_online_tuning: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+class OnlineSettings:
+    """Where rows go and how long a key may take: what both modes share."""
 
     def __init__(self, path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None):
         if not isinstance(path, (str, os.PathLike)):
@@ -64,41 +86,32 @@ class OnlineTuner:
         self.path = os.path.abspath(path)
         self.budget_s = budget_s
         self.libtypes = libtypes
+
+    def table_path(self, family: Family) -> str:
+        return capture_path(self.path, family)
+
+
+class OnlineTuner:
+    """Blocking mode: tunes missed keys into `path` (per family) in the missing call, within a time budget per key."""
+
+    mode = "blocking"
+
+    def __init__(self, path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None):
+        self.settings = OnlineSettings(path, budget_s, libtypes)
+        self.path, self.budget_s, self.libtypes = self.settings.path, budget_s, libtypes
         self.queue: list[tuple[tuple, Family, torch.device]] = []
         self.tuned: list[tuple] = []
         self._busy = False
 
-    @classmethod
-    def from_env(cls, environ) -> OnlineTuner | None:
-        path = environ.get(ENV, "").strip()
-        if not path or path.lower() in ("0", "false", "no", "off"):
-            return None
-        text = environ.get(BUDGET_ENV, "").strip()
-        try:
-            budget = float(text) if text else DEFAULT_BUDGET_S
-        except ValueError:
-            budget = math.nan
-        if not 0 < budget < math.inf:
-            raise EnvVarError(f"{BUDGET_ENV}={text!r}: expected a positive number of seconds per key (default "
-                              f"{DEFAULT_BUDGET_S:g})")  # fmt: skip
-        libs = [s.strip() for s in environ.get(LIBTYPES_ENV, "").split(",") if s.strip()] or None
-        if libs:
-            known = {n for fam in backends.families_with_backends() for n in backends.all_backends(fam)}
-            unknown = [n for n in libs if n not in known]
-            if unknown:
-                raise EnvVarError(f"{LIBTYPES_ENV}={environ.get(LIBTYPES_ENV)!r}: unknown backend(s) "
-                                  f"{', '.join(unknown)} (known: {', '.join(sorted(known))})")  # fmt: skip
-        return cls(path, budget, libs)
-
     def table_path(self, family: Family) -> str:
-        return capture_path(self.path, family)
+        return self.settings.table_path(family)
 
     def on_miss(self, key, family: Family, device: torch.device, dispatcher) -> bool:
         """Called for a key no row answers. Tunes it (and the queue) now when that is safe; returns
         True when a row was added, so the caller resolves again."""
         if self._busy:
             return False
-        if capturing(device) or torch.compiler.is_compiling():
+        if not safe_point(device):
             if (key, family, device) not in self.queue:
                 self.queue.append((key, family, device))
             return False
@@ -133,17 +146,59 @@ class OnlineTuner:
         write_row(path, row)
         dispatcher.table(family.name).add(row)
         self.tuned.append(key)
-        verdict = "default kept" if res.kept_default else f"{res.winner.name}, {res.speedup:.2f}x"
         log.warning("gemmtune: tuned %s online in %.1fs: %s -> %s", family.describe(key),
-                    time.perf_counter() - t0, verdict, path)  # fmt: skip
+                    time.perf_counter() - t0, verdict(res), path)  # fmt: skip
         return True
 
 
-def set_online_tuning(path: str | None, budget_s: float | None = None,
-                      libtypes: list[str] | None = None) -> OnlineTuner | None:  # fmt: skip
-    """Python API for GEMMTUNE_TUNE_ONLINE: tune keys no table answers at their first eager call into
-    `path` (None: off, whatever the variable says); clears the runner caches."""
+def make_tuner(path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None,
+               mode: str = MODES[0]):  # fmt: skip
+    """The miss hook of `mode`: a BackgroundTuner or a (blocking) OnlineTuner."""
+    if _check_mode(mode) == "blocking":
+        return OnlineTuner(path, budget_s, libtypes)
+    from .online_background import BackgroundTuner
+
+    return BackgroundTuner(path, budget_s, libtypes)
+
+
+def from_env(environ):
+    """The miss hook the GEMMTUNE_TUNE_ONLINE* variables ask for, or None when online tuning is off."""
+    path = environ.get(ENV, "").strip()
+    if not path or path.lower() in ("0", "false", "no", "off"):
+        return None
+    text = environ.get(BUDGET_ENV, "").strip()
+    try:
+        budget = float(text) if text else DEFAULT_BUDGET_S
+    except ValueError:
+        budget = math.nan
+    if not 0 < budget < math.inf:
+        raise EnvVarError(f"{BUDGET_ENV}={text!r}: expected a positive number of seconds per key (default "
+                          f"{DEFAULT_BUDGET_S:g})")  # fmt: skip
+    libs = [s.strip() for s in environ.get(LIBTYPES_ENV, "").split(",") if s.strip()] or None
+    if libs:
+        known = {n for fam in backends.families_with_backends() for n in backends.all_backends(fam)}
+        unknown = [n for n in libs if n not in known]
+        if unknown:
+            raise EnvVarError(f"{LIBTYPES_ENV}={environ.get(LIBTYPES_ENV)!r}: unknown backend(s) "
+                              f"{', '.join(unknown)} (known: {', '.join(sorted(known))})")  # fmt: skip
+    mode = environ.get(MODE_ENV, "").strip().lower() or MODES[0]
+    if mode not in MODES:
+        raise EnvVarError(f"{MODE_ENV}={environ.get(MODE_ENV)!r}: expected one of {', '.join(MODES)} "
+                          f"(default {MODES[0]})")  # fmt: skip
+    return make_tuner(path, budget, libs, mode)
+
+
+def set_online_tuning(path: str | None, budget_s: float | None = None, libtypes: list[str] | None = None,
+                      mode: str | None = None):  # fmt: skip
+    """Python API for GEMMTUNE_TUNE_ONLINE: tune keys no table answers into `path` (None: off, whatever
+    the variable says), in the background (mode="background", the default: the default serves the miss)
+    or in the missing call (mode="blocking"); clears the runner caches. Returns the miss hook."""
     _check_libtypes(libtypes)
-    tuner = OnlineTuner(path, DEFAULT_BUDGET_S if budget_s is None else budget_s, libtypes) if path else None
-    get_dispatcher().set_miss_hook(tuner)
+    mode = MODES[0] if mode is None else _check_mode(mode)
+    dispatcher = get_dispatcher()
+    old = dispatcher._miss_hook
+    tuner = make_tuner(path, DEFAULT_BUDGET_S if budget_s is None else budget_s, libtypes, mode) if path else None
+    if old is not None and callable(getattr(old, "close", None)):
+        old.close()  # its background threads stop after their current key
+    dispatcher.set_miss_hook(tuner)
     return tuner

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..capture import read_shape_list
-from ..device import identity
+from ..device import DeviceIdentity, identity
 from ..families import Family
 from .output import append_profile, done_keys, result_row, write_row
 from .search import ShapeResult, TuneOptions, precompile_all, select_backends, tune_shape
@@ -32,8 +33,8 @@ EXIT_AFTER_ENV = "GEMMTUNE_TUNE_EXIT_AFTER"  # testing hook: os._exit after writ
 FIXED_COST = 1.0
 FLOPS_PER_COST = 1e11
 
-__all__ = ["EXIT_AFTER_ENV", "PLUGINS_ENV", "RunReport", "ShapeFailure", "describe_item", "estimated_cost",
-           "summary_lines", "tune_file"]  # fmt: skip
+__all__ = ["EXIT_AFTER_ENV", "PLUGINS_ENV", "RowSink", "RunReport", "ShapeFailure", "describe_item",
+           "estimated_cost", "summary_lines", "tune_file", "tune_items"]  # fmt: skip
 
 
 @dataclass
@@ -143,6 +144,46 @@ def stderr_is_tty() -> bool:
         return False
 
 
+def tune_items(todo: list, floors: dict, fam: Family, device: torch.device, opts: TuneOptions, mp_workers: int,
+               timeout: float, say: Callable[[str], None], verbose: bool, precompile: bool,
+               log: Callable[[str], None], compile_workers: int | None = None) -> Iterator:  # fmt: skip
+    """ShapeResult / ShapeFailure for each key of `todo` as it finishes, in worker processes (`mp_workers`)
+    or in this one; Triton kernels precompiled first on a GPU."""
+    if precompile and device.type == "cuda":
+        tp = time.perf_counter()
+        n = compile_workers or min(16, os.cpu_count() or 1)
+        fails = precompile_all(todo, device, opts, workers=n, family=fam.name)
+        log(f"gemmtune: precompiled kernels in {time.perf_counter() - tp:.1f}s ({len(fails)} did not compile)")
+    if mp_workers:
+        return run_workers(todo, device, opts, mp_workers, timeout, say, verbose=verbose, family=fam.name,
+                           describe=lambda t: fam.describe(t.key), m_lo=floors)  # fmt: skip
+    return run_inprocess(todo, device, opts, say if verbose else (lambda m: None), fam, floors)
+
+
+class RowSink:
+    """Where finished keys go: each result's row written at once (under the table's lock) for the GPU
+    that tuned it, its candidates to the profile file; thread-safe, so a fleet's receiver can share it."""
+
+    def __init__(self, output: str, fam: Family, profile_file: str | None, bar: _Progress, verbose: bool):
+        self.output, self.fam, self.profile_file, self.bar, self.verbose = output, fam, profile_file, bar, verbose
+        self.results: list[ShapeResult] = []
+        self.failures: list[ShapeFailure] = []
+        self.lock = threading.Lock()
+
+    def take(self, item, ident: DeviceIdentity) -> None:
+        with self.lock:
+            if isinstance(item, ShapeResult):
+                write_row(self.output, result_row(item, ident, self.fam))
+                if self.profile_file:
+                    append_profile(self.profile_file, item, ident, self.fam)
+                self.results.append(item)
+            else:
+                self.failures.append(item)
+            if self.verbose:
+                self.bar.say(describe_item(item))
+            self.bar.done(item)
+
+
 def tune_file(
     shapes_path: str,
     output: str,
@@ -176,47 +217,17 @@ def tune_file(
         return RunReport([], [], skipped, time.perf_counter() - t0, fam.name)
     log(f"gemmtune: tuning {len(todo)} {fam.name} keys on {device} ({ident.gfx}, {ident.cu_num} units) with "
         f"{', '.join(chosen)}{f' in {mp_workers} worker(s)' if mp_workers else ''}")  # fmt: skip
-    if precompile and device.type == "cuda":
-        tp = time.perf_counter()
-        fails = precompile_all(todo, device, opts, workers=min(16, os.cpu_count() or 1), family=fam.name)
-        log(f"gemmtune: precompiled kernels in {time.perf_counter() - tp:.1f}s ({len(fails)} did not compile)")
     exit_after = int(os.environ.get(EXIT_AFTER_ENV, "0") or 0)
     bar = _Progress(fam, todo, progress, log)
-    say = bar.say
-    gen: Iterator = (
-        run_workers(
-            todo,
-            device,
-            opts,
-            mp_workers,
-            timeout,
-            say,
-            verbose=verbose,
-            family=fam.name,
-            describe=lambda t: fam.describe(t.key),
-            m_lo=floors,
-        )  # fmt: skip
-        if mp_workers
-        else run_inprocess(todo, device, opts, say if verbose else (lambda m: None), fam, floors)
-    )
-    results, failures, written = [], [], 0
+    sink = RowSink(output, fam, profile_file, bar, verbose)
+    gen = tune_items(todo, floors, fam, device, opts, mp_workers, timeout, bar.say, verbose, precompile, log)
     try:
         for item in gen:
-            if isinstance(item, ShapeResult):
-                write_row(output, result_row(item, ident, fam))
-                if profile_file:
-                    append_profile(profile_file, item, ident, fam)
-                results.append(item)
-                written += 1
-                if exit_after and written >= exit_after:
-                    os._exit(17)
-            else:
-                failures.append(item)
-            if verbose:
-                say(describe_item(item))
-            bar.done(item)
+            sink.take(item, ident)
+            if exit_after and len(sink.results) >= exit_after:
+                os._exit(17)
     finally:
         bar.close()
         if hasattr(gen, "close"):
             gen.close()
-    return RunReport(results, failures, skipped, time.perf_counter() - t0, fam.name)
+    return RunReport(sink.results, sink.failures, skipped, time.perf_counter() - t0, fam.name)

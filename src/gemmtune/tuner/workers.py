@@ -170,6 +170,8 @@ class _Worker:
 
 def worker_devices(device: torch.device, n: int) -> list[str]:
     if device.type == "cuda":
+        if device.index is not None and n == 1:  # a given GPU (a torch.distributed rank's own)
+            return [str(device)]
         count = torch.cuda.device_count()
         if n > count:
             raise ValueError(f"--mp {n} asks for more workers than GPUs here ({count})")
