@@ -409,6 +409,12 @@ OP_CASES = [
         ValueError,
         r"budget_s .* got '5'",
     ),
+    (
+        "set_online_tuning mode",
+        lambda: gemmtune.set_online_tuning("x.csv", mode="async"),
+        ValueError,
+        r"mode must be one of background, blocking, got 'async'",
+    ),
     ("set_online_tuning path int", lambda: gemmtune.set_online_tuning(5), TypeError, r"path must be a str"),
     (
         "set_online_tuning libtypes str",
@@ -505,6 +511,12 @@ ENV_CASES = [
         {"GEMMTUNE_TUNE_ONLINE": "o.csv", "GEMMTUNE_TUNE_ONLINE_BUDGET": "inf"},
         EnvVarError,
         r"GEMMTUNE_TUNE_ONLINE_BUDGET='inf'",
+    ),
+    (
+        "online mode unknown",
+        {"GEMMTUNE_TUNE_ONLINE": "o.csv", "GEMMTUNE_TUNE_ONLINE_MODE": "lazy"},
+        EnvVarError,
+        r"GEMMTUNE_TUNE_ONLINE_MODE='lazy': expected one of background, blocking",
     ),
     (
         "online libtypes unknown",

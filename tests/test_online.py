@@ -13,44 +13,55 @@ import torch
 import gemmtune
 from gemmtune.configs import read_table_file
 from gemmtune.keys import GemmKey
-from gemmtune.tuner import online
+from gemmtune.tuner import online, online_common
 
 CPU = torch.device("cpu")
 
 
-def test_a_model_run_fills_the_table_and_a_second_run_reuses_it(tmp_path):
+@pytest.mark.parametrize("mode", ["background", "blocking"])
+def test_a_model_run_fills_the_table_and_a_second_run_reuses_it(tmp_path, mode):
+    """Both modes end with the same rows, in the file and in effect; background mode tunes in a worker
+    process (the run waits for it only to check the outcome)."""
     table = tmp_path / "online.csv"
     script = (
         "import torch, gemmtune\n"
         "torch.manual_seed(0)\n"
         "m = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))\n"
         "x = torch.randn(5, 32)\n"
+        "def run():\n"
+        "    return gemmtune.gemm(torch.relu(gemmtune.gemm(x, m[0].weight, m[0].bias)), m[2].weight, m[2].bias)\n"
         "for _ in range(3):\n"
-        "    y = gemmtune.gemm(torch.relu(gemmtune.gemm(x, m[0].weight, m[0].bias)), m[2].weight, m[2].bias)\n"
+        "    y = run()\n"
         "assert torch.allclose(y, m(x), atol=1e-5)\n"
-        "print(len(gemmtune.get_dispatcher().miss_hook().tuned))\n"
+        "hook = gemmtune.get_dispatcher().miss_hook()\n"
+        "assert hook.mode == " + repr(mode) + "\n"
+        "if hook.mode == 'background':\n"
+        "    assert hook.wait(240)\n"
+        "assert torch.allclose(run(), m(x), atol=1e-5)\n"
+        "print(len(hook.tuned), len(gemmtune.get_dispatcher().table()))\n"
     )
-    env = {**os.environ, "GEMMTUNE_TUNE_ONLINE": str(table), "GEMMTUNE_TUNE_ONLINE_BUDGET": "5"}
+    env = {**os.environ, "GEMMTUNE_TUNE_ONLINE": str(table), "GEMMTUNE_TUNE_ONLINE_BUDGET": "5",
+           "GEMMTUNE_TUNE_ONLINE_MODE": mode}  # fmt: skip
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.strip() == "2" and first.stderr.count("tuned") == 2 and "online" in first.stderr
+    assert first.stdout.strip() == "2 2" and first.stderr.count("tuned") == 2 and "online" in first.stderr
     rows = read_table_file(str(table)).rows
     assert {(r.key.M, r.key.N, r.key.K, r.key.bias) for r in rows} == {(5, 48, 32, True), (5, 16, 48, True)}
     env["GEMMTUNE_CONFIG"] = str(table)  # the tuned table in effect: nothing left to tune
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0 and second.stdout.strip() == "0", second.stderr
+    assert second.returncode == 0 and second.stdout.strip() == "0 2", second.stderr
     assert len(read_table_file(str(table)).rows) == 2
 
 
 def test_no_tuning_while_a_graph_is_captured_then_the_queue_is_tuned(tmp_path, monkeypatch):
     table = tmp_path / "online.csv"
-    tuner = gemmtune.set_online_tuning(str(table), budget_s=5)
-    monkeypatch.setattr(online, "capturing", lambda device: True)
+    tuner = gemmtune.set_online_tuning(str(table), budget_s=5, mode="blocking")
+    monkeypatch.setattr(online_common, "capturing", lambda device: True)
     w = torch.randn(24, 16)
     y = gemmtune.gemm(torch.randn(3, 16), w)  # "inside a capture": default now, key queued
     assert y.shape == (3, 24) and not table.exists()
     assert [k for k, _, _ in tuner.queue] == [GemmKey(3, 24, 16, False, torch.float32, torch.float32)]
-    monkeypatch.setattr(online, "capturing", lambda device: False)
+    monkeypatch.setattr(online_common, "capturing", lambda device: False)
     gemmtune.gemm(torch.randn(7, 16), w)  # the next eager miss tunes the queue, then itself
     assert not tuner.queue and [r.key.M for r in read_table_file(str(table)).rows] == [3, 7]
 
@@ -62,6 +73,9 @@ def test_off_switches(monkeypatch, tmp_path):
         d._miss_hook, d._miss_hook_from_env = None, True
         assert d.miss_hook() is None
     monkeypatch.setenv("GEMMTUNE_TUNE_ONLINE", str(tmp_path / "t.csv"))
+    d._miss_hook, d._miss_hook_from_env = None, True
+    assert d.miss_hook().mode == "background"
+    monkeypatch.setenv("GEMMTUNE_TUNE_ONLINE_MODE", "blocking")
     d._miss_hook, d._miss_hook_from_env = None, True
     assert isinstance(d.miss_hook(), online.OnlineTuner)
     gemmtune.set_online_tuning(None)
@@ -98,7 +112,7 @@ def test_the_dispatcher_asks_any_miss_hook_once_per_new_key_except_while_quiet()
 @pytest.mark.slow
 def test_graph_capture_in_online_mode_neither_tunes_nor_breaks(gpu, tmp_path):
     table = tmp_path / "online.csv"
-    tuner = gemmtune.set_online_tuning(str(table), budget_s=10)
+    tuner = gemmtune.set_online_tuning(str(table), budget_s=10, mode="blocking")
     x = torch.randn(6, 512, device=gpu, dtype=torch.bfloat16)
     w = torch.randn(768, 512, device=gpu, dtype=torch.bfloat16) / 23
     stream = torch.cuda.Stream()

@@ -24,71 +24,23 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 import torch
 
 from .. import backends
-from ..capture import capture_path
 from ..device import identity
 from ..dispatch import get_dispatcher
 from ..errors import EnvVarError
 from ..families import Family
+from . import online_common
+from .online_common import DEFAULT_BUDGET_S, MODES, check_libtypes, check_mode
 
 log = logging.getLogger("gemmtune")
 ENV = "GEMMTUNE_TUNE_ONLINE"
 BUDGET_ENV = "GEMMTUNE_TUNE_ONLINE_BUDGET"
 LIBTYPES_ENV = "GEMMTUNE_TUNE_ONLINE_LIBTYPES"
 MODE_ENV = "GEMMTUNE_TUNE_ONLINE_MODE"
-MODES = ("background", "blocking")
-DEFAULT_BUDGET_S = 20.0
-
-
-def capturing(device: torch.device) -> bool:
-    """Is a CUDA graph being captured on the current stream (no tuning may run now)?"""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def safe_point(device: torch.device) -> bool:
-    """May this thread tune a key or build a tuned runner now: no graph capture, no torch.compile trace?"""
-    return not (capturing(device) or torch.compiler.is_compiling())
-
-
-def verdict(res) -> str:
-    """What a tuned key's row says, for its log line."""
-    return "default kept" if res.kept_default else f"{res.winner.name}, {res.speedup:.2f}x"
-
-
-def _check_libtypes(libtypes) -> None:
-    if libtypes is not None and (isinstance(libtypes, str) or not all(isinstance(x, str) for x in libtypes)):
-        raise TypeError(
-            f"gemmtune.set_online_tuning: libtypes must be a list of backend names or None, got {libtypes!r}"
-        )
-
-
-def _check_mode(mode) -> str:
-    if mode not in MODES:
-        raise ValueError(f"gemmtune.set_online_tuning: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
-
-
-class OnlineSettings:
-    """Where rows go and how long a key may take: what both modes share."""
-
-    def __init__(self, path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None):
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"gemmtune.set_online_tuning: path must be a str or None, got {type(path).__name__}")
-        _check_libtypes(libtypes)
-        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
-            raise ValueError(f"gemmtune.set_online_tuning: budget_s must be a positive number of seconds, "
-                             f"got {budget_s!r}")  # fmt: skip
-        self.path = os.path.abspath(path)
-        self.budget_s = budget_s
-        self.libtypes = libtypes
-
-    def table_path(self, family: Family) -> str:
-        return capture_path(self.path, family)
 
 
 class OnlineTuner:
@@ -97,7 +49,7 @@ class OnlineTuner:
     mode = "blocking"
 
     def __init__(self, path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None):
-        self.settings = OnlineSettings(path, budget_s, libtypes)
+        self.settings = online_common.OnlineSettings(path, budget_s, libtypes)
         self.path, self.budget_s, self.libtypes = self.settings.path, budget_s, libtypes
         self.queue: list[tuple[tuple, Family, torch.device]] = []
         self.tuned: list[tuple] = []
@@ -111,7 +63,7 @@ class OnlineTuner:
         True when a row was added, so the caller resolves again."""
         if self._busy:
             return False
-        if not safe_point(device):
+        if not online_common.safe_point(device):
             if (key, family, device) not in self.queue:
                 self.queue.append((key, family, device))
             return False
@@ -147,14 +99,14 @@ class OnlineTuner:
         dispatcher.table(family.name).add(row)
         self.tuned.append(key)
         log.warning("gemmtune: tuned %s online in %.1fs: %s -> %s", family.describe(key),
-                    time.perf_counter() - t0, verdict(res), path)  # fmt: skip
+                    time.perf_counter() - t0, online_common.verdict(res), path)  # fmt: skip
         return True
 
 
 def make_tuner(path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None,
                mode: str = MODES[0]):  # fmt: skip
     """The miss hook of `mode`: a BackgroundTuner or a (blocking) OnlineTuner."""
-    if _check_mode(mode) == "blocking":
+    if check_mode(mode) == "blocking":
         return OnlineTuner(path, budget_s, libtypes)
     from .online_background import BackgroundTuner
 
@@ -193,8 +145,8 @@ def set_online_tuning(path: str | None, budget_s: float | None = None, libtypes:
     """Python API for GEMMTUNE_TUNE_ONLINE: tune keys no table answers into `path` (None: off, whatever
     the variable says), in the background (mode="background", the default: the default serves the miss)
     or in the missing call (mode="blocking"); clears the runner caches. Returns the miss hook."""
-    _check_libtypes(libtypes)
-    mode = MODES[0] if mode is None else _check_mode(mode)
+    check_libtypes(libtypes)
+    mode = MODES[0] if mode is None else check_mode(mode)
     dispatcher = get_dispatcher()
     old = dispatcher._miss_hook
     tuner = make_tuner(path, DEFAULT_BUDGET_S if budget_s is None else budget_s, libtypes, mode) if path else None
