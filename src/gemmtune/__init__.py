@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import tuned_gemm
 from .configs import ConfigTable
-from .dispatch import get_dispatcher, resolve, set_capture, set_config, set_miss_hook_factory
+from .dispatch import check_tables_agree, get_dispatcher, resolve, set_capture, set_config, set_miss_hook_factory
 from .keys import GemmKey
 from .ops.registry import exports as _op_exports
 from .tuner.online import from_env as _online_tuner_from_env
@@ -38,6 +38,7 @@ def __getattr__(name):
 
 __all__ = [
     "ConfigTable",
+    "check_tables_agree",
     "GemmKey",
     "get_dispatcher",
     "load_config",

@@ -30,7 +30,7 @@ from .capture import CaptureSet, ShapeCapture
 from .configs.schema import TunedRow
 from .configs.table import ConfigStore, ConfigTable
 from .device import identity
-from .errors import GemmtuneError
+from .errors import ConfigError, GemmtuneError
 from .families import Family
 from .families.base import positive_int
 from .plugins import import_plugins
@@ -134,12 +134,15 @@ class Dispatcher:
     def table(self, family: str = A16W16) -> ConfigTable:
         return self.store().table(family)
 
-    def set_config(self, config: ConfigStore | ConfigTable | str | list[str] | None) -> ConfigStore:
+    def set_config(self, config: ConfigStore | ConfigTable | str | list[str] | None, group=None) -> ConfigStore:
         """Use `config` from now on: a store, one family's table, paths (each file to its family), or
-        None for no tables; clears the runner caches."""
+        None for no tables; clears the runner caches. Under torch.distributed every rank of `group` (None:
+        the default group) must call it, and it raises, changing nothing, unless all their tables agree."""
         if config is not None and not isinstance(config, (ConfigStore, ConfigTable, str, os.PathLike, list)):
             raise TypeError(f"gemmtune.set_config: config must be a path, a list of paths, a ConfigStore, a "
                             f"ConfigTable or None, got {type(config).__name__}")  # fmt: skip
+        if group is not None and not _distributed():
+            raise ValueError(f"gemmtune.set_config: group={group!r} given but torch.distributed is not initialized")
         if isinstance(config, os.PathLike):
             config = os.fspath(config)
         if isinstance(config, (str, list)):
@@ -147,10 +150,20 @@ class Dispatcher:
         elif isinstance(config, ConfigTable):
             table, config = config, ConfigStore()
             config.tables[table.family.name] = table
-        self._store = config if config is not None else ConfigStore()
+        config = config if config is not None else ConfigStore()
+        if _distributed():
+            check_stores_agree(config, group)
+        self._store = config
         self._store_from_env = False
         self.clear_cache()
         return self._store
+
+    def check_tables_agree(self, group=None) -> None:
+        """Raise unless every rank of `group` (None: the default group) has the same tables in effect;
+        a collective: every rank calls it (once, after loading tables: never on the hot path)."""
+        if not _distributed():
+            raise ValueError("gemmtune.check_tables_agree: torch.distributed is not initialized")
+        check_stores_agree(self.store(), group)
 
     def capture(self, family: Family | None = None) -> ShapeCapture | None:
         if self._capture is None and self._capture_from_env:
@@ -291,6 +304,35 @@ class Dispatcher:
         return run
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def check_stores_agree(store: ConfigStore, group=None) -> None:
+    """Raise ConfigError naming the ranks of `group` whose tables differ (by what dispatch would run) and
+    their files: tensor-parallel ranks that pick different kernels for one key drift apart."""
+    dist = torch.distributed
+    mine = {name: (tab.digest(), tab.files) for name, tab in sorted(store.tables.items()) if len(tab)}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
+    differ = []
+    for name in sorted({n for tables in everyone for n in tables}):
+        sides: dict[str, list[int]] = {}
+        for rank, tables in zip(ranks, everyone):
+            sides.setdefault(tables.get(name, ("", []))[0], []).append(rank)
+        if len(sides) > 1:
+            parts = []
+            for members in sides.values():
+                files = everyone[ranks.index(members[0])].get(name, ("", []))[1]
+                parts.append(f"rank{'s' if len(members) > 1 else ''} {','.join(map(str, members))} "
+                             f"({', '.join(files) or 'no table'})")  # fmt: skip
+            differ.append(f"{name}: {' vs '.join(parts)}")
+    if differ:
+        raise ConfigError("gemmtune: tuned tables differ across ranks (they could run different kernels for one "
+                          f"key): {'; '.join(differ)}")  # fmt: skip
+
+
 def _env_capture(path: str) -> CaptureSet:
     try:
         return CaptureSet(path)
@@ -311,9 +353,17 @@ def get_dispatcher() -> Dispatcher:
     return _dispatcher
 
 
-def set_config(config: ConfigStore | ConfigTable | str | list[str] | None) -> ConfigStore:
-    """Python API for the GEMMTUNE_CONFIG* variables: a store, a table, a path or paths, or None."""
-    return _dispatcher.set_config(config)
+def set_config(config: ConfigStore | ConfigTable | str | list[str] | None, group=None) -> ConfigStore:
+    """Python API for the GEMMTUNE_CONFIG* variables: a store, a table, a path or paths, or None. Under
+    torch.distributed, a collective that checks every rank of `group` has the same tables (see
+    check_tables_agree)."""
+    return _dispatcher.set_config(config, group)
+
+
+def check_tables_agree(group=None) -> None:
+    """Under torch.distributed: raise ConfigError, naming ranks and files, unless every rank of `group` (None:
+    the default group) has the same tables in effect (GEMMTUNE_CONFIG* or set_config's). Every rank calls it."""
+    _dispatcher.check_tables_agree(group)
 
 
 def set_capture(path: str | None) -> CaptureSet | None:

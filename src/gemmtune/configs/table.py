@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import hashlib
 import logging
 import math
 import os
@@ -290,6 +291,13 @@ class ConfigTable:
             if lo <= m <= hi:
                 return row
         return None
+
+    def digest(self) -> str:
+        """A fingerprint of what the rows make dispatch run (key, GPU, M range, solution), not of their
+        timings or file text: two tables with equal digests pick the same kernel for every key."""
+        rows = sorted(repr((r.full_key, r.m_lo, r.m_hi, r.libtype, r.solidx, r.splitk, r.kernel_name))
+                      for r in self._rows.values())  # fmt: skip
+        return hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
     # ---- writing --------------------------------------------------------------------------
     def write(self, path: str, columns: list[str] | None = None) -> None:

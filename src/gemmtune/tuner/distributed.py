@@ -1,0 +1,247 @@
+"""`gemmtune tune` over torch.distributed: one launch (torchrun) tunes a shape list on every rank's GPU.
+
+Rank 0 reads the shape list and the output table, learns every rank's GPU (gfx, cu_num), and deals each
+kind's untuned keys to the ranks of that kind (largest expected cost first, to the least loaded rank).
+Each rank tunes its share on its own device (cuda:LOCAL_RANK under a crash-isolating worker, or the CPU
+in-process) and sends every finished key to rank 0, which writes its row for the sender's GPU at once,
+through the same sink as a 1-process run (table lock, atomic rewrite). A rank that dies loses only its
+unfinished keys: the output holds every row written so far, and the restarted launch skips them.
+
+Objects travel over a gloo group (the default one on CPUs, a gloo group beside NCCL on GPUs): rank 0
+receives from any rank as keys finish, which NCCL's point-to-point cannot do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import families
+from ..device import DeviceIdentity, identity
+from .output import done_keys
+from .runner import RowSink, RunReport, _Progress, estimated_cost, load_keys, range_floors, tune_items
+from .search import TuneOptions, select_backends
+from .workers import import_plugins
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# A gap between two messages is one key's tuning, or a rank's precompile before its first: generous.
+CONTROL_TIMEOUT = timedelta(hours=2)
+
+
+def launched_by_torchrun(environ=os.environ) -> bool:
+    """True when torchrun (or another launcher setting its variables) started this process."""
+    return all(environ.get(v) for v in TORCHRUN_ENV)
+
+
+@dataclass
+class Fleet:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    control: object  # the gloo process group objects travel over
+
+
+@contextlib.contextmanager
+def joined(device_type: str, environ=os.environ) -> Iterator[Fleet]:
+    """Join the launch's process group (NCCL on GPUs, gloo on CPUs) and leave it at the end."""
+    missing = [v for v in TORCHRUN_ENV if not environ.get(v)]
+    if missing:
+        raise RuntimeError(f"--distributed: {', '.join(missing)} not set; launch with torchrun")
+    local_rank = int(environ["LOCAL_RANK"])
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=CONTROL_TIMEOUT)
+    try:
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if cuda else dist.group.WORLD
+        yield Fleet(dist.get_rank(), dist.get_world_size(), local_rank,
+                    int(environ.get("LOCAL_WORLD_SIZE", "1")), control)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_device(device: torch.device, fleet: Fleet) -> torch.device:
+    """A rank tunes on its own GPU (cuda:LOCAL_RANK); on a CPU every rank uses the CPU."""
+    return torch.device("cuda", fleet.local_rank) if device.type == "cuda" else device
+
+
+def deal(keys: list, costs: dict, ranks: list[int]) -> dict[int, list]:
+    """Each rank's keys: the most expensive first, each to the least loaded rank (ties: the lower rank);
+    every share keeps the list's order."""
+    load = dict.fromkeys(ranks, 0.0)
+    owner = {}
+    for i in sorted(range(len(keys)), key=lambda i: (-costs[keys[i]], i)):
+        r = min(ranks, key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[keys[i]]
+    return {r: [k for i, k in enumerate(keys) if owner[i] == r] for r in ranks}
+
+
+@dataclass
+class Plan:
+    """What rank 0 decided: the family, each rank's keys with their M floors, and what was skipped."""
+
+    family: str
+    shares: dict[int, list] = field(default_factory=dict)
+    floors: dict[int, dict] = field(default_factory=dict)
+    skipped: int = 0
+    lines: list[str] = field(default_factory=list)
+
+
+def make_plan(fam, keys: list, idents: list[DeviceIdentity], output: str, all_shapes: bool) -> Plan:
+    """Per GPU kind among the ranks: the keys without a row for it in `output`, dealt to that kind's ranks."""
+    plan = Plan(fam.name)
+    kinds: dict[DeviceIdentity, list[int]] = {}
+    for r, ident in enumerate(idents):
+        kinds.setdefault(ident, []).append(r)
+    for ident, ranks in kinds.items():
+        tuned = done_keys(output, ident, fam)
+        todo = [k for k in keys if all_shapes or k not in tuned]
+        floors = range_floors(fam, keys, list(tuned))
+        plan.skipped += len(keys) - len(todo)
+        if len(todo) < len(keys):
+            plan.lines.append(f"gemmtune: {len(keys) - len(todo)} of {len(keys)} shapes already tuned in {output} "
+                              f"for {ident.gfx}/{ident.cu_num} ({fam.name}; skipped, --all retunes them)")  # fmt: skip
+        shares = deal(todo, {k: estimated_cost(fam, k) for k in todo}, ranks)
+        for r in ranks:
+            plan.shares[r] = shares[r]
+            plan.floors[r] = {k: floors[k] for k in shares[r]}
+        if todo:
+            plan.lines.append(f"gemmtune: tuning {len(todo)} {fam.name} keys on {len(ranks)} rank(s) of "
+                              f"{ident.gfx} ({ident.cu_num} units)")  # fmt: skip
+    return plan
+
+
+def _broadcast(obj, fleet: Fleet):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=fleet.control)
+    return box[0]
+
+
+def _gather(obj, fleet: Fleet) -> list:
+    out = [None] * fleet.world
+    dist.all_gather_object(out, obj, group=fleet.control)
+    return out
+
+
+def _send_to_rank0(item, fleet: Fleet) -> None:
+    """One finished key (None: this rank is done) to rank 0: its length, then its pickled bytes."""
+    data = b"" if item is None else pickle.dumps(item)
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=0, group=fleet.control)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=0, group=fleet.control)
+
+
+def _receive_any(fleet: Fleet) -> tuple[int, object]:
+    """The next message from whichever rank sends first (the object collectives need a known sender)."""
+    size = torch.empty(1, dtype=torch.int64)
+    sender = dist.recv(size, src=None, group=fleet.control)
+    if not size.item():
+        return sender, None
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src=sender, group=fleet.control)
+    return sender, pickle.loads(data.numpy().tobytes())
+
+
+def _attempt(fn):
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
+        return None, str(exc) or type(exc).__name__
+
+
+def _on_every_rank(fleet: Fleet, fn):
+    """fn() on every rank; the first rank's error, naming it, raised on all of them."""
+    value, err = _attempt(fn)
+    errors = _gather(err, fleet)
+    for r, e in enumerate(errors):
+        if e:
+            raise RuntimeError(f"rank {r}: {e}")
+    return value
+
+
+def _from_rank0(fleet: Fleet, fn):
+    """fn() on rank 0, its value (or its error, raised) on every rank."""
+    value, err = _attempt(fn) if fleet.rank == 0 else (None, None)
+    value, err = _broadcast((value, err), fleet)
+    if err:
+        raise RuntimeError(err)
+    return value
+
+
+def _receive(fleet: Fleet, sink: RowSink, idents: list[DeviceIdentity], failed: list) -> None:
+    """Rank 0: every other rank's finished keys, written as they come, until each sent its end."""
+    open_ranks = set(range(1, fleet.world))
+    try:
+        while open_ranks:
+            sender, item = _receive_any(fleet)
+            if item is None:
+                open_ranks.discard(sender)
+            else:
+                sink.take(item, idents[sender])
+    except Exception as exc:  # noqa: BLE001 - re-raised by the main thread
+        failed.append(f"receiving rows from ranks {sorted(open_ranks)}: {type(exc).__name__}: {exc}")
+
+
+def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.device, fleet: Fleet,
+               mp_workers: int = 0, timeout: float = 60.0, all_shapes: bool = False,
+               profile_file: str | None = None, precompile: bool = True,
+               log: Callable[[str], None] = print, progress: bool = True, verbose: bool = False,
+               family: str | None = None, ms: list[int] | None = None) -> RunReport:  # fmt: skip
+    """This rank's part of a distributed `tune`; rank 0's report covers every rank's keys."""
+    t0 = time.perf_counter()
+    if mp_workers > 1:
+        raise ValueError(f"--mp {mp_workers}: under torch.distributed each rank tunes on its own device; use 0 or 1")
+    dev = rank_device(device, fleet)
+    _on_every_rank(fleet, import_plugins)  # before any key of a plugin family is unpickled
+
+    def read_list():
+        fam, keys = load_keys(shapes_path, family, ms)
+        return fam.name, keys
+
+    fam_name, keys = _from_rank0(fleet, read_list)
+    fam = families.get(fam_name)
+    ident = _on_every_rank(fleet, lambda: (select_backends(dev, opts.libtypes, fam_name), identity(dev))[1])
+    idents = _gather(ident, fleet)
+    plan = _from_rank0(fleet, lambda: make_plan(fam, keys, idents, output, all_shapes))
+    if fleet.rank == 0:
+        for line in plan.lines:
+            log(line)
+    mine = plan.shares[fleet.rank]
+    compile_workers = max(1, min(16, (os.cpu_count() or 1) // max(1, fleet.local_world)))
+    quiet = log if fleet.rank == 0 else (lambda m: None)
+    if fleet.rank == 0:
+        everything = [k for r in sorted(plan.shares) for k in plan.shares[r]]
+        bar = _Progress(fam, everything, progress, log)
+        sink = RowSink(output, fam, profile_file, bar, verbose)
+        failed: list[str] = []
+        receiver = threading.Thread(target=_receive, args=(fleet, sink, idents, failed), daemon=True)
+        receiver.start()
+        try:
+            for item in tune_items(mine, plan.floors[0], fam, dev, opts, mp_workers, timeout, bar.say, verbose,
+                                   precompile, quiet, compile_workers):  # fmt: skip
+                sink.take(item, ident)
+            receiver.join()
+        finally:
+            bar.close()
+        if failed:
+            raise RuntimeError(failed[0])
+        dist.barrier(group=fleet.control)
+        return RunReport(sink.results, sink.failures, plan.skipped, time.perf_counter() - t0, fam.name)
+    say = (lambda m: log(f"[rank {fleet.rank}] {m}")) if verbose else (lambda m: None)
+    for item in tune_items(mine, plan.floors[fleet.rank], fam, dev, opts, mp_workers, timeout, say, verbose,
+                           precompile, quiet, compile_workers):  # fmt: skip
+        _send_to_rank0(item, fleet)
+    _send_to_rank0(None, fleet)
+    dist.barrier(group=fleet.control)
+    return RunReport([], [], 0, time.perf_counter() - t0, fam.name)

@@ -1,0 +1,201 @@
+"""`gemmtune tune` over torch.distributed (torchrun, gloo on the CPU) and the rank-consistency check of the
+tables in effect."""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from click.testing import CliRunner
+
+from gemmtune.cli.main import cli
+from gemmtune.configs.table import read_table_file
+from gemmtune.errors import ConfigError
+from gemmtune.tuner.distributed import deal, launched_by_torchrun
+from gemmtune.tuner.runner import PLUGINS_ENV, tune_file
+from gemmtune.tuner.search import TuneOptions
+
+MODELS = os.path.join(os.path.dirname(__file__), "data", "models")
+TIMED = {"us", "tflops", "bw", "err_ratio"}  # measured columns: the rest is what a run decides
+# A backend with no candidates that kills rank 1 hard at that rank's second key (when RANK_DEATH is set).
+RANK_DEATH = textwrap.dedent(
+    """
+    import os
+    from gemmtune import backends
+    from gemmtune.backends.base import Backend
+
+    SEEN = set()
+
+    class RankDeath(Backend):
+        name = "rankdeath"
+
+        def is_available(self, device):
+            return True
+
+        def candidates(self, key, device):
+            SEEN.add(key)
+            if os.environ.get("RANK_DEATH") and os.environ.get("RANK") == "1" and len(SEEN) > 1:
+                os._exit(9)
+            return []
+
+        def solution_from_row(self, solidx, kernel_name, splitk):
+            return None
+
+        def supports(self, solution, key, device):
+            return False
+
+        def make_runner(self, sol, key, device):
+            raise NotImplementedError
+
+    backends.register(RankDeath())
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_llama_shapes(tmp_path) -> str:
+    path = str(tmp_path / "shapes.csv")
+    res = CliRunner().invoke(cli, ["shapes", "--model", os.path.join(MODELS, "tiny-llama.json"), "-o", path])
+    assert res.exit_code == 0, res.output
+    return path
+
+
+def torchrun(*args, env=None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "gemmtune.cli.main", *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+
+
+def decided(path) -> list[dict]:
+    """The table's rows without their timings, in key order."""
+    with open(path, newline="") as fh:
+        rows = [{c: v for c, v in r.items() if c not in TIMED} for r in csv.DictReader(fh)]
+    return sorted(rows, key=lambda r: (int(r["N"]), int(r["K"]), int(r["M"])))
+
+
+def test_launched_by_torchrun_needs_all_its_variables():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert launched_by_torchrun(env)
+    assert not launched_by_torchrun({**env, "MASTER_PORT": ""}) and not launched_by_torchrun({})
+
+
+def test_deal_balances_expected_cost_and_keeps_list_order():
+    costs = {"a": 8.0, "b": 1.0, "c": 4.0, "d": 4.0, "e": 1.0}
+    shares = deal(list(costs), costs, [0, 1])
+    assert shares == {0: ["a", "b"], 1: ["c", "d", "e"]}  # loads 9 and 9
+    assert deal(["a"], costs, [0, 3]) == {0: ["a"], 3: []}
+
+
+def test_two_ranks_write_the_table_one_process_writes(tmp_path):
+    shapes = tiny_llama_shapes(tmp_path)
+    one, two = tmp_path / "one.csv", tmp_path / "two.csv"
+    opts = TuneOptions(libtypes=["torch"], reps=5, screen_reps=5)
+    tune_file(shapes, str(one), opts, torch.device("cpu"), progress=False, log=lambda m: None)
+    p = torchrun("tune", shapes, "-o", str(two), "--libtype", "torch", "--reps", "5", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "on 2 rank(s) of cpu" in p.stderr
+    assert decided(two) == decided(one) and len(decided(one)) > 20
+    assert read_table_file(str(two)).rows  # a valid table of the family
+    # Everything is tuned: a rerun over two ranks skips every key.
+    p = torchrun("tune", shapes, "-o", str(two), "--libtype", "torch", "--reps", "5", "--no-progress")
+    assert p.returncode == 0 and "already tuned" in p.stderr, p.stderr[-3000:]
+
+
+def test_a_killed_rank_leaves_a_table_the_restart_completes(tmp_path, monkeypatch):
+    (tmp_path / "rank_death.py").write_text(RANK_DEATH)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+           PLUGINS_ENV: "rank_death"}  # fmt: skip
+    shapes = tiny_llama_shapes(tmp_path)
+    out = tmp_path / "t.csv"
+    args = ("tune", shapes, "-o", str(out), "--libtype", "torch,rankdeath", "--reps", "5", "--no-progress")
+    p = torchrun(*args, env={**env, "RANK_DEATH": "1"})
+    assert p.returncode != 0  # rank 1 died at its second key; torchrun stopped rank 0
+    p = torchrun(*args, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(shapes, newline="") as fh:
+        listed = {(r["M"], r["N"], r["K"]) for r in csv.DictReader(fh)}
+    assert {(r["M"], r["N"], r["K"]) for r in decided(out)} == listed
+    assert not list(tmp_path.glob(".gemmtune-*"))  # no temp files left behind
+
+
+def test_distributed_refuses_more_than_one_worker_per_rank(tmp_path):
+    shapes = tiny_llama_shapes(tmp_path)
+    p = torchrun("tune", shapes, "-o", str(tmp_path / "t.csv"), "--mp", "2", "--no-progress")
+    assert p.returncode != 0 and "--mp 2: under torch.distributed" in p.stderr
+
+
+def test_distributed_without_torchrun_names_what_is_missing(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    shapes = tiny_llama_shapes(tmp_path)
+    res = CliRunner().invoke(cli, ["tune", shapes, "-o", str(tmp_path / "t.csv"), "--distributed"])
+    assert res.exit_code != 0 and "--distributed: RANK, WORLD_SIZE" in res.output
+
+
+# ---- the tables every rank has in effect ---------------------------------------------------------------
+HEADER = "gfx,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,kernelName\n"
+
+
+def table(path, m: int, us: float) -> str:
+    path.write_text(HEADER + f"cpu,2,{m},128,64,False,torch.float32,torch.float32,False,False,torch,0,0,{us},native\n")
+    return str(path)
+
+
+def _check_ranks(rank: int, port: int, tables: list[str], out: str) -> None:
+    import gemmtune
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        try:
+            gemmtune.set_config(tables[rank])
+            gemmtune.check_tables_agree(group=dist.new_group([0, 1]))
+            verdict = "agree"
+        except ConfigError as exc:
+            verdict = str(exc)
+        with open(f"{out}.{rank}", "w") as fh:
+            fh.write(verdict)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_on_two_ranks(tables: list[str], tmp_path) -> list[str]:
+    out = str(tmp_path / "verdict")
+    tmp.spawn(_check_ranks, args=(free_port(), tables, out), nprocs=2, join=True)
+    return [open(f"{out}.{r}").read() for r in range(2)]
+
+
+def test_tables_that_dispatch_alike_agree_on_every_rank(tmp_path):
+    a = table(tmp_path / "a.csv", 16, 5.0)
+    b = table(tmp_path / "b.csv", 16, 7.5)  # another timing of the same choice
+    assert check_on_two_ranks([a, b], tmp_path) == ["agree", "agree"]
+
+
+def test_a_different_table_on_one_rank_is_named_on_every_rank(tmp_path):
+    a = table(tmp_path / "a.csv", 16, 5.0)
+    b = table(tmp_path / "b.csv", 32, 5.0)
+    verdicts = check_on_two_ranks([a, b], tmp_path)
+    assert verdicts[0] == verdicts[1]
+    assert f"a16w16: rank 0 ({a}) vs rank 1 ({b})" in verdicts[0] and "differ across ranks" in verdicts[0]
+
+
+def test_set_config_group_needs_torch_distributed():
+    import gemmtune
+
+    with pytest.raises(ValueError, match="group=.* torch.distributed is not initialized"):
+        gemmtune.set_config(None, group=object())
+    with pytest.raises(ValueError, match="check_tables_agree: torch.distributed is not initialized"):
+        gemmtune.check_tables_agree()
