@@ -59,6 +59,24 @@ RANK_DEATH = textwrap.dedent(
     """
 )
 
+# Makes rank 1 report another GPU kind, as a rank of a mixed fleet would.
+OTHER_KIND = textwrap.dedent(
+    """
+    import os
+    from gemmtune.device import DeviceIdentity
+    from gemmtune.tuner import distributed
+
+    if os.environ.get("RANK") == "1":
+        distributed.identity = lambda device: DeviceIdentity("cpu-other", 7)
+    """
+)
+
+
+def plugin_env(tmp_path, name: str, text: str) -> dict:
+    (tmp_path / f"{name}.py").write_text(text)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+            PLUGINS_ENV: name}  # fmt: skip
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -115,10 +133,8 @@ def test_two_ranks_write_the_table_one_process_writes(tmp_path):
     assert p.returncode == 0 and "already tuned" in p.stderr, p.stderr[-3000:]
 
 
-def test_a_killed_rank_leaves_a_table_the_restart_completes(tmp_path, monkeypatch):
-    (tmp_path / "rank_death.py").write_text(RANK_DEATH)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
-           PLUGINS_ENV: "rank_death"}  # fmt: skip
+def test_a_killed_rank_leaves_a_table_the_restart_completes(tmp_path):
+    env = plugin_env(tmp_path, "rank_death", RANK_DEATH)
     shapes = tiny_llama_shapes(tmp_path)
     out = tmp_path / "t.csv"
     args = ("tune", shapes, "-o", str(out), "--libtype", "torch,rankdeath", "--reps", "5", "--no-progress")
@@ -130,6 +146,21 @@ def test_a_killed_rank_leaves_a_table_the_restart_completes(tmp_path, monkeypatc
         listed = {(r["M"], r["N"], r["K"]) for r in csv.DictReader(fh)}
     assert {(r["M"], r["N"], r["K"]) for r in decided(out)} == listed
     assert not list(tmp_path.glob(".gemmtune-*"))  # no temp files left behind
+
+
+def test_ranks_of_two_gpu_kinds_each_tune_every_key_for_their_own_kind(tmp_path):
+    env = plugin_env(tmp_path, "other_kind", OTHER_KIND)
+    shapes = tiny_llama_shapes(tmp_path)
+    out = tmp_path / "t.csv"
+    p = torchrun("tune", shapes, "-o", str(out), "--libtype", "torch", "--reps", "5", "--no-progress", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "on 1 rank(s) of cpu-other (7 units)" in p.stderr
+    rows = decided(out)
+    by_kind = {(g, c): {(r["M"], r["N"], r["K"]) for r in rows if (r["gfx"], r["cu_num"]) == (g, c)}
+               for g, c in {(r["gfx"], r["cu_num"]) for r in rows}}  # fmt: skip
+    assert len(by_kind) == 2 and ("cpu-other", "7") in by_kind
+    a, b = by_kind.values()
+    assert a == b and len(rows) == 2 * len(a)
 
 
 def test_distributed_refuses_more_than_one_worker_per_rank(tmp_path):
