@@ -48,7 +48,8 @@ GEMMTUNE_ALL = [
     "gemm", "gemm_a8w8", "gemm_a8w8_blockscale", "gemm_a8w8_blockscale_bpreshuffle", "gemm_a8w8_bpreshuffle",
     "gemm_bias", "gemm_epilogue", "gemm_gelu", "gemm_relu", "get_dispatcher", "grouped_gemm", "int8_gemm",
     "load_config", "load_fp8_checkpoint", "optimize", "prepare_expert_weights", "profile", "prune_2_4", "resolve",
-    "restore", "set_capture", "set_config", "set_online_tuning", "softcap_attention", "sparse_gemm", "tuned_gemm",
+    "restore", "set_capture", "set_config", "set_online_tuning", "softcap_attention", "sparse_gemm", "sync_online_rows",
+    "tuned_gemm",
 ]  # fmt: skip
 TUNED_GEMM_NAMES = [
     "annotations", "cutlass_gemm", "gemm", "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale",

@@ -9,6 +9,7 @@ from .keys import GemmKey
 from .ops.registry import exports as _op_exports
 from .tuner.online import from_env as _online_tuner_from_env
 from .tuner.online import set_online_tuning
+from .tuner.online_distributed import sync_online_rows
 
 # Online tuning is the dispatcher's miss hook, installed before any op runs: GEMMTUNE_TUNE_ONLINE needs no call.
 set_miss_hook_factory(_online_tuner_from_env)
@@ -46,6 +47,7 @@ __all__ = [
     "set_capture",
     "set_config",
     "set_online_tuning",
+    "sync_online_rows",
     "tuned_gemm",
     "optimize",
     "restore",

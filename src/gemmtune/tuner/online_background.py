@@ -84,6 +84,11 @@ class BackgroundTuner:
         self.failed: list[tuple] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
+        # Under torch.distributed rows are adopted only at sync_online_rows (online_distributed.py), by
+        # every rank at once: misses are kept here to be shared there, and tuned by one rank.
+        self.lockstep = False
+        self._to_share: list[tuple] = []  # (family name, key, device type) missed since the last sync
+        self._shared: set[tuple] = set()
 
     @property
     def path(self) -> str:
@@ -92,6 +97,14 @@ class BackgroundTuner:
     # ---- the serving thread ---------------------------------------------------------------------
     def on_miss(self, key, family: Family, device: torch.device, dispatcher) -> bool:
         """Adopt finished rows when that is safe (True when `key` is now answered), else queue `key`."""
+        if self.lockstep or online_common.distributed():
+            self.lockstep = True
+            with self._cond:
+                tag = (family.name, key, device.type)
+                if tag not in self._shared:
+                    self._shared.add(tag)
+                    self._to_share.append(tag)
+            return False
         if self._finished and online_common.safe_point(device):
             self.adopt(dispatcher)
             if dispatcher.table(family.name).lookup(key, identity(device)) is not None:
@@ -112,6 +125,13 @@ class BackgroundTuner:
         for name in {family.name for _, family in rows}:
             dispatcher.forget_runners(name)
         return [row for row, _ in rows]
+
+    def take_to_share(self) -> tuple[list[tuple], list[tuple[TunedRow, Family]]]:
+        """The keys missed and the rows finished since the last call (sync_online_rows shares them)."""
+        with self._cond:
+            missed, self._to_share = self._to_share, []
+            rows, self._finished = self._finished, []
+        return missed, rows
 
     def enqueue(self, key, family: Family, device: torch.device, dispatcher) -> bool:
         """Queue `key` for the background (False: already queued or tuned, or the queue is full)."""
@@ -166,7 +186,8 @@ class BackgroundTuner:
         with self._cond:
             self._finished.append((row, family))
             self.tuned.append(key)
-        dispatcher.forget_runners(family.name)  # the key's next call misses and adopts the row
+        if not self.lockstep:
+            dispatcher.forget_runners(family.name)  # the key's next call misses and adopts the row
         log.warning("gemmtune: tuned %s online in the background in %.1fs: %s -> %s", family.describe(key),
                     time.perf_counter() - t0, online_common.verdict(res), path)  # fmt: skip
 

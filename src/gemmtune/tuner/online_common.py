@@ -24,6 +24,11 @@ def safe_point(device: torch.device) -> bool:
     return not (capturing(device) or torch.compiler.is_compiling())
 
 
+def distributed() -> bool:
+    """Is torch.distributed initialized (online rows then wait for sync_online_rows)?"""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def verdict(res) -> str:
     """What a tuned key's row says, for its log line."""
     return "default kept" if res.kept_default else f"{res.winner.name}, {res.speedup:.2f}x"
