@@ -54,6 +54,7 @@ class OnlineTuner:
         self.queue: list[tuple[tuple, Family, torch.device]] = []
         self.tuned: list[tuple] = []
         self._busy = False
+        self._warned_distributed = False
 
     def table_path(self, family: Family) -> str:
         return self.settings.table_path(family)
@@ -63,6 +64,10 @@ class OnlineTuner:
         True when a row was added, so the caller resolves again."""
         if self._busy:
             return False
+        if online_common.distributed() and not self._warned_distributed:
+            self._warned_distributed = True
+            log.warning("gemmtune: blocking online tuning tunes each rank on its own, so ranks may run different "
+                        "kernels for one key; background mode with sync_online_rows() keeps them alike")  # fmt: skip
         if not online_common.safe_point(device):
             if (key, family, device) not in self.queue:
                 self.queue.append((key, family, device))

@@ -18,7 +18,8 @@ The flow of one key:
    default serves, and the row is adopted at the next miss outside a capture, or at adopt().
 
 Rows enter the dispatcher's tables only in a serving thread; the background threads touch nothing the
-hot path reads but the runner caches they empty.
+hot path reads but the runner caches they empty. Under torch.distributed, steps 3-4 wait for
+sync_online_rows, where every rank adopts the same rows at once (online_distributed.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from ..configs.schema import TunedRow
 from ..device import identity
+from ..dispatch import get_dispatcher
 from ..families import Family
 from . import online_common
 from .candidates import TuneOptions
@@ -115,8 +117,6 @@ class BackgroundTuner:
     def adopt(self, dispatcher=None) -> list[TunedRow]:
         """Put the finished rows in the tables in effect and empty their families' runner caches, so
         every key they answer resolves anew. Call it outside a CUDA graph capture (misses outside one do)."""
-        from ..dispatch import get_dispatcher
-
         dispatcher = dispatcher or get_dispatcher()
         with self._cond:
             rows, self._finished = self._finished, []
