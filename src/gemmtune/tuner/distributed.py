@@ -219,7 +219,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
             log(line)
     mine = plan.shares[fleet.rank]
     compile_workers = max(1, min(16, (os.cpu_count() or 1) // max(1, fleet.local_world)))
-    quiet = log if fleet.rank == 0 else (lambda m: None)
+    log_here = log if fleet.rank == 0 else (lambda m: None)  # rank 0 speaks for the launch
     if fleet.rank == 0:
         everything = [k for r in sorted(plan.shares) for k in plan.shares[r]]
         bar = _Progress(fam, everything, progress, log)
@@ -229,7 +229,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
         receiver.start()
         try:
             for item in tune_items(mine, plan.floors[0], fam, dev, opts, mp_workers, timeout, bar.say, verbose,
-                                   precompile, quiet, compile_workers):  # fmt: skip
+                                   precompile, log_here, compile_workers):  # fmt: skip
                 sink.take(item, ident)
             receiver.join()
         finally:
@@ -240,7 +240,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
         return RunReport(sink.results, sink.failures, plan.skipped, time.perf_counter() - t0, fam.name)
     say = (lambda m: log(f"[rank {fleet.rank}] {m}")) if verbose else (lambda m: None)
     for item in tune_items(mine, plan.floors[fleet.rank], fam, dev, opts, mp_workers, timeout, say, verbose,
-                           precompile, quiet, compile_workers):  # fmt: skip
+                           precompile, log_here, compile_workers):  # fmt: skip
         _send_to_rank0(item, fleet)
     _send_to_rank0(None, fleet)
     dist.barrier(group=fleet.control)

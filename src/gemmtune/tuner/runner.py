@@ -149,6 +149,8 @@ def tune_items(todo: list, floors: dict, fam: Family, device: torch.device, opts
                log: Callable[[str], None], compile_workers: int | None = None) -> Iterator:  # fmt: skip
     """ShapeResult / ShapeFailure for each key of `todo` as it finishes, in worker processes (`mp_workers`)
     or in this one; Triton kernels precompiled first on a GPU."""
+    if not todo:  # a rank with no share starts no worker
+        return iter(())
     if precompile and device.type == "cuda":
         tp = time.perf_counter()
         n = compile_workers or min(16, os.cpu_count() or 1)
