@@ -186,41 +186,39 @@ def table(path, m: int, us: float) -> str:
     return str(path)
 
 
-def _check_ranks(rank: int, port: int, tables: list[str], out: str) -> None:
+def _check_ranks(rank: int, port: int, cases: list[list], out: str) -> None:
     import gemmtune
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        try:
-            gemmtune.set_config(tables[rank])
-            gemmtune.check_tables_agree(group=dist.new_group([0, 1]))
-            verdict = "agree"
-        except ConfigError as exc:
-            verdict = str(exc)
+        verdicts = []
+        for tables in cases:
+            try:
+                gemmtune.set_config(tables[rank])
+                gemmtune.check_tables_agree(group=dist.new_group([0, 1]))
+                verdicts.append("agree")
+            except ConfigError as exc:
+                verdicts.append(str(exc))
         with open(f"{out}.{rank}", "w") as fh:
-            fh.write(verdict)
+            fh.write("\n".join(verdicts))
     finally:
         dist.destroy_process_group()
 
 
-def check_on_two_ranks(tables: list[str], tmp_path) -> list[str]:
+def test_the_check_passes_equal_tables_and_names_the_ranks_of_different_ones(tmp_path):
+    a = table(tmp_path / "a.csv", 16, 5.0)
+    timed_again = table(tmp_path / "b.csv", 16, 7.5)  # another timing of the same choice
+    other_m = table(tmp_path / "c.csv", 32, 5.0)
+    cases = [[a, timed_again], [a, other_m], [a, None]]
     out = str(tmp_path / "verdict")
-    tmp.spawn(_check_ranks, args=(free_port(), tables, out), nprocs=2, join=True)
-    return [open(f"{out}.{r}").read() for r in range(2)]
-
-
-def test_tables_that_dispatch_alike_agree_on_every_rank(tmp_path):
-    a = table(tmp_path / "a.csv", 16, 5.0)
-    b = table(tmp_path / "b.csv", 16, 7.5)  # another timing of the same choice
-    assert check_on_two_ranks([a, b], tmp_path) == ["agree", "agree"]
-
-
-def test_a_different_table_on_one_rank_is_named_on_every_rank(tmp_path):
-    a = table(tmp_path / "a.csv", 16, 5.0)
-    b = table(tmp_path / "b.csv", 32, 5.0)
-    verdicts = check_on_two_ranks([a, b], tmp_path)
-    assert verdicts[0] == verdicts[1]
-    assert f"a16w16: rank 0 ({a}) vs rank 1 ({b})" in verdicts[0] and "differ across ranks" in verdicts[0]
+    tmp.spawn(_check_ranks, args=(free_port(), cases, out), nprocs=2, join=True)
+    verdicts = [open(f"{out}.{r}").read().split("\n") for r in range(2)]
+    assert verdicts[0] == verdicts[1]  # every rank raises the same error
+    same, different, missing = verdicts[0]
+    assert same == "agree"
+    assert "tuned tables differ across ranks" in different
+    assert f"a16w16: rank 0 ({a}) vs rank 1 ({other_m})" in different
+    assert f"a16w16: rank 0 ({a}) vs rank 1 (no table)" in missing
 
 
 def test_set_config_group_needs_torch_distributed():

@@ -324,9 +324,9 @@ def check_stores_agree(store: ConfigStore, group=None) -> None:
         if len(sides) > 1:
             parts = []
             for members in sides.values():
-                files = everyone[ranks.index(members[0])].get(name, ("", []))[1]
-                parts.append(f"rank{'s' if len(members) > 1 else ''} {','.join(map(str, members))} "
-                             f"({', '.join(files) or 'no table'})")  # fmt: skip
+                table = everyone[ranks.index(members[0])].get(name)
+                where = "no table" if table is None else ", ".join(table[1]) or "rows set in memory"
+                parts.append(f"rank{'s' if len(members) > 1 else ''} {','.join(map(str, members))} ({where})")
             differ.append(f"{name}: {' vs '.join(parts)}")
     if differ:
         raise ConfigError("gemmtune: tuned tables differ across ranks (they could run different kernels for one "
