@@ -163,6 +163,24 @@ def test_ranks_of_two_gpu_kinds_each_tune_every_key_for_their_own_kind(tmp_path)
     assert a == b and len(rows) == 2 * len(a)
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_two_gpus_under_nccl_write_every_key_for_their_gpu(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from gemmtune.device import identity
+
+    shapes = tiny_llama_shapes(tmp_path)
+    out = tmp_path / "t.csv"
+    p = torchrun("tune", shapes, "-o", str(out), "--device", "cuda", "--libtype", "torch,triton", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = decided(out)
+    with open(shapes, newline="") as fh:
+        assert len(rows) == sum(1 for _ in csv.DictReader(fh))
+    ident = identity(torch.device("cuda", 0))
+    assert {(r["gfx"], r["cu_num"]) for r in rows} == {(ident.gfx, str(ident.cu_num))}
+
+
 def test_distributed_refuses_more_than_one_worker_per_rank(tmp_path):
     shapes = tiny_llama_shapes(tmp_path)
     p = torchrun("tune", shapes, "-o", str(tmp_path / "t.csv"), "--mp", "2", "--no-progress")
@@ -186,10 +204,12 @@ def table(path, m: int, us: float) -> str:
     return str(path)
 
 
-def _check_ranks(rank: int, port: int, cases: list[list], out: str) -> None:
+def _check_ranks(rank: int, port: int, cases: list[list], out: str, backend: str = "gloo") -> None:
     import gemmtune
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         verdicts = []
         for tables in cases:
@@ -205,13 +225,16 @@ def _check_ranks(rank: int, port: int, cases: list[list], out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_the_check_passes_equal_tables_and_names_the_ranks_of_different_ones(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_the_check_passes_equal_tables_and_names_the_ranks_of_different_ones(tmp_path, backend):
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
     a = table(tmp_path / "a.csv", 16, 5.0)
     timed_again = table(tmp_path / "b.csv", 16, 7.5)  # another timing of the same choice
     other_m = table(tmp_path / "c.csv", 32, 5.0)
     cases = [[a, timed_again], [a, other_m], [a, None]]
     out = str(tmp_path / "verdict")
-    tmp.spawn(_check_ranks, args=(free_port(), cases, out), nprocs=2, join=True)
+    tmp.spawn(_check_ranks, args=(free_port(), cases, out, backend), nprocs=2, join=True)
     verdicts = [open(f"{out}.{r}").read().split("\n") for r in range(2)]
     assert verdicts[0] == verdicts[1]  # every rank raises the same error
     same, different, missing = verdicts[0]
