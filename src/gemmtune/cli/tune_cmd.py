@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 
 import click
 
@@ -11,6 +14,24 @@ from ..tuner.candidates import MIN_GAIN, SEARCHES, TuneOptions
 from ..tuner.distributed import joined, launched_by_torchrun, tune_fleet
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
 from . import _validate as v
+
+
+@contextlib.contextmanager
+def _sigterm_exits():
+    """SIGTERM (torchrun stopping the other ranks when one dies, a scheduler's kill) exits through Python's
+    unwinding, so a row being written leaves no temp file and worker processes are stopped; restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _log(msg: str) -> None:
@@ -154,16 +175,22 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
     if distributed is None:
         distributed = launched_by_torchrun()
     try:
-        if distributed:
-            with joined(dev.type) as fleet:
-                report = tune_fleet(shapes, output, opts, dev, fleet, **args)
-            if fleet.rank:
-                return  # rank 0 reports every rank's keys
-        else:
-            report = tune_file(shapes, output, opts, dev, **args)
+        with _sigterm_exits():
+            report = _tune(shapes, output, opts, dev, distributed, args)
+        if report is None:
+            return
     except (GemmtuneError, ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in summary_lines(report, output):
         click.echo(line)
     if report.failures:
         raise SystemExit(1)
+
+
+def _tune(shapes, output, opts, dev, distributed, args):
+    """The run's report; None on a rank other than 0 of a distributed run (rank 0 reports every rank's keys)."""
+    if not distributed:
+        return tune_file(shapes, output, opts, dev, **args)
+    with joined(dev.type) as fleet:
+        report = tune_fleet(shapes, output, opts, dev, fleet, **args)
+    return None if fleet.rank else report
