@@ -96,27 +96,35 @@ def _dequant_runner(key, device) -> Runner:
     return run
 
 
-class TorchA8W8Backend(Backend):
+class _TorchPicks(Backend):
+    """torch's own 8-bit paths for a key, best first; `native` (and the default) runs the first that applies."""
+
     name = "torch"
+
+    def usable(self, key, device) -> list[Solution]:
+        raise NotImplementedError
+
+    def torch_choice(self, key, device: torch.device) -> Solution:
+        return self.usable(key, device)[0]
+
+    def candidates(self, key, device: torch.device) -> list[Solution]:
+        return self.usable(key, device)
+
+    def default_solution(self, key, device: torch.device) -> Solution:
+        return self.torch_choice(key, device)
+
+
+class TorchA8W8Backend(_TorchPicks):
     family = "a8w8"
 
-    def _usable(self, key, device) -> list[Solution]:
+    def usable(self, key, device) -> list[Solution]:
+        """cuBLASLt fp8 where it applies, cuBLAS int8, dequantize."""
         sols = []
         if scaled_mm_ok(key, device):
             sols.append(SCALED_MM)
         if int_mm_ok(key, device):
             sols.append(INT_MM)
         return sols + [DEQUANT]
-
-    def torch_choice(self, key, device: torch.device) -> Solution:
-        """What `native` runs: cuBLASLt fp8 where it applies, else cuBLAS int8, else dequantize."""
-        return self._usable(key, device)[0]
-
-    def candidates(self, key, device: torch.device) -> list[Solution]:
-        return self._usable(key, device)
-
-    def default_solution(self, key, device: torch.device) -> Solution:
-        return self.torch_choice(key, device)
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
         for sol in (NATIVE, SCALED_MM, INT_MM, DEQUANT):
@@ -127,7 +135,7 @@ class TorchA8W8Backend(Backend):
     def supports(self, solution: Solution, key, device: torch.device) -> bool:
         if key.outdtype not in OUT_DTYPES:
             return False
-        return solution == NATIVE or solution in self._usable(key, device)
+        return solution == NATIVE or solution in self.usable(key, device)
 
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
         if solution == NATIVE:
@@ -172,22 +180,12 @@ def _block_dequant_runner(key, device) -> Runner:
     return run
 
 
-class TorchBlockscaleBackend(Backend):
-    name = "torch"
+class TorchBlockscaleBackend(_TorchPicks):
     family = "a8w8_blockscale"
 
-    def _usable(self, key, device) -> list[Solution]:
+    def usable(self, key, device) -> list[Solution]:
+        """The blockwise torch._scaled_mm where it applies, dequantize."""
         return ([SCALED_MM_BLOCKWISE] if blockwise_ok(key, device) else []) + [DEQUANT]
-
-    def torch_choice(self, key, device: torch.device) -> Solution:
-        """What `native` runs: the blockwise torch._scaled_mm where it applies, else dequantize."""
-        return self._usable(key, device)[0]
-
-    def candidates(self, key, device: torch.device) -> list[Solution]:
-        return self._usable(key, device)
-
-    def default_solution(self, key, device: torch.device) -> Solution:
-        return self.torch_choice(key, device)
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
         for sol in (NATIVE, SCALED_MM_BLOCKWISE, DEQUANT):
@@ -198,7 +196,7 @@ class TorchBlockscaleBackend(Backend):
     def supports(self, solution: Solution, key, device: torch.device) -> bool:
         if key.outdtype not in OUT_DTYPES or key.K % formats.BLOCK:
             return False
-        return solution == NATIVE or solution in self._usable(key, device)
+        return solution == NATIVE or solution in self.usable(key, device)
 
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
         if solution == NATIVE:
