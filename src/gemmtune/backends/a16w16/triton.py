@@ -14,19 +14,18 @@ from __future__ import annotations
 import torch
 
 from ...device import Needs
-from ...kernels._common import pdl_enabled
 from ...kernels.triton_gemm import TGConfig, TGKernel, check_operands, parse_config
 from ...keys import GemmKey
 from ..base import Backend, Runner, Solution
 from ..lib.triton_tiles import (
     DTYPES,
-    cdiv,
     compile_in_workers,
     config_solution,
     config_space,
     hardware,
     runs_here,
     solution_from_name,
+    tile_kernel,
     twin,
 )
 
@@ -54,12 +53,7 @@ class TritonGemmBackend(Backend):
         return runs_here(cfg, key, hardware(device))
 
     def make_runner(self, solution: Solution, key: GemmKey, device: torch.device) -> Runner:
-        cfg = parse_config(solution.kernel_name)
-        if cfg is None or not self.supports(solution, key, device):
-            raise ValueError(f"triton cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
-        if cfg.pdl and not pdl_enabled(device):
-            cfg = TGConfig(**{**cfg.__dict__, "pdl": 0})  # the same kernel, plain launch
-        kern = TGKernel(cfg, device, lock_tiles=cdiv(max(key.M, 1), cfg.bm) * cdiv(key.N, cfg.bn))
+        kern = tile_kernel(self, solution, key, device)
         N, K, out_dtype = key.N, key.K, key.outdtype
 
         def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

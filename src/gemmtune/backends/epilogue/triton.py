@@ -10,11 +10,18 @@ import torch
 from ...device import Needs
 from ...families import get as family
 from ...families.epilogue import EpilogueKey
-from ...kernels._common import pdl_enabled
-from ...kernels.triton_gemm import TGConfig, TGKernel, parse_config
+from ...kernels.triton_gemm import parse_config
 from ...keys import GemmKey
 from ..base import Backend, Runner, Solution
-from ..lib.triton_tiles import DTYPES, cdiv, config_solution, config_space, hardware, runs_here, solution_from_name
+from ..lib.triton_tiles import (
+    DTYPES,
+    config_solution,
+    config_space,
+    hardware,
+    runs_here,
+    solution_from_name,
+    tile_kernel,
+)
 
 
 def gemm_key(key: EpilogueKey) -> GemmKey:
@@ -50,12 +57,7 @@ class TritonEpilogueBackend(Backend):
         return runs_here(cfg, gemm_key(key), hardware(device))
 
     def make_runner(self, solution: Solution, key: EpilogueKey, device: torch.device) -> Runner:
-        cfg = parse_config(solution.kernel_name)
-        if cfg is None or not self.supports(solution, key, device):
-            raise ValueError(f"triton cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
-        if cfg.pdl and not pdl_enabled(device):
-            cfg = TGConfig(**{**cfg.__dict__, "pdl": 0})  # the same kernel, plain launch
-        kern = TGKernel(cfg, device, lock_tiles=cdiv(max(key.M, 1), cfg.bm) * cdiv(key.N, cfg.bn))
+        kern = tile_kernel(self, solution, key, device)
         N, K, out_dtype, act = key.N, key.K, key.outdtype, key.act
 
         def run(x, w, bias, c, alpha, beta):

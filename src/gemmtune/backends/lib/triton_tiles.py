@@ -17,7 +17,7 @@ import torch
 from ...device import facts
 from ...kernels._common import pdl_enabled
 from ...kernels.tile_config import GemmTileConfig
-from ...kernels.triton_gemm import TensorDescriptor, TGConfig
+from ...kernels.triton_gemm import TensorDescriptor, TGConfig, TGKernel, parse_config
 from ...keys import GemmKey
 from ..base import Backend, Solution, stable_solidx
 
@@ -263,3 +263,14 @@ def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]
     with mp.get_context("spawn").Pool(workers) as pool:
         results = pool.map(_precompile_worker, args)
     return [f for r in results for f in r]
+
+
+def tile_kernel(backend: Backend, solution: Solution, key, device: torch.device) -> TGKernel:
+    """The Triton GEMM kernel `solution` names for `key` (an a16w16 or epilogue key), ValueError if `backend`
+    does not support it; a PDL config runs as its plain twin where PDL is off."""
+    cfg = parse_config(solution.kernel_name)
+    if cfg is None or not backend.supports(solution, key, device):
+        raise ValueError(f"{backend.name} cannot run {solution.kernel_name!r} for {key.describe()} on {device}")
+    if cfg.pdl and not pdl_enabled(device):
+        cfg = TGConfig(**{**cfg.__dict__, "pdl": 0})  # the same kernel, plain launch
+    return TGKernel(cfg, device, lock_tiles=cdiv(max(key.M, 1), cfg.bm) * cdiv(key.N, cfg.bn))

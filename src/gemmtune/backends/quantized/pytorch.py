@@ -14,6 +14,8 @@ K-major [N, K] weight cuBLASLt reads, see quant/shuffle.py). Every solution here
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 import torch.nn.functional as F
 
@@ -101,8 +103,9 @@ class _TorchPicks(Backend):
 
     name = "torch"
 
+    @abstractmethod
     def usable(self, key, device) -> list[Solution]:
-        raise NotImplementedError
+        """This key's torch paths that run here, best first (the last always runs: dequantize)."""
 
     def torch_choice(self, key, device: torch.device) -> Solution:
         return self.usable(key, device)[0]
