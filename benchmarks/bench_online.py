@@ -48,7 +48,12 @@ def main() -> None:
     tuner = gemmtune.set_online_tuning(table, budget_s=args.budget)
     n, k = (int(v) for v in args.shape.split("x"))
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    gemmtune.gemm(torch.randn(1, k, device="cuda", dtype=torch.bfloat16), w)  # imports, thread, worker spawn
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    gemmtune.gemm(x, w)  # the process's first miss: also starts the tuner's thread and worker
+    torch.cuda.synchronize()
+    print(f"rank {rank}: first call of the process (M=1, a miss): {(time.perf_counter() - t0) * 1e3:.1f} ms")
     if distributed:  # a key met first inside a capture: the default is recorded, the key is queued
         stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
         x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
@@ -72,7 +77,7 @@ def main() -> None:
         torch.distributed.barrier()
         gemmtune.sync_online_rows()  # every rank adopts the rows at once
     print(f"rank {rank}: all rows tuned {time.perf_counter() - t0:.1f}s after the last miss")
-    for m in ms + ([3] if distributed else []):
+    for m in [1, *ms] + ([3] if distributed else []):
         gemmtune.gemm(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w)
         row = gemmtune.resolve(GemmKey(m, n, k, False, torch.bfloat16, torch.bfloat16), "cuda").row
         print(f"rank {rank}: M={m} runs {row.libtype}:{row.kernel_name} ({row.us:.2f} us)" if row else "no row")
