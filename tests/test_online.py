@@ -126,3 +126,12 @@ def test_graph_capture_in_online_mode_neither_tunes_nor_breaks(gpu, tmp_path):
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w))
     gemmtune.gemm(torch.randn(9, 512, device=gpu, dtype=torch.bfloat16), w)  # eager: tunes the queue too
     assert {r.key.M for r in read_table_file(str(table)).rows} == {6, 9}
+
+
+def test_the_budget_covers_the_key_and_the_checks_stop_at_their_share():
+    from gemmtune.tuner.candidates import CHECK_SHARE, TuneOptions, check_deadline
+
+    opts = TuneOptions(budget_s=20.0)
+    assert check_deadline(opts, start=100.0) == 100.0 + 20.0 * CHECK_SHARE < 120.0  # room left for the timing
+    assert check_deadline(opts, 0.25, start=100.0) == 100.0 + 5.0 * CHECK_SHARE
+    assert check_deadline(TuneOptions(), start=100.0) == float("inf")  # offline tuning has no budget

@@ -175,6 +175,16 @@ def test_a_winner_wrong_on_another_call_form_never_wins(search, fake, monkeypatc
         assert by["fake:strided"].us == by["fake:strided"].us  # not NaN
 
 
+def test_a_spent_budget_skips_the_checks_and_keeps_the_default(fake, monkeypatch):
+    import fake_backend  # noqa: F401
+
+    monkeypatch.setenv("FAKE_KINDS", "slowgood,strided")
+    res = tune_shape(KEYS[1], CPU, TuneOptions(budget_s=1e-9))  # spent before the first check
+    by = {c.name: c for c in res.candidates}
+    assert {by[n].status for n in ("fake:slowgood", "fake:strided")} == {"skipped"}
+    assert "over the 1e-09 s budget" in by["fake:slowgood"].reason and res.kept_default
+
+
 def test_unknown_search_is_refused():
     with pytest.raises(ValueError, match="unknown search 'quick'"):
         tune_shape(KEYS[0], CPU, TuneOptions(search="quick"))

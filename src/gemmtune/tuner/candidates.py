@@ -5,6 +5,7 @@ freeing what a failed one left, and timing a group so one bad runner fails alone
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,20 @@ from .timing import bench_gemm
 # of its M range.
 MIN_GAIN = 0.005
 SEARCHES = ("fast", "exhaustive")
+# Online tuning's budget covers a key end to end: the worker's start, the candidate checks, the screen and
+# the final timing. The checks (most of the time: each compiles a kernel) stop at this share of it; the
+# rest is for what comes after them (measured on an H200: 3-7 s of a 20 s budget).
+CHECK_SHARE = 0.5
+
+
+def check_deadline(opts: TuneOptions, part: float = 1.0, start: float | None = None) -> float:
+    """The perf_counter() time after which no more candidates are checked: `part` of the checks' share
+    of the budget from `start` (default: now; a two-stage family splits it between stages and pairs)."""
+    if not opts.budget_s:
+        return math.inf
+    return (time.perf_counter() if start is None else start) + opts.budget_s * CHECK_SHARE * part
+
+
 # Statuses a candidate can end in; only "ok" candidates were timed.
 OK, REJECTED, FAILED, CRASHED, TIMEOUT, SKIPPED = "ok", "rejected", "failed", "crashed", "timeout", "skipped"
 
@@ -42,7 +57,7 @@ class TuneOptions:
     batch: int = 16
     seed: int = 0
     verify_range: bool = True  # step 6; off: a row answers only its own M
-    budget_s: float | None = None  # online tuning: stop checking more candidates after this many seconds
+    budget_s: float | None = None  # online tuning: the seconds one key may take (see check_deadline)
     # "fast": every candidate gets the quick check (its plain call), only the best-screened ones the
     # full check; "exhaustive": every candidate gets the full check (measured: 85% of tuning time).
     search: str = "fast"

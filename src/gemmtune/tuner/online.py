@@ -12,9 +12,10 @@ later run that loads the table. `GEMMTUNE_TUNE_ONLINE_MODE` (or `mode=`) says wh
 Never while a CUDA graph is being captured (a tuning run would be recorded into the graph) and never
 while torch.compile traces (tracing runs the ops' fake implementations, not this): in blocking mode such
 a key gets the default for now and is queued, and the next eager miss tunes the queue first. Bounded:
-every key gets `GEMMTUNE_TUNE_ONLINE_BUDGET` seconds (default 20) for checking candidates before the
-screen, and `GEMMTUNE_TUNE_ONLINE_LIBTYPES` may restrict the backends. Off: unset the variable, set it
-to 0, or `set_online_tuning(None)`. Each tuned key logs one line.
+every key gets `GEMMTUNE_TUNE_ONLINE_BUDGET` seconds (default 20) end to end (candidates.check_deadline:
+the checks stop at half of it, the screen and final timing take the rest), and
+`GEMMTUNE_TUNE_ONLINE_LIBTYPES` may restrict the backends. Off: unset the variable, set it to 0, or
+`set_online_tuning(None)`. Each tuned key logs one line.
 
 The dispatcher knows nothing of tuning: a tuner is its miss hook (Dispatcher.set_miss_hook), and
 `from_env` the factory the package installs (gemmtune/__init__.py), so the variables work without a call.

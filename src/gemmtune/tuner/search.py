@@ -53,6 +53,7 @@ from .candidates import (
     Heartbeat,
     TuneOptions,
     after_failure,
+    check_deadline,
     describe_exc,
     group_size,
     time_group,
@@ -172,7 +173,7 @@ def _check_all(fam, key, device, opts, pool: _Pool, default: CandidateResult, ch
                phases: dict[str, float] | None = None, quick: bool = False):  # fmt: skip
     """Check every pending candidate against the reference; passing ones get a runner in the pool.
     `quick`: the plain call only (no other call forms, no graph replay); see _confirm."""
-    deadline = time.perf_counter() + opts.budget_s if opts.budget_s else math.inf
+    deadline = check_deadline(opts, 0.5 if fam.stages else 1.0)  # the stages' checks took the other half
     phases = {} if phases is None else phases
     for name, cand in pool.results.items():
         if cand.status != "pending":

@@ -42,6 +42,7 @@ from .candidates import (
     DeviceLostError,
     TuneOptions,
     after_failure,
+    check_deadline,
     describe_exc,
     group_size,
     time_group,
@@ -162,13 +163,13 @@ def search_stages(fam: Family, key, device: torch.device, chosen: dict[str, Back
     """Steps 1-4 of the module doc for `key` on the family's input `sets` (one or more)."""
     out = StagedSearch()
     fastest: dict[int, list[str]] = {}
-    # online tuning: the stages' checks share half its budget (search.py gives the pairs' checks theirs)
-    deadline = time.perf_counter() + opts.budget_s / 2 / len(fam.stages) if opts.budget_s else math.inf
-    for stage in fam.stages:
+    # online tuning: the stages' checks share half the checks' budget (search.py gives the pairs' theirs)
+    share, start = 0.5 / len(fam.stages), time.perf_counter()
+    for i, stage in enumerate(fam.stages):
+        deadline = check_deadline(opts, share * (i + 1), start)  # time a stage leaves unused goes to the next
         out.sets[stage] = fam.stage_inputs(key, stage, sets)
         _check_stage(fam, key, device, stage, chosen, out.sets[stage], opts, exclude or {}, heartbeat, say, out,
                      deadline)  # fmt: skip
-        deadline += opts.budget_s / 2 / len(fam.stages) if opts.budget_s else 0.0
         runners = {n: r for (s, n), r in out.runners.items() if s == stage}
         times = _time_stage(fam, key, device, stage, out.sets[stage], max(5, opts.screen_reps), seed, opts.batch,
                             heartbeat, runners, isolate)  # fmt: skip
