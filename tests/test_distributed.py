@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from click.testing import CliRunner
 from gemmtune.cli.main import cli
 from gemmtune.configs.table import read_table_file
 from gemmtune.errors import ConfigError
-from gemmtune.tuner.distributed import deal, launched_by_torchrun
+from gemmtune.tuner.distributed import deal, host_share, launched_by_torchrun
 from gemmtune.tuner.runner import PLUGINS_ENV, tune_file
 from gemmtune.tuner.search import TuneOptions
 
@@ -116,6 +117,40 @@ def test_deal_balances_expected_cost_and_keeps_list_order():
     shares = deal(list(costs), costs, [0, 1])
     assert shares == {0: ["a", "b"], 1: ["c", "d", "e"]}  # loads 9 and 9
     assert deal(["a"], costs, [0, 3]) == {0: ["a"], 3: []}
+
+
+def test_a_hosts_ranks_split_its_compiles_and_list_the_same_keys():
+    shares = {0: ["a", "b"], 1: ["c"], 2: ["d"], 3: []}
+    hosts = ["h1", "h2", "h1", "h2"]
+    assert host_share(shares, hosts, 0) == (["a", "b", "d"], (0, 2))
+    assert host_share(shares, hosts, 2) == (["a", "b", "d"], (1, 2))  # the same list, the other half
+    assert host_share(shares, hosts, 3) == (["c"], (1, 2))  # a rank without keys still compiles its part
+    items = list(range(7))
+    assert sorted(items[0::2] + items[1::2]) == items  # what compile_in_workers takes of (0, 2) and (1, 2)
+
+
+def test_compile_in_workers_compiles_only_its_share(monkeypatch):
+    from gemmtune.backends.lib import triton_tiles
+
+    class Pool:
+        def __init__(self, n):
+            self.n = n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, args):
+            seen.extend(n for a in args for n in a[1])
+            return [[] for _ in args]
+
+    seen: list = []
+    monkeypatch.setattr("multiprocessing.get_context", lambda kind: types.SimpleNamespace(Pool=Pool))
+    items = [(f"k{i}", (i,)) for i in range(5)]
+    triton_tiles.compile_in_workers(object, items, torch.device("cpu"), 2, share=(1, 2))
+    assert sorted(seen) == ["k1", "k3"]
 
 
 def test_two_ranks_write_the_table_one_process_writes(tmp_path):

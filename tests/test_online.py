@@ -116,6 +116,8 @@ def test_graph_capture_in_online_mode_neither_tunes_nor_breaks(gpu, tmp_path):
     x = torch.randn(6, 512, device=gpu, dtype=torch.bfloat16)
     w = torch.randn(768, 512, device=gpu, dtype=torch.bfloat16) / 23
     stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the warm-up any capture needs (cuBLAS makes its handle outside it)
+        torch.nn.functional.linear(x, w)
     stream.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(g):

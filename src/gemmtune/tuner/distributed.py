@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ from .. import families
 from ..device import DeviceIdentity, identity
 from .output import done_keys
 from .runner import RowSink, RunReport, _Progress, estimated_cost, load_keys, range_floors, tune_items
-from .search import TuneOptions, select_backends
+from .search import TuneOptions, precompile_all, select_backends
 from .workers import import_plugins
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -134,6 +135,25 @@ def _gather(obj, fleet: Fleet) -> list:
     return out
 
 
+def host_share(shares: dict[int, list], hosts: list[str], rank: int) -> tuple[list, tuple[int, int]]:
+    """The keys of every rank on `rank`'s host (in rank order: each lists the same) and `rank`'s part
+    (i, n) of compiling their kernels: the host's ranks share one on-disk Triton cache, so each compiles
+    1/n of the host's kernels once instead of every rank compiling all of them."""
+    here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return [k for r in here for k in shares.get(r, [])], (here.index(rank), len(here))
+
+
+def _precompile_host(fleet: Fleet, plan, fam, dev: torch.device, opts: TuneOptions, workers: int,
+                     log: Callable[[str], None]) -> None:  # fmt: skip
+    """Compile the host's Triton kernels, split over its ranks; every rank waits until all hosts are done."""
+    keys, share = host_share(plan.shares, _gather(socket.gethostname(), fleet), fleet.rank)
+    t0 = time.perf_counter()
+    fails = precompile_all(keys, dev, opts, workers=workers, family=fam.name, share=share)
+    dist.barrier(group=fleet.control)
+    log(f"gemmtune: precompiled kernels in {time.perf_counter() - t0:.1f}s, split over each host's ranks "
+        f"({len(fails)} did not compile on rank {fleet.rank})")  # fmt: skip
+
+
 def _send_to_rank0(item, fleet: Fleet) -> None:
     """One finished key (None: this rank is done) to rank 0: its length, then its pickled bytes."""
     data = b"" if item is None else pickle.dumps(item)
@@ -220,6 +240,9 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
     mine = plan.shares[fleet.rank]
     compile_workers = max(1, min(16, (os.cpu_count() or 1) // max(1, fleet.local_world)))
     log_here = log if fleet.rank == 0 else (lambda m: None)  # rank 0 speaks for the launch
+    if precompile and dev.type == "cuda":
+        _precompile_host(fleet, plan, fam, dev, opts, compile_workers, log_here)
+    precompile = False  # done above, for the whole host
     if fleet.rank == 0:
         everything = [k for r in sorted(plan.shares) for k in plan.shares[r]]
         bar = _Progress(fam, everything, progress, log)

@@ -557,9 +557,11 @@ def _add_pairs(pool: _Pool, pairs: list[tuple[Backend, Solution]], exclude) -> N
 
 
 def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
-                   family: str = "a16w16") -> list:  # fmt: skip
-    """Let backends that can compile ahead of time (triton: `precompile(jobs, device, workers)`) fill
-    their caches for every (candidate, key) in parallel processes before tuning. Returns failures."""
+                   family: str = "a16w16", share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
+    """Let backends that can compile ahead of time (triton: `precompile(jobs, device, workers, share)`)
+    fill their caches for every (candidate, key) in parallel processes before tuning. `share` (i, n):
+    this process compiles the i-th of n parts, the other parts compiled by processes sharing its on-disk
+    cache (a host's ranks). Returns failures."""
     failures = []
     for _name, backend in select_backends(device, opts.libtypes, family).items():
         fn = getattr(backend, "precompile", None)
@@ -574,5 +576,5 @@ def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers:
             except Exception:  # noqa: BLE001 - tune_shape reports it per shape
                 continue
         if jobs:
-            failures += fn(jobs, device, workers=workers)
+            failures += fn(jobs, device, workers=workers, share=share)
     return failures

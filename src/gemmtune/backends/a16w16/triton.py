@@ -82,7 +82,8 @@ class TritonGemmBackend(Backend):
         kern(x, w, b, torch.empty((M, N), dtype=key.outdtype, device=device))
 
 
-def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8) -> list:
+def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8,
+               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
     """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
     this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
     # One job per distinct compiled kernel: M does not specialize, N and K only through these facts.
@@ -94,7 +95,7 @@ def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, worke
         kernel = TGConfig(**{**cfg.__dict__, "split_k": min(cfg.split_k, 2)}).name  # split is runtime
         sig = (kernel, key.dtype, key.outdtype, key.bias, twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
         uniq.setdefault(sig, (cfg.name, key._replace(M=16)))
-    return compile_in_workers(TritonGemmBackend, list(uniq.values()), device, workers)
+    return compile_in_workers(TritonGemmBackend, list(uniq.values()), device, workers, share)
 
 
 BACKENDS = (TritonGemmBackend(),)

@@ -135,11 +135,12 @@ def _make_runner(cfg: SkinnyConfig, key: GemmKey, device: torch.device) -> Runne
     return run
 
 
-def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8) -> list:
+def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8,
+               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
     """Compile every (config, key) in `workers` processes by running each once (skinny kernels
     compile on their first call); they fill Triton's on-disk cache, so the tuner then loads them."""
     uniq = {(sol.kernel_name, key): None for sol, key in jobs}
-    return compile_in_workers(SkinnyBackend, list(uniq), device, workers)
+    return compile_in_workers(SkinnyBackend, list(uniq), device, workers, share)
 
 
 BACKENDS = (SkinnyBackend(),)

@@ -155,7 +155,8 @@ def warmup(cfg: BmmConfig, key: BatchedKey, device: torch.device) -> None:
     BmmKernel(cfg, 1, m, key.N, key.K, key.outdtype, device).launch(a, b, c)
 
 
-def precompile(jobs: list[tuple[Solution, BatchedKey]], device: torch.device, workers: int = 8) -> list:
+def precompile(jobs: list[tuple[Solution, BatchedKey]], device: torch.device, workers: int = 8,
+               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
     """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
     this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
     uniq: dict[tuple, tuple[str, BatchedKey]] = {}
@@ -163,7 +164,7 @@ def precompile(jobs: list[tuple[Solution, BatchedKey]], device: torch.device, wo
         cfg = parse_config(sol.kernel_name)
         if cfg is not None:
             uniq.setdefault(compile_signature(cfg, key), (cfg.name, key))
-    return compile_in_workers(TritonBatchedBackend, list(uniq.values()), device, workers)
+    return compile_in_workers(TritonBatchedBackend, list(uniq.values()), device, workers, share)
 
 
 BACKENDS = (TritonBatchedBackend(),)

@@ -250,11 +250,14 @@ def _precompile_worker(args):
 
 
 def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]], device: torch.device,
-                       workers: int) -> list:  # fmt: skip
+                       workers: int, share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
     """Build `backend_cls`'s runner for each (kernel name, key) in `workers` spawned processes, which
-    fills Triton's on-disk cache. Returns [(name, key, error)] for those that failed."""
+    fills Triton's on-disk cache. `share` (i, n): compile only every n-th item from the i-th, the part of
+    one of n processes sharing a cache (a host's ranks; each lists the same items). Returns [(name, key,
+    error)] for those that failed."""
     import multiprocessing as mp
 
+    items = items[share[0] :: share[1]]
     if not items:
         return []
     workers = max(1, min(workers, len(items)))

@@ -83,9 +83,9 @@ class TritonA8W8Backend(TritonQuantBackend):
         ok = self.is_available(device) and self.key_ok(key)
         return ok and tg.supports(solution.kernel_name, key, torch.device(device))
 
-    def precompile(self, jobs: list, device: torch.device, workers: int = 8) -> list:
+    def precompile(self, jobs: list, device: torch.device, workers: int = 8, share: tuple[int, int] = (0, 1)) -> list:
         """Compile the a8w8_tg_ candidates ahead (the a8w8_ tiles compile on their first call)."""
-        return tg.precompile(type(self), jobs, device, workers)
+        return tg.precompile(type(self), jobs, device, workers, share)
 
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
         if tg.is_tg_name(solution.kernel_name):

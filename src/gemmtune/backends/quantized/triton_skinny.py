@@ -147,11 +147,11 @@ class SkinnyA8W8Backend(Backend):
         self.warmup(cfg, key, device)
         return run
 
-    def precompile(self, jobs: list, device: torch.device, workers: int = 8) -> list:
+    def precompile(self, jobs: list, device: torch.device, workers: int = 8, share: tuple[int, int] = (0, 1)) -> list:
         """Compile every (config, key) in `workers` processes by building each runner (which compiles
         it); they fill Triton's on-disk cache, so the tuner then loads them."""
         uniq = {(sol.kernel_name, key): None for sol, key in jobs}
-        return compile_in_workers(type(self), list(uniq), device, workers)
+        return compile_in_workers(type(self), list(uniq), device, workers, share)
 
 
 class SkinnyA8W8BPreshuffleBackend(SkinnyA8W8Backend):

@@ -118,7 +118,8 @@ def default_name(key, device: torch.device) -> str | None:
     return None
 
 
-def precompile(backend_cls, jobs: list, device: torch.device, workers: int = 8) -> list:
+def precompile(backend_cls, jobs: list, device: torch.device, workers: int = 8,
+               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
     """Compile the a8w8_tg_ jobs' kernels in `workers` processes (Triton's on-disk cache then serves
     this one), one job per distinct compiled kernel; returns [(name, key, error)] failures."""
     uniq: dict[tuple, tuple] = {}
@@ -129,4 +130,4 @@ def precompile(backend_cls, jobs: list, device: torch.device, workers: int = 8) 
         kernel = dataclasses.replace(cfg, split_k=min(cfg.split_k, 2)).name  # the split is a runtime value
         sig = (kernel, key.q_dtype_w, key.scale, key.bias, key.outdtype, twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
         uniq.setdefault(sig, (cfg.name, key._replace(M=MIN_M)))
-    return compile_in_workers(backend_cls, list(uniq.values()), device, workers)
+    return compile_in_workers(backend_cls, list(uniq.values()), device, workers, share)
