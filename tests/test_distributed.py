@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 import torch
@@ -125,32 +124,22 @@ def test_a_hosts_ranks_split_its_compiles_and_list_the_same_keys():
     assert host_share(shares, hosts, 0) == (["a", "b", "d"], (0, 2))
     assert host_share(shares, hosts, 2) == (["a", "b", "d"], (1, 2))  # the same list, the other half
     assert host_share(shares, hosts, 3) == (["c"], (1, 2))  # a rank without keys still compiles its part
-    items = list(range(7))
-    assert sorted(items[0::2] + items[1::2]) == items  # what compile_in_workers takes of (0, 2) and (1, 2)
 
 
-def test_compile_in_workers_compiles_only_its_share(monkeypatch):
-    from gemmtune.backends.lib import triton_tiles
+def test_each_kernel_is_compiled_by_one_process_of_one_rank():
+    from gemmtune.backends.lib.triton_tiles import compile_plan
 
-    class Pool:
-        def __init__(self, n):
-            self.n = n
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def map(self, fn, args):
-            seen.extend(n for a in args for n in a[1])
-            return [[] for _ in args]
-
-    seen: list = []
-    monkeypatch.setattr("multiprocessing.get_context", lambda kind: types.SimpleNamespace(Pool=Pool))
-    items = [(f"k{i}", (i,)) for i in range(5)]
-    triton_tiles.compile_in_workers(object, items, torch.device("cpu"), 2, share=(1, 2))
-    assert sorted(seen) == ["k1", "k3"]
+    items = [(name, (m,)) for m in (1, 16, 128) for name in ("k1", "k2", "k3", "k4", "k5")] + [("k1", (7,))]
+    parts = [compile_plan(items, 2, (i, 2)) for i in range(2)]
+    chunks = [c for part in parts for c in part]
+    assert sorted(it for c in chunks for it in c) == sorted(items)  # every item once, over both ranks
+    where = {}
+    for i, c in enumerate(chunks):
+        for name, _ in c:
+            where.setdefault(name, set()).add(i)
+    assert all(len(w) == 1 for w in where.values())  # a name's items stay in one process
+    assert [sorted(map(len, p)) for p in parts] == [[4, 6], [3, 3]]  # k1 | k3,k5 on rank 0; k2 | k4 on 1
+    assert compile_plan([], 4) == [] and len(compile_plan(items, 16)) == 5  # no idle processes
 
 
 def test_two_ranks_write_the_table_one_process_writes(tmp_path):

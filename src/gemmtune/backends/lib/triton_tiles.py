@@ -249,21 +249,33 @@ def _precompile_worker(args):
     return failed
 
 
+def compile_plan(items: list[tuple[str, tuple]], workers: int, share: tuple[int, int] = (0, 1)) -> list[list]:
+    """The items each of `workers` processes compiles. Items of one kernel name go to one process (they
+    mostly build one binary: split up, processes racing on an empty cache would each compile it); the
+    names are dealt over the `share` (i, n) first, the i-th of n processes that share a cache (a host's
+    ranks, each listing the same items), then over the workers, the largest group to the least loaded."""
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(item[0], []).append(item)
+    names = sorted(groups)[share[0] :: share[1]]
+    chunks: list[list] = [[] for _ in range(max(1, min(workers, len(names))))]
+    for name in sorted(names, key=lambda n: -len(groups[n])):
+        min(chunks, key=len).extend(groups[name])
+    return [c for c in chunks if c]
+
+
 def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]], device: torch.device,
                        workers: int, share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
-    """Build `backend_cls`'s runner for each (kernel name, key) in `workers` spawned processes, which
-    fills Triton's on-disk cache. `share` (i, n): compile only every n-th item from the i-th, the part of
-    one of n processes sharing a cache (a host's ranks; each lists the same items). Returns [(name, key,
-    error)] for those that failed."""
+    """Build `backend_cls`'s runner for each (kernel name, key) of this process's part (compile_plan) in
+    spawned processes, which fills Triton's on-disk cache. Returns [(name, key, error)] for those that
+    failed."""
     import multiprocessing as mp
 
-    items = items[share[0] :: share[1]]
-    if not items:
+    chunks = compile_plan(items, workers, share)
+    if not chunks:
         return []
-    workers = max(1, min(workers, len(items)))
-    chunks = [items[i::workers] for i in range(workers)]
     args = [(backend_cls, [n for n, _ in c], [k for _, k in c], str(device)) for c in chunks]
-    with mp.get_context("spawn").Pool(workers) as pool:
+    with mp.get_context("spawn").Pool(len(chunks)) as pool:
         results = pool.map(_precompile_worker, args)
     return [f for r in results for f in r]
 
