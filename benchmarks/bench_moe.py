@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 import traceback
+import zlib
 
 import torch
 
@@ -53,6 +54,23 @@ MODELS = {  # name: (hidden, inter per rank, experts, topk)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
 }
 TINY_MODELS = {"tiny-mixtral": (64, 96, 6, 2), "tiny-qwen3": (32, 16, 12, 8)}
+# Part `grid`: expert shapes well beyond the repo's models (hidden, inter per rank, experts, topk), for the
+# rule of the untuned default (backends/fmoe/policy.py): it must never lose to transformers' best.
+GRID = {
+    "E8-k2-I4096-H4096": (4096, 4096, 8, 2),  # Mixtral-8x7B tp4
+    "E8-k2-I14336-H4096": (4096, 14336, 8, 2),  # Mixtral-8x7B
+    "E16-k1-I8192-H5120": (5120, 8192, 16, 1),  # Llama-4-Scout
+    "E60-k4-I1408-H2048": (2048, 1408, 60, 4),  # Qwen1.5-MoE-A2.7B
+    "E64-k6-I1408-H2048": (2048, 1408, 64, 6),  # DeepSeek-V2-Lite
+    "E64-k8-I1024-H2048": (2048, 1024, 64, 8),  # OLMoE-1B-7B
+    "E64-k8-I1280-H4096": (4096, 1280, 64, 8),
+    "E128-k8-I384-H2048": (2048, 384, 128, 8),  # Qwen3-30B-A3B tp2
+    "E128-k8-I1408-H4096": (4096, 1408, 128, 8),  # GLM-4.5-Air-like
+    "E128-k1-I1024-H5120": (5120, 1024, 128, 1),  # Llama-4-Maverick tp8
+    "E256-k8-I256-H7168": (7168, 256, 256, 8),  # DeepSeek-V3 tp8
+    "E512-k10-I512-H2048": (2048, 512, 512, 10),  # Qwen3-Next-like
+}
+GRID_TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 HF_GRAPH = ("hf_grouped_mm", "hf_batched_mm")
 
@@ -128,11 +146,11 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
     from gemmtune.backends.fmoe.stages import grouped_mm_fits
     from gemmtune.families import fmoe
 
-    H, inter, E, topk = (TINY_MODELS if args.tiny else MODELS)[name]
+    H, inter, E, topk = {**MODELS, **GRID, **TINY_MODELS}[name]
     cuda = device.type == "cuda"
     dt = torch.bfloat16 if cuda else torch.float32
     key = fmoe.MoeKey(T, H, inter, E, topk, dtype=dt, q_dtype_a=dt, q_dtype_w=dt)
-    g = torch.Generator(device=device).manual_seed(hash((name, T)) & 0xFFFF)
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(f"{name} {T}".encode()))
     w1 = (torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dt)
     w2 = (torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dt)
     ins = []
@@ -158,7 +176,7 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
         res = resolve(key, device, family="fmoe")
         contenders["tuned"] = res.runner
         names["tuned"] = res.solution.describe() if res.row is not None else f"no row: {default.describe()}"
-    else:
+    elif args.sweep:
         for i, (backend, sol) in enumerate(quick_pairs(key, ins, device, args.sweep)):
             contenders[f"cand{i}"] = backend.make_runner(sol, key, device)
             names[f"cand{i}"] = sol.describe()
@@ -166,7 +184,7 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
         contenders["grouped_mm"] = grouped_mm_torch_runner(key)
     kind = "mixtral" if "mixtral" in name else "qwen3"
     eager = {}
-    for impl in ("grouped_mm", "batched_mm", "eager"):
+    for impl in ("grouped_mm", "batched_mm") + (() if args.part == "grid" else ("eager",)):
         if impl == "batched_mm" and T * topk * fmoe.expert_bytes(key) > 6e9:
             continue  # batched_mm gathers every slot's expert weights: would not fit
         mod = hf_experts(kind, H, inter, E, topk, w1, w2, impl)
@@ -191,7 +209,8 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
     roof = max(fmoe.FAMILY.flops(key) / ceilings.flops, hit_bytes / ceilings.read_bw) * 1e6 if ceilings else None
     hf = [us[n] for n in HF_GRAPH if n in us]
     base = [us[n] for n in ("grouped_mm", "hf_grouped_mm") if n in us]
-    return {"model": name, "T": T, "gemmtune_us": us.get("gemmtune"), "tuned_us": us.get(tuned),
+    return {"model": name, "T": T, "gemmtune_us": us.get("gemmtune"), "default_solution": names["gemmtune"],
+            "tuned_us": us.get(tuned),
             "tuned_solution": names.get(tuned, ""), "grouped_mm_us": us.get("grouped_mm"),
             "hf_grouped_mm_us": us.get("hf_grouped_mm"), "hf_batched_mm_us": us.get("hf_batched_mm"),
             "hf_best_us": min(hf) if hf else None, "hf_eager_us_eager_timed": us.get("hf_eager"),
@@ -252,6 +271,25 @@ def summarize_op(rows) -> list[str]:
             slower = sum(s < 1 for s in sp)
             out.append(f"{label}: T >= 1024 over the grouped_mm baseline geomean {geomean(sp):.2f}, worst "
                        f"{min(sp):.2f} ({slower} of {len(sp)} points below 1.00)")  # fmt: skip
+    return out
+
+
+def summarize_grid(rows) -> list[str]:
+    """The untuned default against transformers' best (grouped_mm or batched_mm, CUDA graphs), per point."""
+    out = ["| experts | T | default us | HF grouped_mm us | HF batched_mm us | x HF best | % roof | default |",
+           "|" + "---|" * 8]  # fmt: skip
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for r in rows:
+        d = r["gemmtune_us"]
+        pct = f"{100 * r['roof_us'] / d:.0f}%" if r["roof_us"] and d else "-"
+        out.append(f"| {r['model']} | {r['T']} | {f(d)} | {f(r['hf_grouped_mm_us'])} | {f(r['hf_batched_mm_us'])} | "
+                   f"{_ratio(r['hf_best_us'], d)} | {pct} | {r['default_solution']} |")  # fmt: skip
+    out += ["", "| T range | points | x HF best geomean | worst | points below 1.00 |", "|---|---|---|---|---|"]
+    for lo, hi, label in ((1, 16, "T <= 16"), (17, 512, "17..512"), (1024, 1 << 30, "T >= 1024"), (1, 1 << 30, "all")):
+        sp = [r["hf_best_us"] / r["gemmtune_us"] for r in rows
+              if lo <= r["T"] <= hi and r["hf_best_us"] and r["gemmtune_us"]]  # fmt: skip
+        if sp:
+            out.append(f"| {label} | {len(sp)} | {geomean(sp):.2f} | {min(sp):.2f} | {sum(x < 1 for x in sp)} |")
     return out
 
 
@@ -362,11 +400,16 @@ def _e2e_row(what: str, times: dict[str, list[float]], how: str, default_impl: s
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for moe_op.csv/json, moe_e2e.json and moe.md")
-    ap.add_argument("--part", choices=["op", "e2e", "all"], default="all")
+    ap.add_argument(
+        "--part",
+        choices=["op", "grid", "e2e", "all"],
+        default="all",
+        help="grid: the untuned default vs transformers over GRID (no search, no eager loop)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", "--smoke", action="store_true", help="tiny sizes (a CPU smoke test of the script)")
     ap.add_argument("--models", default=None, help="comma list of the op part's models (default: all)")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--tokens", default=None, help="token counts (default: TOKENS, or GRID_TOKENS for --part grid)")
     ap.add_argument("--table", default=None, help="tuned fmoe table: the tuned column is its rows' solutions")
     ap.add_argument("--sweep", type=int, default=6, help="without --table: kernels per backend and stage timed")
     ap.add_argument("--reps", type=int, default=10)
@@ -375,12 +418,16 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--e2e-reps", type=int, default=7)
     args = ap.parse_args(argv)
-    zoo = TINY_MODELS if args.tiny else MODELS
+    zoo = TINY_MODELS if args.tiny else GRID if args.part == "grid" else MODELS
     args.models = args.models.split(",") if args.models else list(zoo)
+    if args.part == "grid":
+        args.sweep = 0  # the default against transformers: no search
     unknown = [m for m in args.models if m not in zoo]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(zoo)}")
-    args.tokens = [int(t) for t in args.tokens.split(",")]
+    args.tokens = (
+        [int(t) for t in args.tokens.split(",")] if args.tokens else (GRID_TOKENS if args.part == "grid" else TOKENS)
+    )
     if args.tiny:
         args.ctx, args.prefill = min(args.ctx, 32), min(args.prefill, 48)
     out = pathlib.Path(args.out)
@@ -395,6 +442,16 @@ def main(argv=None):
     if not cuda:
         md += ["CPU: every contender eager, wall clock: a smoke test of the script, not a speed claim.", ""]
     t0 = time.time()
+    if args.part == "grid":
+        from gemmtune.tuner.timing import measure_ceilings
+
+        rows = run_op(args, device, measure_ceilings(device) if cuda else None)
+        (out / "moe_grid.json").write_text(json.dumps(rows, indent=1))
+        md += [
+            "The untuned fused_moe default vs transformers' experts (grouped_mm / batched_mm), CUDA graphs, "
+            "real top-k routing; x HF best > 1: the default is faster.",
+            "",
+        ] + summarize_grid(rows)
     if args.part in ("op", "all"):
         ceilings = None
         if cuda:
