@@ -418,7 +418,7 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--e2e-reps", type=int, default=7)
     args = ap.parse_args(argv)
-    zoo = TINY_MODELS if args.tiny else GRID if args.part == "grid" else MODELS
+    zoo = TINY_MODELS if args.tiny else GRID if args.part == "grid" else {**MODELS, **GRID}
     args.models = args.models.split(",") if args.models else list(zoo)
     if args.part == "grid":
         args.sweep = 0  # the default against transformers: no search
