@@ -17,7 +17,13 @@ from .stages import GM, TRITON_DTYPES, Stage, grouped_mm_fits, pair_runner, pars
 
 
 def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]:
-    """A reasonable (stage 1, stage 2) pair for an untuned key."""
+    """A reasonable (stage 1, stage 2) pair for an untuned key.
+
+    The direct-mode adjustments come from a grid of 12 expert shapes x T 1..4096 on an H100, the untuned
+    default against transformers' grouped_mm / batched_mm, and the tuner's winners at the points where it
+    lost (benchmarks/results/h100/fused_moe_op/): with many slots per expert (coarse experts, T ~ 64) a
+    taller stage-1 tile and a split stage 2; with fewer stage-1 programs than SMs (fine-grained experts
+    at T = 1) a shorter K step with a deeper pipeline, and a wide, short-K stage 2 where I is small."""
     slots = key.token * (key.topk + key.shared_expert)
     hit = max(1, min(key.expert, slots))
     per_expert = slots / hit
@@ -25,14 +31,26 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 256 else 128
     big = bm >= 64
     bk = 64 if big else 128
-    c1 = kmoe.MoeGemmConfig(1, direct, bm, 64 if not big else 128 if bm == 64 else 64, bk, 1, 4 if bm < 128 else 8,
-                            3 if not big else 4)  # fmt: skip
+    bn1 = 64 if not big else 128 if bm == 64 else 64
+    bm1, bk1, stages1 = bm, bk, 3 if not big else 4
+    crowded = direct and per_expert > 8  # a direct tile re-reads its expert for every 16 slots
+    few_programs = direct and hit * -(-2 * key.inter_dim // bn1) < sms
+    if crowded:
+        bm1 = max(bm1, 32)
+    if few_programs:
+        bk1, stages1 = 64, 4
+    c1 = kmoe.MoeGemmConfig(1, direct, bm1, bn1, bk1, 1, 4 if bm1 < 128 else 8, stages1)
     n_tiles = -(-key.model_dim // 64)
     programs = hit * n_tiles * max(1, -(-slots // hit // bm))
     sk = 1
     while sk < 8 and programs * sk * 2 <= 2 * sms and key.inter_dim // (2 * sk * bk) >= 2:
         sk *= 2
-    c2 = kmoe.MoeGemmConfig(2, direct, bm, 64 if not big else 128, bk, sk, 4 if bm < 128 else 8, 3 if not big else 4)
+    if crowded and key.inter_dim // (2 * 2 * bk) >= 2:
+        sk = max(sk, 2)
+    bn2, bk2, stages2 = 64 if not big else 128, bk, 3 if not big else 4
+    if few_programs and key.inter_dim <= 512:
+        bn2, bk2, stages2 = 128, 64, 4
+    c2 = kmoe.MoeGemmConfig(2, direct, bm, bn2, bk2, sk, 4 if bm < 128 else 8, stages2)
     return c1, c2
 
 
