@@ -50,6 +50,20 @@ _REFS = {"silu": silu_mul_ref, "gelu_tanh": gelu_tanh_mul_ref}
 if HAS_TRITON:
 
     @triton.jit
+    def act_mul_values(gu_row, n_cols, cols, mask, ACT: tl.constexpr, out_ty: tl.constexpr):
+        """act(gate) * up at `cols` (any shape) of one gate_up row, rounded as the model's two ops round
+        them (to out_ty); 0 where masked. Also the 8-bit producers' front half."""
+        g = tl.load(gu_row + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:  # silu
+            a = g / (1.0 + tl.exp(-g))
+        else:  # gelu, tanh approximation; tanh(z) = 1 - 2 / (1 + exp(2z)) keeps it portable
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
+        a = a.to(out_ty).to(tl.float32)
+        return (a * u).to(out_ty)
+
+    @triton.jit
     def _act_mul_kernel(GU, Y, n_cols, stride_row, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -57,29 +71,25 @@ if HAS_TRITON:
         if PDL:  # see norms.py: let the next GEMM start prefetching, wait for the one that wrote GU
             gdc_launch_dependents()
             gdc_wait()
-        g = tl.load(GU + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(GU + row * stride_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:  # silu
-            a = g / (1.0 + tl.exp(-g))
-        else:  # gelu, tanh approximation; tanh(z) = 1 - 2 / (1 + exp(2z)) keeps it portable
-            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            a = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
-        a = a.to(Y.dtype.element_ty).to(tl.float32)
-        tl.store(Y + row * n_cols + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
+        y = act_mul_values(GU + row * stride_row, n_cols, cols, mask, ACT, Y.dtype.element_ty)
+        tl.store(Y + row * n_cols + cols, y, mask=mask)
+
+
+def gate_up_rows(gu: torch.Tensor) -> torch.Tensor:
+    """gu [..., 2I] as [rows, 2I] with unit stride along the features (a copy only where needed)."""
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
+    try:
+        return gu.view(-1, gu.shape[-1])
+    except RuntimeError:  # leading dims not mergeable into one row stride
+        return gu.contiguous().view(-1, gu.shape[-1])
 
 
 def _launch(gu: torch.Tensor, act: str) -> torch.Tensor:
-    I2 = gu.shape[-1]
-    inter = I2 // 2
-    if gu.stride(-1) != 1:
-        gu = gu.contiguous()
-    lead = gu.shape[:-1]
-    try:
-        rows2d = gu.view(-1, I2)
-    except RuntimeError:  # leading dims not mergeable into one row stride
-        rows2d = gu.contiguous().view(-1, I2)
+    inter = gu.shape[-1] // 2
+    rows2d = gate_up_rows(gu)
     n_rows = rows2d.shape[0]
-    y = _empty((*lead, inter), gu)
+    y = _empty((*gu.shape[:-1], inter), gu)
     if n_rows == 0 or inter == 0:
         return y
     block = min(1024, triton.next_power_of_2(inter))

@@ -17,6 +17,8 @@ they follow compile_mode: the reference (fused by inductor) or the custom ops `g
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..device import triton_installed, triton_on_gpu
@@ -60,12 +62,14 @@ def add_rmsnorm_ref(
 if HAS_TRITON:
 
     @triton.jit
-    def _rmsnorm_kernel(
-        X, R, W, Y, S,
+    def rmsnorm_tile(
+        X, R, W, S,
         n_rows, inner, sx_outer, sx_inner, sr_outer, sr_inner, C, eps, offset,
         HAS_RES: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        """(rows, cols, mask, y): program_id(0)'s BLOCK_R rows normalized, y in X's dtype (the output's);
+        with HAS_RES the residual sum is written to S first. Also the 8-bit producers' front half."""
         # Rows are (outer, inner) pairs so a head-split view ([tokens, heads, D] out of a fused qkv
         # output) is read in place: row r lives at (r // inner) * s_outer + (r % inner) * s_inner.
         pid = tl.program_id(0)
@@ -82,7 +86,7 @@ if HAS_TRITON:
         x = tl.load(X + (o * sx_outer + i * sx_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(R + (o * sr_outer + i * sr_inner)[:, None] + cols[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
             tl.store(S + rows[:, None] * C + cols[None, :], x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=1) / C
@@ -90,10 +94,23 @@ if HAS_TRITON:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
         if CAST_BEFORE_W:
             # Llama: round the normalized value to the input dtype, then one rounded product.
-            y = w[None, :] * xh.to(Y.dtype.element_ty).to(tl.float32)
+            y = w[None, :] * xh.to(X.dtype.element_ty).to(tl.float32)
         else:
             y = xh * w[None, :]
-        tl.store(Y + rows[:, None] * C + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        return rows, cols, mask, y.to(X.dtype.element_ty)
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        X, R, W, Y, S,
+        n_rows, inner, sx_outer, sx_inner, sr_outer, sr_inner, C, eps, offset,
+        HAS_RES: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        rows, cols, mask, y = rmsnorm_tile(
+            X, R, W, S, n_rows, inner, sx_outer, sx_inner, sr_outer, sr_inner, C, eps, offset,
+            HAS_RES, CAST_BEFORE_W, BLOCK_R, BLOCK_C, PDL,
+        )  # fmt: skip
+        tl.store(Y + rows[:, None] * C + cols[None, :], y, mask=mask)
 
 
 def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
@@ -124,33 +141,50 @@ def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     return t, so * si, si, st_o, st_i
 
 
-def _launch(x, residual, weight, eps, offset, cast_before_weight):
+class NormRows(NamedTuple):
+    """x and the residual as the kernel reads them: the row count, the (outer, inner) row split and
+    the strides (x outer, x inner, residual outer, residual inner)."""
+
+    x: torch.Tensor
+    r: torch.Tensor
+    n_rows: int
+    inner: int
+    strides: tuple[int, int, int, int]
+
+
+def norm_rows(x: torch.Tensor, residual: torch.Tensor | None) -> NormRows:
     C = x.shape[-1]
     x, n_rows, inner, sxo, sxi = _row_layout(x)
-    y = _empty(x.shape, x)
-    s = None
-    sro = sri = 0
-    r = x
-    if residual is not None:
-        r, n_r, inner_r, sro, sri = _row_layout(residual)
-        if n_r != n_rows or inner_r != inner:  # differently shaped views: fall back to plain rows
-            x, r = x.contiguous(), r.contiguous()
-            sxo, sxi, sro, sri, inner = C, 0, C, 0, 1
-        s = _empty(x.shape, x)
-    if n_rows == 0:
-        return (y, s) if residual is not None else y
+    if residual is None:
+        return NormRows(x, x, n_rows, inner, (sxo, sxi, 0, 0))
+    r, n_r, inner_r, sro, sri = _row_layout(residual)
+    if n_r != n_rows or inner_r != inner:  # differently shaped views: fall back to plain rows
+        return NormRows(x.contiguous(), r.contiguous(), n_rows, 1, (C, 0, C, 0))
+    return NormRows(x, r, n_rows, inner, (sxo, sxi, sro, sri))
+
+
+def norm_blocks(C: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps): whole rows of C, several rows a program up to 4096 elements."""
     block_c = triton.next_power_of_2(C)
     block_r = max(1, min(64, 4096 // block_c))
     elems = block_r * block_c
-    warps = 1 if elems <= 512 else 4 if elems <= 4096 else 8 if elems <= 16384 else 16
-    grid = (triton.cdiv(n_rows, block_r),)
-    _rmsnorm_kernel[grid](
-        x, r, weight, y, s if s is not None else y,
-        n_rows, inner, sxo, sxi, sro, sri, C, float(eps), float(offset),
-        HAS_RES=residual is not None, CAST_BEFORE_W=cast_before_weight,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **_pdl_kwargs(x.device),
-    )  # fmt: skip
-    return (y, s) if residual is not None else y
+    return block_r, block_c, 1 if elems <= 512 else 4 if elems <= 4096 else 8 if elems <= 16384 else 16
+
+
+def _launch(x, residual, weight, eps, offset, cast_before_weight):
+    C = x.shape[-1]
+    rows = norm_rows(x, residual)
+    y = _empty(rows.x.shape, rows.x)
+    s = None if residual is None else _empty(rows.x.shape, rows.x)
+    if rows.n_rows:
+        block_r, block_c, warps = norm_blocks(C)
+        _rmsnorm_kernel[(triton.cdiv(rows.n_rows, block_r),)](
+            rows.x, rows.r, weight, y, y if s is None else s,
+            rows.n_rows, rows.inner, *rows.strides, C, float(eps), float(offset),
+            HAS_RES=residual is not None, CAST_BEFORE_W=cast_before_weight,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **_pdl_kwargs(x.device),
+        )  # fmt: skip
+    return y if residual is None else (y, s)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

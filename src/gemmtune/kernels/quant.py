@@ -26,6 +26,13 @@ def _to_q(y, QMAX: tl.constexpr, IS_INT: tl.constexpr, q_ty: tl.constexpr):
     return y.to(q_ty)
 
 
+@triton.jit
+def quantize_rows(y, QMAX: tl.constexpr, IS_INT: tl.constexpr, q_ty: tl.constexpr):
+    """(q, scale [R]) of the fp32 tile y [R, C], one scale per tile row (zeros past the data change nothing)."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / QMAX
+    return _to_q(y / scale[:, None], QMAX, IS_INT, q_ty), scale
+
+
 @triton.jit(do_not_specialize=["K"])
 def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, IS_INT: tl.constexpr,
                       BLOCK: tl.constexpr):  # fmt: skip
@@ -53,9 +60,9 @@ def _group_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm, stride_sm, stride
     offs = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = offs < K  # also masks groups past the last one
     x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / QMAX
+    q, scale = quantize_rows(x, QMAX, IS_INT, q_ptr.dtype.element_ty)
     tl.store(s_ptr + row * stride_sm + gs * stride_sg, scale, mask=gs < n_groups)
-    tl.store(q_ptr + row * K + offs, _to_q(x / scale[:, None], QMAX, IS_INT, q_ptr.dtype.element_ty), mask=ok)
+    tl.store(q_ptr + row * K + offs, q, mask=ok)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,9 @@ GEMMTUNE_KERNELS = {
     "_tg_reduce": "gemm",
     "_rmsnorm_kernel": "elementwise",
     "_act_mul_kernel": "elementwise",
+    "_rmsnorm_quant_kernel": "elementwise",
+    "_act_mul_quant_token_kernel": "elementwise",
+    "_act_mul_quant_group_kernel": "elementwise",
     "_rope_kernel": "elementwise",
     "_qk_norm_rope_kernel": "elementwise",
 }
