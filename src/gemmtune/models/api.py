@@ -81,6 +81,7 @@ class _Planner:
         if not (self.opts["fuse_qkv"] and arch.qkv):
             return
         why = fusion.fuse_skip_reason(attn, arch.qkv, "qkv_proj")
+        qk_norm = _uses_qk_norm(arch, attn)
         head_dim = getattr(attn, "head_dim", None)
         rope = architectures.rope_function(attn)
         cache_arg, call_why = architectures.attention_call(type(attn))
@@ -98,7 +99,7 @@ class _Planner:
                 why = f"{sizes[0] // head_dim} query heads are not a multiple of {sizes[1] // head_dim} KV heads"
             elif rope is None:
                 why = f"{type(attn).__module__} has no apply_rotary_pos_emb"
-            elif arch.qk_norm and not all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_norm", "k_norm")):
+            elif qk_norm and not all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_norm", "k_norm")):
                 why = "q_norm / k_norm missing"
             elif "forward" in attn.__dict__:
                 why = "its forward is already overridden on the instance"
@@ -111,9 +112,10 @@ class _Planner:
         spec = architectures.AttnSpec(
             sizes=sizes,
             head_dim=head_dim,
-            qk_norm=arch.qk_norm,
+            qk_norm=qk_norm,
             pass_softcap=arch.softcap_kwarg,
-            sliding_window=getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None)),
+            # 0 (Qwen2-MoE without sliding layers) means no window, as None does
+            sliding_window=getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None)) or None,
             rope_fused=self.rope_kind(rope, attn.qkv_proj.weight if hasattr(attn, "qkv_proj") else attn.q_proj.weight),
             cache_arg=cache_arg,
         )
@@ -136,14 +138,15 @@ class _Planner:
             else:
                 detail = f"experts -> gemmtune.fused_moe ({spec.describe()})"
                 self.add("moe", _join(path, "experts"), mlp.experts, detail, spec=spec)
-            router = getattr(mlp, "gate", None)
-            if fused_ops and isinstance(router, nn.Module):
+            name = moe_mod.router_name(mlp)
+            if fused_ops and name is not None:
+                router = getattr(mlp, name)
                 rspec = moe_mod.plan_router(router)
                 if isinstance(rspec, str):
-                    self.skip("router", _join(path, "gate"), router, rspec)
+                    self.skip("router", _join(path, name), router, rspec)
                 else:
                     detail = f"softmax/top-k in one kernel ({rspec.describe()})"
-                    self.add("router", _join(path, "gate"), router, detail, spec=rspec)
+                    self.add("router", _join(path, name), router, detail, spec=rspec)
             return
         act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"
         act_fn = getattr(mlp, act_attr, None)
@@ -185,7 +188,7 @@ class _Planner:
     def layer(self, path: str, layer: nn.Module) -> None:
         arch, opts = self.arch, self.opts
         pre = arch.prefix
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, arch.mlp, None)
         if type(layer).__name__ != f"{pre}DecoderLayer" or type(attn).__name__ != f"{pre}Attention" or mlp is None:
             self.skip("layer", path, layer, f"layout is not {pre}DecoderLayer/{pre}Attention: Linear routing only")
             return
@@ -195,11 +198,14 @@ class _Planner:
                 if isinstance(getattr(attn, n, None), nn.Module):
                     qk_specs[n] = architectures.detect_norm(getattr(attn, n))
         self.attention(_join(path, "self_attn"), attn, qk_specs)
-        self.mlp(_join(path, "mlp"), mlp)
+        self.mlp(_join(path, arch.mlp), mlp)
         if not opts["fused_ops"]:
             return
         for n, spec in qk_specs.items():
             self.norm(_join(path, "self_attn", n), getattr(attn, n), spec)
+        for n in arch.attn_norms:  # norms inside an attention forward that stays stock
+            if isinstance(getattr(attn, n, None), nn.Module):  # (DeepSeek's q_a_layernorm is None without q_lora)
+                self.norm(_join(path, "self_attn", n), getattr(attn, n))
         names = architectures.LAYER_NORMS[arch.layer]
         specs = {}
         for n in names:
@@ -208,12 +214,14 @@ class _Planner:
                 self.skip("layer", path, layer, f"no {n}")
                 return
             specs[n] = self.norm(_join(path, n), mod)
-        add_norm = "post_attention_layernorm" if arch.layer == "prenorm" else "pre_feedforward_layernorm"
+        add_norm = "pre_feedforward_layernorm" if arch.layer == "sandwich" else "post_attention_layernorm"
         call_why = architectures.layer_call(type(layer))
         if "forward" in layer.__dict__:
             self.skip("layer", path, layer, "its forward is already overridden on the instance")
         elif call_why is not None:
             self.skip("layer", path, layer, call_why)
+        elif arch.layer == "scaled" and type(getattr(layer, "residual_multiplier", None)) not in (int, float):
+            self.skip("layer", path, layer, "no int / float residual_multiplier")
         elif specs[add_norm] is None or getattr(layer, add_norm)._forward_hooks:
             self.skip("layer", path, layer, f"{add_norm} not fusable with the residual add")
         else:
@@ -263,6 +271,11 @@ class _Planner:
             epilogue_mlp.plan(self, self.model)
         self.linears()
         return self.actions
+
+
+def _uses_qk_norm(arch: architectures.Architecture, attn: nn.Module) -> bool:
+    """Whether this attention normalizes q and k per head (GLM-4-MoE: only with use_qk_norm)."""
+    return arch.qk_norm and (arch.qk_norm_flag is None or bool(getattr(attn, arch.qk_norm_flag, False)))
 
 
 def _qk_norms_fusable(attn: nn.Module, specs: dict, head_dim: int):
@@ -523,9 +536,13 @@ def optimize(
         if check is not None:
             check.finish(model, actions, done, report)
         if quantize is not None:
+            from .quant_feeds import wire_producers
             from .quantize import quantize_linears
 
             a = Action("quantize", "", {"undo": quantize_linears(model, quantize, report, bool(quantize_lm_head))})
+            actions.append(a)
+            done.append(a)
+            a = Action("quantize", "", {"undo": wire_producers(model, report)})  # norms / act*mul emit 8-bit
             actions.append(a)
             done.append(a)
         if route_linears:  # fp8 checkpoint Linears (transformers' FP8Linear) through gemm_a8w8_blockscale

@@ -29,14 +29,22 @@ from .hf_cache import CACHE_ARGS
 class Architecture:
     name: str
     prefix: str  # class-name prefix: f"{prefix}DecoderLayer", f"{prefix}Attention"
-    qkv: tuple[str, ...] | None = ("q_proj", "k_proj", "v_proj")  # None: the model already fuses them
+    # None: no q/k/v to fuse (the model already fuses them, or its attention forward stays stock)
+    qkv: tuple[str, ...] | None = ("q_proj", "k_proj", "v_proj")
     gate_up: tuple[str, ...] | None = ("gate_proj", "up_proj")
-    layer: str = "prenorm"  # "prenorm" (Llama) or "sandwich" (Gemma2/3: norms after attn and mlp too)
+    # "prenorm" (Llama), "sandwich" (Gemma2/3: norms after attn and mlp too) or "scaled" (prenorm with
+    # residual_multiplier on both branches: GraniteMoE)
+    layer: str = "prenorm"
     qk_norm: bool = False
+    qk_norm_flag: str | None = None  # attention attribute that turns the q/k norms on per instance
+    attn_norms: tuple[str, ...] = ()  # RMSNorms a stock attention forward calls (swapped one by one)
     softcap_kwarg: bool = False  # the stock forward passes attn_logit_softcapping to attention
     moe: bool = False
+    mlp: str = "mlp"  # the layer's MLP / MoE block attribute
 
 
+# MLA attention (DeepSeek-V3) and OLMoE's full-width q/k norms (with clip_qkv) have no fused attention
+# forward: they keep their own and only their norms and linears change.
 ARCHITECTURES = {
     "llama": Architecture("llama", "Llama"),
     "mistral": Architecture("mistral", "Mistral"),
@@ -48,10 +56,19 @@ ARCHITECTURES = {
     "phi3": Architecture("phi3", "Phi3", qkv=None, gate_up=None),
     "mixtral": Architecture("mixtral", "Mixtral", moe=True),
     "qwen3_moe": Architecture("qwen3_moe", "Qwen3Moe", qk_norm=True, moe=True),
+    "qwen2_moe": Architecture("qwen2_moe", "Qwen2Moe", moe=True),
+    "deepseek_v3": Architecture(
+        "deepseek_v3", "DeepseekV3", qkv=None, attn_norms=("q_a_layernorm", "kv_a_layernorm"), moe=True
+    ),
+    "olmoe": Architecture("olmoe", "Olmoe", qkv=None, attn_norms=("q_norm", "k_norm"), moe=True),
+    "glm4_moe": Architecture("glm4_moe", "Glm4Moe", qk_norm=True, qk_norm_flag="use_qk_norm", moe=True),
+    "granitemoe": Architecture("granitemoe", "GraniteMoe", layer="scaled", moe=True, mlp="block_sparse_moe"),
 }
+
 
 LAYER_NORMS = {
     "prenorm": ("input_layernorm", "post_attention_layernorm"),
+    "scaled": ("input_layernorm", "post_attention_layernorm"),
     "sandwich": (
         "input_layernorm",
         "post_attention_layernorm",
@@ -121,7 +138,15 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rmsnorm(hidden_states, self.weight, s.eps, offset=s.offset, cast_before_weight=s.cast_before_weight)
 
 
+# norm.__dict__: a function (x, residual) -> (h, residual + x) standing in for the fused add-norm below
+# (quant_feeds.py: h quantized for the 8-bit GEMM after it)
+ADD_NORM_OVERRIDE = "_gemmtune_add_norm"
+
+
 def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
+    override = norm.__dict__.get(ADD_NORM_OVERRIDE)
+    if override is not None:
+        return override(x, residual)
     s = norm._gemmtune_norm
     return add_rmsnorm(x, residual, norm.weight, s.eps, offset=s.offset, cast_before_weight=s.cast_before_weight)
 
@@ -332,4 +357,21 @@ def _sandwich_layer_forward(self, hidden_states, *args, **kwargs):
     return residual + h
 
 
-LAYER_FORWARDS = {"prenorm": _prenorm_layer_forward, "sandwich": _sandwich_layer_forward}
+def _scaled_layer_forward(self, hidden_states, *args, **kwargs):
+    """Prenorm with each branch scaled by residual_multiplier before its add (GraniteMoE)."""
+    if args or self.training:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    m = self.residual_multiplier
+    residual = hidden_states
+    h = self.input_layernorm(hidden_states)
+    h, _ = self.self_attn(hidden_states=h, **kwargs)
+    h, residual = _add_norm(self.post_attention_layernorm, h * m, residual)
+    h = self.block_sparse_moe(h)
+    return residual + h * m
+
+
+LAYER_FORWARDS = {
+    "prenorm": _prenorm_layer_forward,
+    "sandwich": _sandwich_layer_forward,
+    "scaled": _scaled_layer_forward,
+}

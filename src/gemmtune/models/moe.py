@@ -1,13 +1,17 @@
 """optimize() for sparse MoE blocks: the experts module's forward becomes one gemmtune.fused_moe call.
 
-Mixtral, Qwen3-MoE and DeepSeek-V3 blocks in transformers 5.x route with their own router and call
-`self.experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k))`, whose weights are
-gate_up_proj (E, 2I, H) (gate rows first) and down_proj (E, H, I): fused_moe's own layout, so no
-weight is copied. The router, the shared expert (DeepSeek) and everything else stay as they are.
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, GLM-4-MoE and DeepSeek-V3 blocks in transformers
+5.x route with their own router and call `self.experts(hidden (T, H), top_k_index (T, k),
+top_k_weights (T, k))`, whose weights are gate_up_proj (E, 2I, H) (gate rows first) and down_proj
+(E, H, I): fused_moe's own layout, so no weight is copied. The router's scaling (DeepSeek's
+routed_scaling_factor) is already in top_k_weights. Shared experts (Qwen2-MoE's, with its sigmoid
+gate; DeepSeek's and GLM's) and everything else in the block stay as they are.
 
-The top-k router (Qwen3-MoE's / Mixtral's: linear, softmax, top k, optional renormalization) keeps
-its linear and does the rest in one Triton kernel (kernels/moe_route.py) where Triton runs; whether it
-renormalizes and the dtype of its weights are read off a probe of its own forward.
+The softmax top-k routers (Mixtral's, Qwen2/3-MoE's, OLMoE's: linear, softmax, top k, optional
+renormalization) keep their linear and do the rest in one Triton kernel (kernels/moe_route.py) where
+Triton runs; whether one renormalizes and the dtype of its weights are read off a probe of its own
+forward. Other routers (DeepSeek's / GLM's grouped sigmoid top-k with e_score_correction_bias,
+GraniteMoE's top-k-then-softmax) stay stock.
 
 An experts module is taken only if its layout is the one above (checked per instance), its
 activation is one fused_moe computes (probed), and fused_moe matches the module's own forward on a
@@ -45,14 +49,15 @@ def _layout_reason(experts: nn.Module) -> str | None:
     gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor) or gu.dim() != 3 or down.dim() != 3:
         return "no 3-D gate_up_proj / down_proj expert weights"
-    E, two_i, H = gu.shape
-    if down.shape != (E, H, two_i // 2) or two_i % 2:
-        return f"gate_up_proj {tuple(gu.shape)} and down_proj {tuple(down.shape)} are not (E, 2I, H) / (E, H, I)"
+    # transformers' own layout flags first: they name the reason (gpt-oss: biases, transposed, interleaved)
     flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
              "has_post_expert_norm": False, "_is_expert_parallel": False}  # fmt: skip
     odd = [f"{k}={getattr(experts, k)}" for k, v in flags.items() if getattr(experts, k, v) != v]
     if odd:
         return f"experts layout not handled: {', '.join(odd)}"
+    E, two_i, H = gu.shape
+    if down.shape != (E, H, two_i // 2) or two_i % 2:
+        return f"gate_up_proj {tuple(gu.shape)} and down_proj {tuple(down.shape)} are not (E, 2I, H) / (E, H, I)"
     if "forward" in experts.__dict__:
         return "its forward is already overridden on the instance"
     if gu.device.type == "meta":
@@ -113,7 +118,16 @@ def undo(experts: nn.Module) -> None:
 
 
 # ---- the top-k router -----------------------------------------------------------------------------
-ROUTERS = ("Qwen3MoeTopKRouter", "MixtralTopKRouter")  # linear -> softmax -> top k (-> renorm) routers
+# linear -> softmax -> top k (-> renorm) routers
+ROUTERS = ("Qwen3MoeTopKRouter", "MixtralTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter")
+
+
+def router_name(block: nn.Module) -> str | None:
+    """The attribute holding an MoE block's router ("gate" in most families, "router" in GraniteMoE)."""
+    for name in ("gate", "router"):
+        if isinstance(getattr(block, name, None), nn.Module):
+            return name
+    return None
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,35 @@ def _mixtral(cfg: dict, tp: int) -> list[LinearShape]:
     ]
 
 
+def _routed_moe(experts_key: str, inter_key: str):
+    """Every layer an MoE block of `experts_key` experts of size `inter_key`, attention_bias on q/k/v/o
+    (OLMoE, GraniteMoE)."""
+
+    def shapes(cfg: dict, tp: int) -> list[LinearShape]:
+        layers = _req(cfg, "num_hidden_layers")
+        ab = bool(cfg.get("attention_bias", False))
+        experts, top_k, inter = _req(cfg, experts_key), _req(cfg, "num_experts_per_tok"), _req(cfg, inter_key)
+        return [*_attention(cfg, tp, ab, ab, layers), *_moe(cfg, tp, experts, top_k, inter, layers, 0),
+                _lm_head(cfg, tp)]  # fmt: skip
+
+    return shapes
+
+
+def _glm4_moe(cfg: dict, tp: int) -> list[LinearShape]:
+    """GLM-4-MoE: Llama-style attention (attention_bias on q/k/v only), DeepSeek-style MoE layers after
+    first_k_dense_replace dense ones, shared experts of n_shared_experts * moe_intermediate_size."""
+    layers = _req(cfg, "num_hidden_layers")
+    dense = min(_opt(cfg, "first_k_dense_replace", 0), layers)
+    moe_inter = _req(cfg, "moe_intermediate_size")
+    shared = _opt(cfg, "n_shared_experts", 0) * moe_inter
+    experts, top_k = _req(cfg, "n_routed_experts"), _req(cfg, "num_experts_per_tok")
+    return [
+        *_attention(cfg, tp, bool(cfg.get("attention_bias", False)), False, layers),
+        *_moe(cfg, tp, experts, top_k, moe_inter, layers - dense, dense, shared),
+        _lm_head(cfg, tp),
+    ]
+
+
 def _deepseek(cfg: dict, tp: int) -> list[LinearShape]:
     """DeepSeek V2/V3 (MLA attention + shared/routed experts), as vLLM runs the prefill path."""
     layers = _req(cfg, "num_hidden_layers")
@@ -284,6 +313,9 @@ ARCHITECTURES = {
     "qwen3_moe": lambda cfg, tp: _qwen_moe(cfg, tp, qkv_bias=False),
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
+    "olmoe": _routed_moe("num_experts", "intermediate_size"),
+    "granitemoe": _routed_moe("num_local_experts", "intermediate_size"),
+    "glm4_moe": _glm4_moe,
 }
 # The `architectures` class names that map onto the model types above (configs without model_type).
 _CLASS_TO_TYPE = {
@@ -301,6 +333,9 @@ _CLASS_TO_TYPE = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "OlmoeForCausalLM": "olmoe",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 
@@ -424,9 +459,9 @@ def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.d
     """The fmoe keys one rank of an MoE model runs at each token count (empty for a dense model).
 
     tp splits every expert's intermediate size; ep splits the routed experts (each rank holds
-    experts / ep of them and keys global_expert = experts). A DeepSeek-V3 shared expert of the routed
-    experts' size is fused in as an extra expert (shared_expert = n_shared_experts); shared experts of
-    another size (Qwen2-MoE) are a dense MLP, not an fmoe key.
+    experts / ep of them and keys global_expert = experts). DeepSeek-V3's and GLM-4-MoE's shared experts
+    of the routed experts' size are fused in as extra experts (shared_expert = n_shared_experts), as
+    serving engines run them; shared experts of another size (Qwen2-MoE) are a dense MLP, not an fmoe key.
     """
     cfg = text_config(config)
     mt = cfg.get("model_type", "")
@@ -436,12 +471,14 @@ def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.d
         experts, inter = _req(cfg, "num_local_experts", "num_experts"), _req(cfg, "intermediate_size")
     elif mt in ("qwen2_moe", "qwen3_moe"):
         experts, inter = _req(cfg, "num_experts"), _req(cfg, "moe_intermediate_size")
-    elif mt in ("deepseek_v2", "deepseek_v3"):
+    elif mt in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
         experts, inter = _req(cfg, "n_routed_experts"), _req(cfg, "moe_intermediate_size")
+    elif mt in ("olmoe", "granitemoe"):
+        experts, inter = _req(cfg, "num_experts", "num_local_experts"), _req(cfg, "intermediate_size")
     else:
         return []
     topk = _req(cfg, "num_experts_per_tok")
-    shared = _opt(cfg, "n_shared_experts", 0) if mt.startswith("deepseek") else 0
+    shared = _opt(cfg, "n_shared_experts", 0) if mt.startswith("deepseek") or mt == "glm4_moe" else 0
     for what, total, parts in (("experts", experts, ep), ("intermediate size", inter, tp)):
         if total % parts:
             raise ValueError(f"{mt}: {what} {total} do not split over {parts} ranks")
@@ -619,6 +656,7 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
     "phi-3-mini": _llama(3072, 8192, 32, 32, 32, 32064, model_type="phi3"),
+    # deepseek-ai/DeepSeek-V3
     "deepseek-v3": _llama(
         7168,
         18432,
@@ -637,6 +675,99 @@ PRESETS: dict[str, dict] = {
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
         v_head_dim=128,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    ),
+    # Qwen/Qwen1.5-MoE-A2.7B
+    "qwen2-moe": _llama(
+        2048,
+        5632,
+        16,
+        16,
+        24,
+        151936,
+        model_type="qwen2_moe",
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        num_experts=60,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-06,
+    ),
+    # Qwen/Qwen2-57B-A14B
+    "qwen2-57b-a14b": _llama(
+        3584,
+        18944,
+        28,
+        4,
+        28,
+        151936,
+        model_type="qwen2_moe",
+        moe_intermediate_size=2560,
+        shared_expert_intermediate_size=20480,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-06,
+    ),
+    # allenai/OLMoE-1B-7B-0924
+    "olmoe-1b-7b": _llama(
+        2048,
+        1024,
+        16,
+        16,
+        16,
+        50304,
+        model_type="olmoe",
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        clip_qkv=None,
+        rms_norm_eps=1e-05,
+        tie_word_embeddings=False,
+    ),
+    # zai-org/GLM-4.5-Air
+    "glm-4.5-air": _llama(
+        4096,
+        10944,
+        96,
+        8,
+        46,
+        151552,
+        128,
+        model_type="glm4_moe",
+        moe_intermediate_size=1408,
+        n_routed_experts=128,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        partial_rotary_factor=0.5,
+        use_qk_norm=False,
+        attention_bias=True,
+        rms_norm_eps=1e-05,
+    ),
+    # ibm-granite/granite-3.1-3b-a800m-instruct
+    "granite-3.1-3b-a800m": _llama(
+        1536,
+        512,
+        24,
+        8,
+        32,
+        49155,
+        model_type="granitemoe",
+        num_local_experts=40,
+        num_experts_per_tok=8,
+        tie_word_embeddings=True,
     ),
 }
 
