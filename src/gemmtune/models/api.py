@@ -536,13 +536,9 @@ def optimize(
         if check is not None:
             check.finish(model, actions, done, report)
         if quantize is not None:
-            from .quant_feeds import wire_producers
             from .quantize import quantize_linears
 
             a = Action("quantize", "", {"undo": quantize_linears(model, quantize, report, bool(quantize_lm_head))})
-            actions.append(a)
-            done.append(a)
-            a = Action("quantize", "", {"undo": wire_producers(model, report)})  # norms / act*mul emit 8-bit
             actions.append(a)
             done.append(a)
         if route_linears:  # fp8 checkpoint Linears (transformers' FP8Linear) through gemm_a8w8_blockscale
