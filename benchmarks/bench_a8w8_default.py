@@ -10,9 +10,14 @@ Per point (format, N, K, M), one interleaved CUDA-graph run over rotating cold i
 - gemmtune q+gemm: kernels/quant.py's one-kernel quantizer then gemmtune.gemm_a8w8 with no table (the
   default of quantized/policy.py, through dispatch);
 - gemmtune gemm: gemm_a8w8 on the already quantized activation.
+With --producer the activation is an RMSNorm's output, as for a model's q/k/v and gate/up GEMMs, and the
+norm is counted in every contender: bf16 norm+gemm (kernels/norms.py's rmsnorm, then F.linear), gemmtune
+norm+q+gemm (the norm, the quantizer, gemm_a8w8), gemmtune fused norm+gemm (kernels/quant_producers.py's
+rmsnorm_quant writes the 8-bit activation and its scales, then gemm_a8w8).
 Ratios > 1 mean gemmtune is faster; the 8-bit roof takes twice the bf16 matmul rate (measured in the run).
 
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --out OUT_DIR [--formats fp8,int8] [--ms 1,16,...]
+    PYTHONPATH=src python benchmarks/bench_a8w8_default.py --producer --suite-only --out OUT_DIR
 
 Writes a8w8_default.md / .json into --out.
 """
@@ -31,7 +36,9 @@ from suites import find_models_dir, suite_shapes
 
 import gemmtune
 from gemmtune.families.quantized import FP8, QuantKey
+from gemmtune.kernels.norms import rmsnorm
 from gemmtune.kernels.quant import quantize_per_token_triton
+from gemmtune.kernels.quant_producers import rmsnorm_quant
 from gemmtune.quant.quantize import quantize_per_channel, quantize_per_token
 from gemmtune.tuner.timing import MAX_SETS, l2_bytes, measure_ceilings, time_graphs
 
@@ -65,7 +72,25 @@ def _torch_gemm(qd):
     return int_mm
 
 
-def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int) -> dict:
+def producer_contenders(qd, norm_w: torch.Tensor) -> dict:
+    """The norm -> GEMM chain three ways (see the module doc), on the same arguments as bench_point's."""
+    eps = 1e-6
+
+    def bf16(x, w, wq, ws, xq, xs):
+        return F.linear(rmsnorm(x, norm_w, eps), w)
+
+    def unfused(x, w, wq, ws, xq, xs):
+        q, s = quantize_per_token_triton(rmsnorm(x, norm_w, eps), qd)
+        return gemmtune.gemm_a8w8(q, wq, s, ws)
+
+    def fused(x, w, wq, ws, xq, xs):
+        q, s = rmsnorm_quant(x, norm_w, eps, qd)
+        return gemmtune.gemm_a8w8(q, wq, s, ws)
+
+    return {"bf16 norm+gemm": bf16, "gemmtune norm+q+gemm": unfused, "gemmtune fused norm+gemm": fused}
+
+
+def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, producer: bool = False) -> dict:
     qd = DTYPES[fmt]
     per_set = m * k * 2 + n * k * 3 + m * n * 2  # bf16 x and w, 8-bit w, bf16 y
     n_sets = min(MAX_SETS, max(2, math.ceil(2 * l2_bytes(dev) / per_set) + 1))
@@ -95,6 +120,8 @@ def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int) -> 
         "gemmtune gemm": lambda x, w, wq, ws, xq, xs: gemmtune.gemm_a8w8(xq, wq, xs, ws),
         "bf16#2": lambda x, w, wq, ws, xq, xs: F.linear(x, w),
     }
+    if producer:
+        contenders.update(producer_contenders(qd, 1 + torch.rand(k, device=dev, generator=g).to(torch.bfloat16)))
     ref = F.linear(*(t.float() for t in sets[0][:2]))
     errors = {}
     for name in ("torch gemm", "gemmtune gemm", "gemmtune q+gemm"):
@@ -118,6 +145,9 @@ def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int) -> 
     row["x_torch_gemm"] = us["torch gemm"] / us["gemmtune gemm"]
     row["x_bf16_q"] = us["bf16"] / us["gemmtune q+gemm"]
     row["x_bf16_gemm"] = us["bf16"] / us["gemmtune gemm"]
+    if producer:
+        row["x_bf16_fused"] = us["bf16 norm+gemm"] / us["gemmtune fused norm+gemm"]
+        row["x_bf16_unfused"] = us["bf16 norm+gemm"] / us["gemmtune norm+q+gemm"]
     return row
 
 
@@ -145,6 +175,17 @@ def summarize(rows: list[dict], device: str) -> str:
             cells = [fmt, label, len(sel), f"{_geomean(tq):.3f} / {min(tq):.3f}", f"{_geomean(tg):.3f} / {min(tg):.3f}",
                      f"{_geomean(bq):.2f}", f"{_geomean(bg):.2f}"]  # fmt: skip
             lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if any("x_bf16_fused" in r for r in rows):
+        lines += ["", "RMSNorm -> GEMM, the norm counted everywhere, x = bf16 norm+gemm / gemmtune's:", "",
+                  "| fmt | M range | points | fused norm->8-bit + gemm | norm + quantizer + gemm | gemm only |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for fmt in DTYPES:
+            for lo, hi, label in ranges:
+                sel = [r for r in rows if r["format"] == fmt and lo <= r["M"] <= hi and "x_bf16_fused" in r]
+                if sel:
+                    cells = [fmt, label, len(sel), *(f"{_geomean([r[c] for r in sel]):.2f}"
+                             for c in ("x_bf16_fused", "x_bf16_unfused", "x_bf16_gemm"))]  # fmt: skip
+                    lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", f"Noise: largest |bf16 - bf16#2| / bf16: {100 * max(r['noise'] for r in rows):.1f}%"]
     return "\n".join(lines)
 
@@ -156,6 +197,8 @@ def main():
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--models-dir", default=None)
+    ap.add_argument("--producer", action="store_true", help="also the RMSNorm -> GEMM chain, fused and not")
+    ap.add_argument("--suite-only", action="store_true", help="only the three models' shapes (no EXTRA)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gemmtune.set_config(None)  # the untuned default, whatever GEMMTUNE_CONFIG says
@@ -165,12 +208,12 @@ def main():
     device = torch.cuda.get_device_name(dev)
     print(f"{device}; torch {torch.__version__}; ceilings: {ceil.describe()}", flush=True)
     shapes, _ = suite_shapes(find_models_dir(args.models_dir), SUITE)
-    points = sorted({(n, k) for _, _, n, k in shapes} | {(n, k) for _, n, k in EXTRA})
+    points = sorted({(n, k) for _, _, n, k in shapes} | (set() if args.suite_only else {(n, k) for _, n, k in EXTRA}))
     rows, t0 = [], time.time()
     for fmt in args.formats.split(","):
         for i, (n, k) in enumerate(points):
             for m in (int(v) for v in args.ms.split(",")):
-                r = bench_point(fmt, n, k, m, dev, args.reps, seed=1000 * i + m)
+                r = bench_point(fmt, n, k, m, dev, args.reps, seed=1000 * i + m, producer=args.producer)
                 rows.append(r)
                 print(f"{fmt:5s} M={m:5d} N={n:6d} K={k:6d} x torch q+gemm {r['x_torch_q']:.3f} gemm "
                       f"{r['x_torch_gemm']:.3f} x bf16 {r['x_bf16_q']:.2f} {r['default']} [{time.time() - t0:.0f}s]",
