@@ -467,7 +467,8 @@ def optimize(
     and fp8 block-scaled checkpoint Linears (transformers' FP8Linear) via gemm_a8w8_blockscale.
     quantize: "fp8" / "int8" (per-channel weights, per-token activations) or "fp8-block" (128x128 /
     1x128) runs the linears through the 8-bit ops (models/quantize.py); lm_head only with
-    quantize_lm_head.
+    quantize_lm_head. In fused decoder layers the norms and act*mul emit the next GEMM's input
+    already quantized (models/quant_feeds.py).
     verify: check every changed decoder layer against stock on a tiny left-padded prefill plus cached
     decode steps (models/verify.py) before quantizing; a layer that disagrees is put back to stock and
     reported (its cost is in the report's notes).
@@ -536,9 +537,13 @@ def optimize(
         if check is not None:
             check.finish(model, actions, done, report)
         if quantize is not None:
+            from .quant_feeds import wire_producers
             from .quantize import quantize_linears
 
             a = Action("quantize", "", {"undo": quantize_linears(model, quantize, report, bool(quantize_lm_head))})
+            actions.append(a)
+            done.append(a)
+            a = Action("quantize", "", {"undo": wire_producers(model, report)})  # norms / act*mul emit 8-bit
             actions.append(a)
             done.append(a)
         if route_linears:  # fp8 checkpoint Linears (transformers' FP8Linear) through gemm_a8w8_blockscale

@@ -7,12 +7,16 @@ one Triton kernel on a GPU) and the GEMM goes to gemm_a8w8 / gemm_a8w8_blockscal
 output in the activation's dtype. lm_head stays 16-bit unless asked (its error reaches the logits
 directly). The quantized weights live in the module's __dict__, not its state_dict, and the 16-bit
 weights are kept, so restore() gives the stock model back and checkpoints are unchanged.
+A linear also takes a QuantizedActivation, its input already quantized by the op before it
+(models/quant_feeds.py wires the norms and act*mul of a decoder layer so), and then skips its quantizer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,7 @@ from ..quant import formats, layouts, quantize
 
 MODES = {"fp8": ("a8w8", "fp8"), "int8": ("a8w8", "int8"), "fp8-block": ("blockscale", "fp8")}
 _STATE = "_gemmtune_quant"
+FEEDS = "_gemmtune_feeds"  # model.__dict__: the producers wired by quant_feeds.py (paused by gemm_errors)
 
 
 @dataclass
@@ -52,29 +57,66 @@ def _skip_reason(mod: nn.Module, mode: str) -> str | None:
     return None
 
 
-def fp8_block_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None):
-    """y = x @ dequant(wq, ws)^T (+ bias) through gemm_a8w8_blockscale, x quantized per 1x128 group at
-    run time (M-major scales, no copy before cuBLASLt); ws in any layout (row-padded saves a copy)."""
-    from ..kernels.quant import quantize_1x128_triton
+class QuantizedActivation(NamedTuple):
+    """A linear's input quantized by the op that produced it (kernels/quant_producers.py), in the format
+    the linear's own quantizer would have made: the linear runs its GEMM on it directly."""
+
+    q: torch.Tensor  # [..., K] int8 / fp8
+    scale: torch.Tensor  # [..., 1] per token, or the M-major [M, K/128] grid per 1x128 group
+    dtype: torch.dtype  # the 16-bit activation's dtype (the GEMM's output dtype)
+
+    @property
+    def shape(self) -> torch.Size:  # what a forward reads of its input before the linear
+        return self.q.shape
+
+
+def input_format(mod: nn.Module) -> tuple[torch.dtype, str] | None:
+    """(8-bit dtype, "per_token" or "1x128") of the activation a quantized linear reads; None if not quantized."""
+    st = mod.__dict__.get(_STATE)
+    if st is None:
+        return None
+    return st.wq.dtype, "1x128" if st.mode == "fp8-block" else "per_token"
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+
+
+def _blockscale_linear(xq, xs, wq, ws, bias, out: torch.dtype) -> torch.Tensor:
     from ..ops.quantized import gemm_a8w8_blockscale
 
-    out = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
-    xq, xs = quantize_1x128_triton(x, wq.dtype, m_major=True)
     y = gemm_a8w8_blockscale(xq, wq, xs, ws, out)
     return y if bias is None else y + bias.to(out)
 
 
-def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
-    from ..kernels.quant import quantize_per_token_triton
+def fp8_block_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None):
+    """y = x @ dequant(wq, ws)^T (+ bias) through gemm_a8w8_blockscale, x quantized per 1x128 group at
+    run time (M-major scales, no copy before cuBLASLt); ws in any layout (row-padded saves a copy)."""
+    from ..kernels.quant import quantize_1x128_triton
+
+    xq, xs = quantize_1x128_triton(x, wq.dtype, m_major=True)
+    return _blockscale_linear(xq, xs, wq, ws, bias, _out_dtype(x.dtype))
+
+
+def _gemm(st: QuantState, xq: torch.Tensor, xs: torch.Tensor, out: torch.dtype) -> torch.Tensor:
     from ..ops.quantized import gemm_a8w8
 
-    st: QuantState = self.__dict__[_STATE]
     if st.mode == "fp8-block":
-        return fp8_block_linear(x, st.wq, st.ws, st.bias)
-    out = x.dtype if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
-    xq, xs = quantize_per_token_triton(x, st.wq.dtype)
-    bias = None if st.bias is None else st.bias.to(out)
-    return gemm_a8w8(xq, st.wq, xs, st.ws, bias, out)
+        return _blockscale_linear(xq, xs, st.wq, st.ws, st.bias, out)
+    return gemm_a8w8(xq, st.wq, xs, st.ws, None if st.bias is None else st.bias.to(out), out)
+
+
+def _quant_forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    from ..kernels.quant import quantize_1x128_triton, quantize_per_token_triton
+
+    st: QuantState = self.__dict__[_STATE]
+    if isinstance(x, QuantizedActivation):
+        return _gemm(st, x.q, x.scale, _out_dtype(x.dtype))
+    if st.mode == "fp8-block":
+        xq, xs = quantize_1x128_triton(x, st.wq.dtype, m_major=True)
+    else:
+        xq, xs = quantize_per_token_triton(x, st.wq.dtype)
+    return _gemm(st, xq, xs, _out_dtype(x.dtype))
 
 
 def reference_forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -182,8 +224,10 @@ def gemm_errors(model: nn.Module, run, against=None) -> list[tuple[str, str, flo
         if _STATE in mod.__dict__:
             shapes[path] = f"{mod.weight.shape[0]}x{mod.weight.shape[1]}"
             handles.append(mod.register_forward_hook(watch(path, mod)))
+    feeds = model.__dict__.get(FEEDS)  # paused: each linear must see its 16-bit input to be compared
     try:
-        run()
+        with feeds.paused() if feeds is not None else contextlib.nullcontext():
+            run()
     finally:
         for h in handles:
             h.remove()

@@ -23,6 +23,7 @@ _SECTIONS = {
     "router": "swapped",
     "epilogue_mlp": "fused",
     "quantize": "quantized",
+    "quantize feed": "quantized",
     "fp8": "quantized",
 }
 _ORDER = ("fused", "swapped", "quantized", "routed through gemmtune.gemm", "left alone")
@@ -39,6 +40,7 @@ _NOT_DONE = {
     "router": "router not swapped",
     "epilogue mlp": "MLP epilogue not fused",
     "quantize": "not quantized",
+    "quantize feed": "the GEMM quantizes its own input",
     "fp8": "fp8 checkpoint weight not routed",
     "verify": "put back to stock",
 }
