@@ -181,11 +181,12 @@ def test_gemma_norms_and_gelu_feed_too(model_type, monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_bf16_producers_match_the_unwired_model(mode, model_configs, monkeypatch, gpu):
     """bf16 on the GPU (the Triton producers and 8-bit GEMMs): the wired model's decode-path logits equal
-    the unwired one's up to the fused kernels' last-bit differences, and stay within the 8-bit bound."""
+    the unwired one's (the fused kernels share the norm, act*mul and quantizer code of the unfused ones),
+    and stay within the 8-bit bound of stock."""
     stock = _wide_llama(model_configs).to(gpu, torch.bfloat16)
     wired, report = _quantized(stock, mode, True, monkeypatch)
     plain, _ = _quantized(stock, mode, False, monkeypatch)
     assert len(_feeds(report)) == 6, report.summary()
     for got, same, ref in zip(_decode_logits(wired), _decode_logits(plain), _decode_logits(stock)):
-        assert _rel(got, same) <= 2e-2
+        assert _rel(got, same) <= 1e-3
         assert _rel(got, ref) < BOUNDS[mode] + 0.05
