@@ -223,7 +223,24 @@ def test_cli_bench_model_decode_parity_failure_exits_nonzero(tmp_path):
     res = CliRunner().invoke(cli, [*base, "--keep-going", "-o", str(tmp_path / "go")])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "go" / "report.md").read_text()
-    assert "PARITY FAIL" in md and "| optimize | FAILED |" in md
+    assert "PARITY FAIL" in md and "| optimize | stock | FAILED |" in md
+
+
+def test_cli_bench_model_judges_the_8bit_contender_against_its_quantized_reference(tmp_path):
+    """The 8-bit contender's decode is compared with the same quantized model on its reference linears
+    (error vs stock reported beside it); one that ignores its KV cache fails that comparison."""
+    base = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
+            "--ctx", "16", "--batches", "1", "--reps", "1", "--contenders", "stock,quantize", "--quantize", "fp8",
+            "--no-profile", "--decode-steps", "4"]  # fmt: skip
+    res = CliRunner().invoke(cli, [*base, "--keep-going", "-o", str(tmp_path / "ok")])
+    assert res.exit_code == 0, res.output
+    q = json.loads((tmp_path / "ok" / "report.json").read_text())["decode_parity"]["quantize"]
+    assert q["ok"] and q["reference"] == "quantized reference" and max(q["step_rel_err"]) < 1e-4
+    assert max(q["step_rel_err_vs_stock"]) > max(q["step_rel_err"])  # the quantization's own error, reported
+    res = CliRunner().invoke(cli, [*base, "--test-break", "quantize", "-o", str(tmp_path / "broken")])
+    assert res.exit_code == 1, res.output
+    q = json.loads((tmp_path / "broken" / "report.json").read_text())["decode_parity"]["quantize"]
+    assert not q["ok"] and (q["failure"] or max(q["step_rel_err"]) > q["tolerance"])
 
 
 def test_cli_bench_model_rejects_bad_input(tmp_path):

@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 import gemmtune  # noqa: E402
 from gemmtune.models import quant_feeds, verify  # noqa: E402
-from gemmtune.models.quantize import FEEDS, QuantizedActivation, gemm_errors  # noqa: E402
+from gemmtune.models import quantize as quantize_mod  # noqa: E402
+from gemmtune.models.quantize import FEEDS, QuantizedActivation, gemm_errors, input_format  # noqa: E402
 
 MODES = ["int8", "fp8", "fp8-block"]
 # Logits vs stock fp32 on random weights (test_quant_models.py measures the same bounds).
@@ -133,6 +134,27 @@ def test_gemm_errors_pauses_the_producers(model_configs):
     assert "forward" in norm.__dict__ and quant_feeds.FORMAT in norm.__dict__  # wired again afterwards
     with torch.no_grad():
         assert isinstance(norm(torch.randn(1, 3, 128)), QuantizedActivation)
+
+
+def test_reference_linears_runs_the_plain_reference_and_puts_everything_back(model_configs, monkeypatch):
+    model = _wide_llama(model_configs)
+    gemmtune.optimize(model, quantize="fp8")
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(5))
+    quantized = [m for m in model.modules() if input_format(m) is not None]
+    forwards = [m.__dict__["forward"] for m in quantized]
+    calls = []
+    real = quantize_mod.reference_forward
+    monkeypatch.setattr(quantize_mod, "reference_forward", lambda mod, x: calls.append(mod) or real(mod, x))
+    with torch.no_grad():
+        fast = model(ids, use_cache=False).logits
+        with quantize_mod.reference_linears(model):
+            norm = model.model.layers[0].input_layernorm
+            assert not isinstance(norm(torch.randn(1, 3, 128)), QuantizedActivation)  # producers paused
+            ref = model(ids, use_cache=False).logits
+    assert {id(m) for m in calls} == {id(m) for m in quantized}  # every 8-bit linear ran its reference
+    assert [m.__dict__["forward"] for m in quantized] == forwards  # and got its 8-bit forward back
+    assert isinstance(model.model.layers[0].input_layernorm(torch.randn(1, 3, 128)), QuantizedActivation)
+    assert _rel(fast, ref) < 1e-4  # on the CPU the 8-bit path computes the reference's math
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8-block"])

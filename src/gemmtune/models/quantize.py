@@ -202,6 +202,27 @@ def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:
                       f"{wq.dtype} {scales}, weight rel err {err:.1e}")  # fmt: skip
 
 
+@contextlib.contextmanager
+def reference_linears(model: nn.Module):
+    """Inside the block every quantized linear of `model` runs reference_forward (its plain-PyTorch
+    reference: the same quantizers, dequantized operands, fp32 matmul) on its 16-bit input, the producers
+    paused: the model the 8-bit kernels must match, whatever the 8-bit rounding does to the logits."""
+    mods = [m for m in model.modules() if _STATE in m.__dict__]
+    saved = [m.__dict__.get("forward") for m in mods]
+    feeds = model.__dict__.get(FEEDS)
+    with feeds.paused() if feeds is not None else contextlib.nullcontext():
+        for m in mods:
+            m.forward = types.MethodType(reference_forward, m)
+        try:
+            yield
+        finally:
+            for m, fwd in zip(mods, saved):
+                if fwd is None:
+                    m.__dict__.pop("forward", None)
+                else:
+                    m.forward = fwd
+
+
 def gemm_errors(model: nn.Module, run, against=None) -> list[tuple[str, str, float]]:
     """Call run() once with every quantized linear of `model` watched: the relative error of its 8-bit
     output against the 16-bit GEMM it replaced (F.linear with the kept weight) on the same input, or

@@ -91,13 +91,17 @@ def _decode_parity_section(res: Result) -> list[str]:
         return []
     steps = res.settings.decode_steps
     out = [f"Decode parity (teacher-forced: stock's greedy tokens fed to every contender on a static cache, "
-           f"{steps} steps; relative L2 error of each step's logits vs stock):", ""]  # fmt: skip
-    out += ["| contender | verdict | max step rel err | greedy tokens equal | tolerance |", "|---|---|---|---|---|"]
+           f"{steps} steps; relative L2 error of each step's logits vs the contender's reference: stock, or for "
+           "an 8-bit contender the same quantized model on the plain-PyTorch reference of its 8-bit linears; "
+           "its error vs stock, the quantization's own, is in the last column):", ""]  # fmt: skip
+    out += ["| contender | reference | verdict | max step rel err | greedy tokens equal | tolerance | vs stock |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
     for n, p in dp.items():
         worst = _f(max(p.errors), 4) if p.errors else "-"
         agree = f"{sum(p.agree)}/{len(p.agree)}" if p.agree else "-"
         verdict = "ok" if p.ok else ("FAILED" if p.failure else "MISMATCH")
-        out.append(f"| {n} | {verdict} | {worst} | {agree} | {p.tolerance:g} |")
+        vs_stock = _f(max(p.vs_stock), 4) if p.vs_stock else "-"
+        out.append(f"| {n} | {p.reference} | {verdict} | {worst} | {agree} | {p.tolerance:g} | {vs_stock} |")
     out.append("")
     return out
 
