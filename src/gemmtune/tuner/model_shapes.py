@@ -596,6 +596,13 @@ def _llama(hidden, inter, heads, kv, layers, vocab, head_dim=None, **extra) -> d
     return cfg
 
 
+def _qwen2_moe(hidden, inter, heads, kv, layers, *, moe_inter, shared_inter, experts, topk) -> dict:
+    """A Qwen2-MoE config: every layer sparse, a shared expert beside the routed ones."""
+    return _llama(hidden, inter, heads, kv, layers, 151936, model_type="qwen2_moe", moe_intermediate_size=moe_inter,
+                  shared_expert_intermediate_size=shared_inter, num_experts=experts, num_experts_per_tok=topk,
+                  norm_topk_prob=False, decoder_sparse_step=1, rope_theta=1000000.0, rms_norm_eps=1e-06)  # fmt: skip
+
+
 PRESETS: dict[str, dict] = {
     # The models of tests/data/models (same architecture facts as those config.json files).
     "llama-3-8b": _llama(4096, 14336, 32, 8, 32, 128256, 128),
@@ -681,41 +688,9 @@ PRESETS: dict[str, dict] = {
         norm_topk_prob=True,
     ),
     # Qwen/Qwen1.5-MoE-A2.7B
-    "qwen2-moe": _llama(
-        2048,
-        5632,
-        16,
-        16,
-        24,
-        151936,
-        model_type="qwen2_moe",
-        moe_intermediate_size=1408,
-        shared_expert_intermediate_size=5632,
-        num_experts=60,
-        num_experts_per_tok=4,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-06,
-    ),
+    "qwen2-moe": _qwen2_moe(2048, 5632, 16, 16, 24, moe_inter=1408, shared_inter=5632, experts=60, topk=4),
     # Qwen/Qwen2-57B-A14B
-    "qwen2-57b-a14b": _llama(
-        3584,
-        18944,
-        28,
-        4,
-        28,
-        151936,
-        model_type="qwen2_moe",
-        moe_intermediate_size=2560,
-        shared_expert_intermediate_size=20480,
-        num_experts=64,
-        num_experts_per_tok=8,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-06,
-    ),
+    "qwen2-57b-a14b": _qwen2_moe(3584, 18944, 28, 4, 28, moe_inter=2560, shared_inter=20480, experts=64, topk=8),
     # allenai/OLMoE-1B-7B-0924
     "olmoe-1b-7b": _llama(
         2048,
