@@ -67,6 +67,9 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
               help="Also run optimize(quantize=...) (contender 'quantize', and 'compile+quantize' when "
                    "compile+optimize runs): 8-bit linears, lm_head 16-bit; the report adds what was quantized, "
                    "each 8-bit GEMM's error vs the 16-bit GEMM and the logits' error vs stock.")  # fmt: skip
+@click.option("--no-producers", is_flag=True,
+              help="With --quantize: optimize(quantize_producers=False), every 8-bit GEMM quantizes its 16-bit "
+                   "input (no norm / act*mul emitting it): the A/B of the producers.")  # fmt: skip
 @click.option("--compile-ops", "compile_ops", multiple=True,
               help="How gemmtune's norms/act/rope run under torch.compile, one compile+optimize contender per "
                    "use: ref (inductor fuses the PyTorch formula), op (Triton kernel as a custom op), or e.g. "
@@ -87,8 +90,9 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
 )
 @click.option("-o", "--out", "out_dir", default=None, callback=v.output_folder,
               help="Report folder (default: bench-model-<model name>).")  # fmt: skip
-def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, contenders, quantize, compile_ops,
-            compile_backend, no_profile, decode_steps, keep_going, test_break, out_dir) -> None:  # fmt: skip
+def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, contenders, quantize, no_producers,
+            compile_ops, compile_backend, no_profile, decode_steps, keep_going, test_break,
+            out_dir) -> None:  # fmt: skip
     """Build MODEL with random weights (nothing downloaded) and time, in one process and interleaved:
     stock Hugging Face, gemmtune.optimize(), torch.compile of stock and torch.compile of optimize(),
     for prefill (BATCHxSEQ, last-token logits) and CUDA-graph decode (static cache of CTX tokens, one
@@ -126,6 +130,7 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
             reps=reps or defaults["reps"],
             contenders=tuple(c.strip() for c in contenders.split(",") if c.strip()),
             quantize=quantize,
+            quantize_producers=not no_producers,
             compile_ops=ops,
             compile_backend=compile_backend,
             profile=not no_profile,

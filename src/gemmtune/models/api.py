@@ -454,6 +454,7 @@ def optimize(
     route_linears: bool = True,
     quantize: str | None = None,
     quantize_lm_head: bool = False,
+    quantize_producers: bool = True,
     verify: bool = True,
 ) -> OptimizeReport:
     """Optimize a loaded Hugging Face causal LM in place (call before torch.compile).
@@ -468,7 +469,8 @@ def optimize(
     quantize: "fp8" / "int8" (per-channel weights, per-token activations) or "fp8-block" (128x128 /
     1x128) runs the linears through the 8-bit ops (models/quantize.py); lm_head only with
     quantize_lm_head. In fused decoder layers the norms and act*mul emit the next GEMM's input
-    already quantized (models/quant_feeds.py).
+    already quantized (models/quant_feeds.py); quantize_producers=False leaves that out (each 8-bit
+    GEMM quantizes its 16-bit input: the same math, one more pass per GEMM; for comparisons).
     verify: check every changed decoder layer against stock on a tiny left-padded prefill plus cached
     decode steps (models/verify.py) before quantizing; a layer that disagrees is put back to stock and
     reported (its cost is in the report's notes).
@@ -489,7 +491,8 @@ def optimize(
     if quantize is not None:
         from .quantize import check_mode
 
-        opts.update(quantize=check_mode(quantize), quantize_lm_head=bool(quantize_lm_head))
+        opts.update(quantize=check_mode(quantize), quantize_lm_head=bool(quantize_lm_head),
+                    quantize_producers=bool(quantize_producers))  # fmt: skip
     existing = model.__dict__.get(_REPORT)
     if existing is not None:
         if existing.options == opts:
@@ -543,9 +546,10 @@ def optimize(
             a = Action("quantize", "", {"undo": quantize_linears(model, quantize, report, bool(quantize_lm_head))})
             actions.append(a)
             done.append(a)
-            a = Action("quantize", "", {"undo": wire_producers(model, report)})  # norms / act*mul emit 8-bit
-            actions.append(a)
-            done.append(a)
+            if quantize_producers:
+                a = Action("quantize", "", {"undo": wire_producers(model, report)})  # norms / act*mul emit 8-bit
+                actions.append(a)
+                done.append(a)
         if route_linears:  # fp8 checkpoint Linears (transformers' FP8Linear) through gemm_a8w8_blockscale
             from .fp8_checkpoint import route_fp8_linears
 

@@ -52,6 +52,7 @@ class Settings:
     reps: int = 7
     contenders: tuple[str, ...] = CONTENDERS[:4]
     quantize: str | None = None  # "fp8" / "fp8-block" / "int8": adds the quantize contender(s)
+    quantize_producers: bool = True  # optimize(quantize_producers=): norms / act*mul emit the 8-bit input
     compile_ops: tuple[str, ...] = ("ref",)  # one compile+optimize contender per mode spec
     compile_backend: str | None = None  # default: inductor on a GPU, aot_eager on the CPU
     profile: bool = True
@@ -423,7 +424,10 @@ def _meta(s: Settings, desc: str, backend: str, cuda: bool) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "table": s.table or "none (default dispatch: vendor BLAS through torch)",
-        "quantize": s.quantize or "none",
+        "quantize": (s.quantize or "none")
+        + (
+            "" if s.quantize is None or s.quantize_producers else " (no producers: each 8-bit GEMM quantizes its input)"
+        ),
         "compile_backend": backend,
         "compile_ops_default": describe(),
         "optimize_architectures": ", ".join(sorted(ARCHITECTURES)) + " (other model types: plain Linear routing only)",
@@ -456,7 +460,7 @@ def run(s: Settings) -> Result:
     quant, qreport = None, None
     if any(c in s.contenders for c in _QUANT):
         quant = copy.deepcopy(stock)
-        qreport = optimize(quant, config=s.table, quantize=s.quantize)
+        qreport = optimize(quant, config=s.table, quantize=s.quantize, quantize_producers=s.quantize_producers)
         log(str(qreport))
     contenders = make_contenders(stock, opt, s, backend, quant)
     if s.break_contender is not None:  # on a copy: the contenders sharing its module stay intact
