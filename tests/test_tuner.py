@@ -185,6 +185,31 @@ def test_a_spent_budget_skips_the_checks_and_keeps_the_default(fake, monkeypatch
     assert "over the 1e-09 s budget" in by["fake:slowgood"].reason and res.kept_default
 
 
+def test_precompile_all_hands_each_backend_its_jobs_and_times_it(monkeypatch):
+    from gemmtune.backends.base import Solution
+    from gemmtune.tuner import search
+
+    calls = []
+
+    class Stub:
+        def candidates(self, key, device):
+            return [Solution("stub", f"k{key.M}", 1)]
+
+        def supports(self, sol, key, device):
+            return True
+
+        def precompile(self, jobs, device, workers, share):
+            calls.append((len(jobs), workers, share))
+            return [("k1", jobs[0][1], "did not compile")]
+
+    monkeypatch.setattr(search, "select_backends", lambda device, libtypes, family: {"stub": Stub(), "none": object()})
+    timings = {}
+    fails = search.precompile_all(KEYS[:2], CPU, TuneOptions(), workers=3, share=(1, 2), timings=timings)
+    assert calls == [(2, 3, (1, 2))] and len(fails) == 1  # a backend without precompile is passed over
+    assert list(timings) == ["stub"] and timings["stub"][0] == 2 and timings["stub"][1] >= 0
+    assert search.describe_timings(timings).startswith("stub 2 jobs ")
+
+
 def test_unknown_search_is_refused():
     with pytest.raises(ValueError, match="unknown search 'quick'"):
         tune_shape(KEYS[0], CPU, TuneOptions(search="quick"))

@@ -30,7 +30,7 @@ from .. import families
 from ..device import DeviceIdentity, identity
 from .output import done_keys
 from .runner import RowSink, RunReport, _Progress, estimated_cost, load_keys, range_floors, tune_items
-from .search import TuneOptions, precompile_all, select_backends
+from .search import TuneOptions, describe_timings, precompile_all, select_backends
 from .workers import import_plugins
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -148,10 +148,12 @@ def _precompile_host(fleet: Fleet, plan, fam, dev: torch.device, opts: TuneOptio
     """Compile the host's Triton kernels, split over its ranks; every rank waits until all hosts are done."""
     keys, share = host_share(plan.shares, _gather(socket.gethostname(), fleet), fleet.rank)
     t0 = time.perf_counter()
-    fails = precompile_all(keys, dev, opts, workers=workers, family=fam.name, share=share)
+    spent: dict[str, tuple[int, float]] = {}
+    fails = precompile_all(keys, dev, opts, workers=workers, family=fam.name, share=share, timings=spent)
+    mine = time.perf_counter() - t0
     dist.barrier(group=fleet.control)
-    log(f"gemmtune: precompiled kernels in {time.perf_counter() - t0:.1f}s, split over each host's ranks "
-        f"({len(fails)} did not compile on rank {fleet.rank})")  # fmt: skip
+    log(f"gemmtune: precompiled kernels in {time.perf_counter() - t0:.1f}s, split over each host's ranks (rank "
+        f"{fleet.rank}: {mine:.1f} s, {describe_timings(spent)}; {len(fails)} did not compile)")  # fmt: skip
 
 
 def _send_to_rank0(item, fleet: Fleet) -> None:

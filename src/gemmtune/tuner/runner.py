@@ -22,7 +22,7 @@ from ..capture import read_shape_list
 from ..device import DeviceIdentity, identity
 from ..families import Family
 from .output import append_profile, done_keys, result_row, write_row
-from .search import ShapeResult, TuneOptions, precompile_all, select_backends, tune_shape
+from .search import ShapeResult, TuneOptions, describe_timings, precompile_all, select_backends, tune_shape
 from .summary import describe_item, summary_lines
 from .workers import PLUGINS_ENV, ShapeFailure, import_plugins, run_workers
 
@@ -154,8 +154,12 @@ def tune_items(todo: list, floors: dict, fam: Family, device: torch.device, opts
     if precompile and device.type == "cuda":
         tp = time.perf_counter()
         n = compile_workers or min(16, os.cpu_count() or 1)
-        fails = precompile_all(todo, device, opts, workers=n, family=fam.name)
-        log(f"gemmtune: precompiled kernels in {time.perf_counter() - tp:.1f}s ({len(fails)} did not compile)")
+        spent: dict[str, tuple[int, float]] = {}
+        fails = precompile_all(todo, device, opts, workers=n, family=fam.name, timings=spent)
+        log(
+            f"gemmtune: precompiled kernels in {time.perf_counter() - tp:.1f}s ({describe_timings(spent)}; "
+            f"{len(fails)} did not compile)"
+        )
     if mp_workers:
         return run_workers(todo, device, opts, mp_workers, timeout, say, verbose=verbose, family=fam.name,
                            describe=lambda t: fam.describe(t.key), m_lo=floors)  # fmt: skip
