@@ -320,6 +320,7 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
     elif a.kind == "norm":
         mod._gemmtune_norm = a.data["spec"]
         mod.forward = types.MethodType(architectures._norm_forward, mod)
+        mod.__dict__[architectures.ADD_NORM] = types.MethodType(architectures._add_norm_forward, mod)
     elif a.kind == "layer":
         mod.forward = types.MethodType(architectures.LAYER_FORWARDS[a.data["layout"]], mod)
     elif a.kind == "route":
@@ -337,7 +338,7 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
 _ATTRS = {
     "attn": ("forward", "_gemmtune_attn", "_gemmtune_rope"),
     "mlp": ("forward", "_gemmtune_mlp"),
-    "norm": ("forward", "_gemmtune_norm"),
+    "norm": ("forward", "_gemmtune_norm", architectures.ADD_NORM),
     "layer": ("forward",),
     "moe": ("forward", "_gemmtune_moe"),
     "router": ("forward", "_gemmtune_router"),

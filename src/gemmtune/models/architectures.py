@@ -138,17 +138,14 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rmsnorm(hidden_states, self.weight, s.eps, offset=s.offset, cast_before_weight=s.cast_before_weight)
 
 
-# norm.__dict__: a function (x, residual) -> (h, residual + x) standing in for the fused add-norm below
-# (quant_feeds.py: h quantized for the 8-bit GEMM after it)
-ADD_NORM_OVERRIDE = "_gemmtune_add_norm"
+# norm.__dict__ of a swapped norm: its (x, residual) -> (h, residual + x), what the fused layer forwards
+# call; _add_norm_forward, or quant_feeds.py's, which hands h on quantized for the 8-bit GEMM after it
+ADD_NORM = "_gemmtune_add_norm"
 
 
-def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
-    override = norm.__dict__.get(ADD_NORM_OVERRIDE)
-    if override is not None:
-        return override(x, residual)
-    s = norm._gemmtune_norm
-    return add_rmsnorm(x, residual, norm.weight, s.eps, offset=s.offset, cast_before_weight=s.cast_before_weight)
+def _add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor):
+    s = self._gemmtune_norm
+    return add_rmsnorm(x, residual, self.weight, s.eps, offset=s.offset, cast_before_weight=s.cast_before_weight)
 
 
 # ---- activations --------------------------------------------------------------------------------
@@ -339,7 +336,7 @@ def _prenorm_layer_forward(self, hidden_states, *args, **kwargs):
     residual = hidden_states
     h = self.input_layernorm(hidden_states)
     h, _ = self.self_attn(hidden_states=h, **kwargs)
-    h, residual = _add_norm(self.post_attention_layernorm, h, residual)
+    h, residual = self.post_attention_layernorm._gemmtune_add_norm(h, residual)
     h = self.mlp(h)
     return residual + h
 
@@ -351,7 +348,7 @@ def _sandwich_layer_forward(self, hidden_states, *args, **kwargs):
     h = self.input_layernorm(hidden_states)
     h, _ = self.self_attn(hidden_states=h, **kwargs)
     h = self.post_attention_layernorm(h)
-    h, residual = _add_norm(self.pre_feedforward_layernorm, h, residual)
+    h, residual = self.pre_feedforward_layernorm._gemmtune_add_norm(h, residual)
     h = self.mlp(h)
     h = self.post_feedforward_layernorm(h)
     return residual + h
@@ -365,7 +362,7 @@ def _scaled_layer_forward(self, hidden_states, *args, **kwargs):
     residual = hidden_states
     h = self.input_layernorm(hidden_states)
     h, _ = self.self_attn(hidden_states=h, **kwargs)
-    h, residual = _add_norm(self.post_attention_layernorm, h * m, residual)
+    h, residual = self.post_attention_layernorm._gemmtune_add_norm(h * m, residual)
     h = self.block_sparse_moe(h)
     return residual + h * m
 

@@ -6,7 +6,7 @@ instead (kernels/quant_producers.py) and hands a QuantizedActivation on:
 - input_layernorm -> the fused qkv_proj: the norm's forward returns it, the patched attention forward
   passes it to qkv_proj;
 - the residual add + norm before the MLP -> gate_up_proj: the layer forward's fused add-norm
-  (architectures.ADD_NORM_OVERRIDE) returns it with the new residual;
+  (the norm's architectures.ADD_NORM, replaced here) returns it with the new residual;
 - act(gate) * up -> down_proj: the MLP forward.
 o_proj (its input comes out of attention) and lm_head keep quantizing their own input. A producer is
 wired only where its one consumer is a quantized linear reached through gemmtune's own forwards with
@@ -152,7 +152,7 @@ class _Planner:
         add_norm = getattr(layer, name, None) if name else None
         if add_norm is not None and hasattr(add_norm, "_gemmtune_norm"):
             why = "hooks on the MLP or gate_up_proj" if _hooked(mlp, mlp.gate_up_proj) else ""
-            attrs = {architectures.ADD_NORM_OVERRIDE: types.MethodType(_add_norm_feed, add_norm)}
+            attrs = {architectures.ADD_NORM: types.MethodType(_add_norm_feed, add_norm)}
             self.feed(f"{path}.{name}", add_norm, "gate_up_proj", mlp.gate_up_proj, attrs, why)
         if mlp._gemmtune_mlp.act is not None:
             why = "hooks on down_proj" if _hooked(mlp.down_proj) else ""
