@@ -244,7 +244,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
     log_here = log if fleet.rank == 0 else (lambda m: None)  # rank 0 speaks for the launch
     if precompile and dev.type == "cuda":
         _precompile_host(fleet, plan, fam, dev, opts, compile_workers, log_here)
-    precompile = False  # done above, for the whole host
+    precompile = False  # the host's kernels are compiled above: tune_items must not compile them again
     if fleet.rank == 0:
         everything = [k for r in sorted(plan.shares) for k in plan.shares[r]]
         bar = _Progress(fam, everything, progress, log)

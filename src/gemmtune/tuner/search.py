@@ -564,7 +564,7 @@ def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers:
     this process compiles the i-th of n parts, the other parts compiled by processes sharing its on-disk
     cache (a host's ranks). `timings`, when given, receives {backend: (jobs, seconds)}. Returns failures."""
     failures = []
-    for _name, backend in select_backends(device, opts.libtypes, family).items():
+    for name, backend in select_backends(device, opts.libtypes, family).items():
         fn = getattr(backend, "precompile", None)
         if fn is None:
             fn = getattr(importlib.import_module(type(backend).__module__), "precompile", None)
@@ -580,7 +580,7 @@ def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers:
             t0 = time.perf_counter()
             failures += fn(jobs, device, workers=workers, share=share)
             if timings is not None:
-                timings[_name] = (len(jobs), time.perf_counter() - t0)
+                timings[name] = (len(jobs), time.perf_counter() - t0)
     return failures
 
 
