@@ -210,6 +210,29 @@ def test_precompile_all_hands_each_backend_its_jobs_and_times_it(monkeypatch):
     assert search.describe_timings(timings).startswith("stub 2 jobs ")
 
 
+def test_a_first_call_precompile_runs_a_narrow_stand_in_of_each_key():
+    from gemmtune.backends.lib import triton_tiles
+
+    seen = []
+
+    class FirstCall:
+        compiles_on_first_call = True
+
+        def solution_from_row(self, solidx, name, splitk):
+            return name
+
+        def make_runner(self, sol, key, device):
+            seen.append(key)
+            return lambda x, w, b: seen.append(tuple(w.shape))
+
+    wide = GemmKey(M=4, N=128256, K=64)
+    odd = GemmKey(M=4, N=1000, K=64)
+    assert triton_tiles._precompile_worker((FirstCall, ["a", "b"], [wide, odd], "cpu")) == []
+    # N specializes only as twin(N) does (a multiple of 16, or not): the same kernels, a 16 x K weight
+    assert seen == [wide._replace(N=16), (16, 64), odd._replace(N=17), (17, 64)]
+    assert triton_tiles.compile_stand_in(GemmKey(M=1, N=8, K=64)).N == 8
+
+
 def test_unknown_search_is_refused():
     with pytest.raises(ValueError, match="unknown search 'quick'"):
         tune_shape(KEYS[0], CPU, TuneOptions(search="quick"))
