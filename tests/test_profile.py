@@ -206,7 +206,7 @@ def test_cli_bench_model_quantize_cpu(tmp_path):
     md = (out / "report.md").read_text()
     assert "## optimize(quantize='fp8'): what runs 8-bit" in md and "lm_head stays 16-bit" in md
     assert "| model.layers.*.self_attn.qkv_proj | 128x64 | 1 |" in md and "relative error vs stock" in md
-    assert "rel err" in data["parity"]["quantize"]
+    assert "rel err" in data["parity"]["quantize"] and "vs optimize() (16-bit) rel err" in data["parity"]["quantize"]
 
 
 def test_cli_bench_model_decode_parity_failure_exits_nonzero(tmp_path):
@@ -237,6 +237,12 @@ def test_cli_bench_model_judges_the_8bit_contender_against_its_quantized_referen
     q = json.loads((tmp_path / "ok" / "report.json").read_text())["decode_parity"]["quantize"]
     assert q["ok"] and q["reference"] == "quantized reference" and max(q["step_rel_err"]) < 1e-4
     assert max(q["step_rel_err_vs_stock"]) > max(q["step_rel_err"])  # the quantization's own error, reported
+    assert q["floor"] == 0 and q["tolerance"] == 0.05  # fp32: the bf16-matmul twin is the fp32 math itself
+    res = CliRunner().invoke(cli, [*base, "--dtype", "bfloat16", "-o", str(tmp_path / "bf16")])
+    assert res.exit_code == 0, res.output
+    q = json.loads((tmp_path / "bf16" / "report.json").read_text())["decode_parity"]["quantize"]
+    assert q["floor"] > 0 and q["tolerance"] == max(0.05, 1.5 * q["floor"])  # the twin rounds differently
+    assert "(floor " in (tmp_path / "bf16" / "report.md").read_text()
     res = CliRunner().invoke(cli, [*base, "--test-break", "quantize", "-o", str(tmp_path / "broken")])
     assert res.exit_code == 1, res.output
     q = json.loads((tmp_path / "broken" / "report.json").read_text())["decode_parity"]["quantize"]

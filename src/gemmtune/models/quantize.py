@@ -14,6 +14,7 @@ A linear also takes a QuantizedActivation, its input already quantized by the op
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -119,10 +120,11 @@ def _quant_forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
     return _gemm(st, xq, xs, _out_dtype(x.dtype))
 
 
-def reference_forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def reference_forward(mod: nn.Module, x: torch.Tensor, matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The plain-PyTorch reference of a quantized linear's forward: the same quantizers (quant/quantize.py)
-    on x, the dequantized operands multiplied in fp32, the output in x's dtype. What the 8-bit kernels
-    must match up to their accumulation order and output rounding."""
+    on x, the dequantized operands multiplied in fp32 (or `matmul_dtype`: another valid rounding of the
+    same math), the output in x's dtype. What the 8-bit kernels must match up to their accumulation order
+    and output rounding."""
     st: QuantState = mod.__dict__[_STATE]
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -132,7 +134,7 @@ def reference_forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     else:
         xq, xs = quantize.quantize_per_token(x2, st.wq.dtype)
         xd, wd = quantize.dequantize(xq, xs), quantize.dequantize(st.wq, st.ws.reshape(-1, 1))
-    y = xd @ wd.t()
+    y = xd @ wd.t() if matmul_dtype is None else (xd.to(matmul_dtype) @ wd.to(matmul_dtype).t()).float()
     if st.bias is not None:
         y = y + st.bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], -1)
@@ -203,16 +205,17 @@ def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:
 
 
 @contextlib.contextmanager
-def reference_linears(model: nn.Module):
+def reference_linears(model: nn.Module, matmul_dtype: torch.dtype | None = None):
     """Inside the block every quantized linear of `model` runs reference_forward (its plain-PyTorch
-    reference: the same quantizers, dequantized operands, fp32 matmul) on its 16-bit input, the producers
-    paused: the model the 8-bit kernels must match, whatever the 8-bit rounding does to the logits."""
+    reference: the same quantizers, dequantized operands, fp32 matmul, or `matmul_dtype`'s) on its 16-bit
+    input, the producers paused: the model the 8-bit kernels must match, whatever the 8-bit rounding does
+    to the logits."""
     mods = [m for m in model.modules() if _STATE in m.__dict__]
     saved = [m.__dict__.get("forward") for m in mods]
     feeds = model.__dict__.get(FEEDS)
     with feeds.paused() if feeds is not None else contextlib.nullcontext():
         for m in mods:
-            m.forward = types.MethodType(reference_forward, m)
+            m.forward = types.MethodType(functools.partial(reference_forward, matmul_dtype=matmul_dtype), m)
         try:
             yield
         finally:

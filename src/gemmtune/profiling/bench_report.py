@@ -8,7 +8,7 @@ import os
 import textwrap
 
 from ..models.report import fold_path
-from .bench_model import Result
+from .bench_model import QUANT_DECODE_TOL, QUANT_FLOOR_MARGIN, Result
 from .categorize import CATEGORIES, label
 from .report import COLORS
 
@@ -93,7 +93,9 @@ def _decode_parity_section(res: Result) -> list[str]:
     out = [f"Decode parity (teacher-forced: stock's greedy tokens fed to every contender on a static cache, "
            f"{steps} steps; relative L2 error of each step's logits vs the contender's reference: stock, or for "
            "an 8-bit contender the same quantized model on the plain-PyTorch reference of its 8-bit linears; "
-           "its error vs stock, the quantization's own, is in the last column):", ""]  # fmt: skip
+           "its error vs stock, the quantization's own, is in the last column. An 8-bit contender's tolerance "
+           f"is {QUANT_FLOOR_MARGIN:g}x the floor, the reference's own distance from its twin with the matmul "
+           f"in the model dtype, and at least {QUANT_DECODE_TOL:g}):", ""]  # fmt: skip
     out += ["| contender | reference | verdict | max step rel err | greedy tokens equal | tolerance | vs stock |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for n, p in dp.items():
@@ -101,7 +103,8 @@ def _decode_parity_section(res: Result) -> list[str]:
         agree = f"{sum(p.agree)}/{len(p.agree)}" if p.agree else "-"
         verdict = "ok" if p.ok else ("FAILED" if p.failure else "MISMATCH")
         vs_stock = _f(max(p.vs_stock), 4) if p.vs_stock else "-"
-        out.append(f"| {n} | {p.reference} | {verdict} | {worst} | {agree} | {p.tolerance:g} | {vs_stock} |")
+        tol = f"{p.tolerance:.3g}" + (f" (floor {p.floor:.3g})" if p.floor is not None else "")
+        out.append(f"| {n} | {p.reference} | {verdict} | {worst} | {agree} | {tol} | {vs_stock} |")
     out.append("")
     return out
 
