@@ -41,8 +41,10 @@ def _cases(dtypes, shapes):
 
 
 # K: not a multiple of 16 (96 is, but under one 128 group), ragged last group (200), three groups (384);
-# 4100 runs the per-token act kernel's loop twice and a norm row past 4096.
+# 4100 a norm row past 4096, and the per-token act kernel's row read once (one pass) or, its "-twopass"
+# twin (ONE_PASS_MAX lowered), in two passes that each loop twice.
 CASES = _cases(("float32", "float16"), [(1, 96), (3, 200), (17, 384)]) + _cases(("float16",), [(2, 4100)])
+CASES += [(f"{c[0]}-twopass", *c[1:]) for c in CASES if c[1] in ("silu", "gelu_tanh") and c[-1] == 4100]
 GPU_CASES = _cases(("bfloat16",), [(1, 96), (3, 200), (17, 384), (300, 4096), (2, 14336)])
 ALL = CASES + (GPU_CASES if HAS_GPU else [])
 
@@ -122,8 +124,13 @@ def run_case(case, device: str) -> dict:
     dtype, qdtype = getattr(torch, dt), (torch.int8 if qd == "int8" else FP8)
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     t = _inputs(kind, dtype, m, k, device, gen)
-    with poisoned_outputs():
-        q, s, total, y, y32 = run_producer(kind, t, qdtype, scaling, "triton")
+    one_pass_max = P.ONE_PASS_MAX
+    P.ONE_PASS_MAX = 4096 if name.endswith("-twopass") else one_pass_max
+    try:
+        with poisoned_outputs():
+            q, s, total, y, y32 = run_producer(kind, t, qdtype, scaling, "triton")
+    finally:
+        P.ONE_PASS_MAX = one_pass_max
     _, s_ref = P.quantize_ref(y, qdtype, scaling)
     deq = q.float() * _expand(s, scaling, k)
     scale_layout = s.shape == (m, 1) if scaling == "per_token" else s.shape == (m, -(-k // 128)) and is_m_major(s)

@@ -131,24 +131,33 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n_cols"])
     def _act_mul_quant_token_kernel(GU, Q, QS, n_cols, stride_row, ACT: tl.constexpr, QMAX: tl.constexpr,
-                                    IS_INT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-        """One row a program, two passes over it: the amax, then the values (recomputed, never stored)."""
+                                    IS_INT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                                    PDL: tl.constexpr = False):  # fmt: skip
+        """One row a program. ONE_PASS (the row fits BLOCK): read once, kept in registers for the amax and
+        the values; else two passes over it: the amax, then the values (recomputed, never stored)."""
         row = tl.program_id(0).to(tl.int64)
         if PDL:  # see norms.py
             gdc_launch_dependents()
             gdc_wait()
         gu_row = GU + row * stride_row
         offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(0, n_cols, BLOCK):
-            y = act_mul_values(gu_row, n_cols, k + offs, k + offs < n_cols, ACT, GU.dtype.element_ty)
-            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / QMAX
-        tl.store(QS + row, scale)
-        for k in range(0, n_cols, BLOCK):
-            y = act_mul_values(gu_row, n_cols, k + offs, k + offs < n_cols, ACT, GU.dtype.element_ty)
-            q = _to_q(y.to(tl.float32) / scale, QMAX, IS_INT, Q.dtype.element_ty)
-            tl.store(Q + row * n_cols + k + offs, q, mask=k + offs < n_cols)
+        if ONE_PASS:
+            whole = act_mul_values(gu_row, n_cols, offs, offs < n_cols, ACT, GU.dtype.element_ty).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(whole), axis=0), 1e-12) / QMAX
+            tl.store(QS + row, scale)
+            q = _to_q(whole / scale, QMAX, IS_INT, Q.dtype.element_ty)
+            tl.store(Q + row * n_cols + offs, q, mask=offs < n_cols)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k in range(0, n_cols, BLOCK):
+                y = act_mul_values(gu_row, n_cols, k + offs, k + offs < n_cols, ACT, GU.dtype.element_ty)
+                amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+            scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / QMAX
+            tl.store(QS + row, scale)
+            for k in range(0, n_cols, BLOCK):
+                y = act_mul_values(gu_row, n_cols, k + offs, k + offs < n_cols, ACT, GU.dtype.element_ty)
+                q = _to_q(y.to(tl.float32) / scale, QMAX, IS_INT, Q.dtype.element_ty)
+                tl.store(Q + row * n_cols + k + offs, q, mask=k + offs < n_cols)
 
     @triton.jit
     def _act_mul_quant_group_kernel(GU, Q, QS, n_cols, n_groups, stride_row, stride_sm, stride_sg,
@@ -190,6 +199,11 @@ def _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, s
     return (q, s) if residual is None else (q, s, total)
 
 
+# A per-token act*mul row up to this wide is read once and kept on chip (32 warps: 32 values a thread);
+# wider rows take two passes, reading gate_up twice.
+ONE_PASS_MAX = 32768
+
+
 def _launch_act(gu, act: str, qdtype, scaling):
     inter = gu.shape[-1] // 2
     rows2d = activations.gate_up_rows(gu)
@@ -199,9 +213,12 @@ def _launch_act(gu, act: str, qdtype, scaling):
         return q, s
     common = {"ACT": activations.ACTIVATIONS.index(act), **_format_args(qdtype), **_pdl_kwargs(gu.device)}
     if scaling == "per_token":
-        block = min(4096, triton.next_power_of_2(max(inter, 16)))
-        _act_mul_quant_token_kernel[(m,)](rows2d, q, s, inter, rows2d.stride(0), BLOCK=block,
-                                         num_warps=4 if block <= 2048 else 8, **common)  # fmt: skip
+        whole = triton.next_power_of_2(max(inter, 16))
+        one_pass = whole <= ONE_PASS_MAX
+        block = whole if one_pass else min(4096, whole)
+        warps = 4 if block <= 2048 else min(32, block // 512)  # one pass: 16-32 values a thread
+        _act_mul_quant_token_kernel[(m,)](rows2d, q, s, inter, rows2d.stride(0), BLOCK=block, ONE_PASS=one_pass,
+                                         num_warps=warps if one_pass else min(warps, 8), **common)  # fmt: skip
     else:
         groups = s.shape[1]
         per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program

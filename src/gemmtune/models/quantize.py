@@ -215,7 +215,12 @@ def reference_linears(model: nn.Module, matmul_dtype: torch.dtype | None = None)
     feeds = model.__dict__.get(FEEDS)
     with feeds.paused() if feeds is not None else contextlib.nullcontext():
         for m in mods:
-            m.forward = types.MethodType(functools.partial(reference_forward, matmul_dtype=matmul_dtype), m)
+            fwd = (
+                reference_forward
+                if matmul_dtype is None
+                else functools.partial(reference_forward, matmul_dtype=matmul_dtype)
+            )
+            m.forward = types.MethodType(fwd, m)
         try:
             yield
         finally:
