@@ -5,6 +5,8 @@ much a faster search loses the winner.
 
     python benchmarks/experiments/exp_tune_speed.py --models llama-3-8b:1 --ms 1..8192 --modes exhaustive,fast \
         --out OUT_DIR
+    python benchmarks/experiments/exp_tune_speed.py --family fmoe --models qwen3-30b-a3b,olmoe-1b-7b --ms 1,16,256 \
+        --modes fast,exhaustive --out OUT_DIR
 
 A mode is `fast` or `exhaustive`, optionally with TuneOptions fields: `fast:seed=1:min_gain=0.01`.
 Writes OUT/tune_speed.json (per key and mode: seconds, seconds per phase, candidates by status, winner,
@@ -28,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 from suites import find_models_dir  # noqa: E402
 
 from gemmtune import backends, families  # noqa: E402
-from gemmtune.tuner.model_shapes import gemm_keys, load_model_config, model_gemms, parse_nsets  # noqa: E402
+from gemmtune.tuner.model_shapes import gemm_keys, load_model_config, model_gemms, moe_keys, parse_nsets  # noqa: E402
 from gemmtune.tuner.runner import range_floors  # noqa: E402
 from gemmtune.tuner.search import TuneOptions, precompile_all, shape_seed, tune_shape  # noqa: E402
 from gemmtune.tuner.timing import bench_gemm, make_inputs  # noqa: E402
@@ -41,12 +43,17 @@ MODES = {
 }
 
 
-def model_keys(models_dir, specs: list[str], ms: list[int], layers: set[str] | None):
+def model_keys(models_dir, specs: list[str], ms: list[int], layers: set[str] | None, family: str = "a16w16"):
+    """The models' keys of `family`: a16w16 (their linears, or `layers` of them) or fmoe (their expert
+    blocks, one key per token count in `ms`)."""
     keys = []
     for spec in specs:
         name, _, tp = spec.partition(":")
         path = models_dir / f"{name}.json"
         cfg, _ = load_model_config(str(path) if path.is_file() else name)
+        if family == "fmoe":
+            keys += moe_keys(cfg, int(tp or 1), tokens=ms)
+            continue
         shapes = [s for s in model_gemms(cfg, int(tp or 1)) if layers is None or s.name in layers]
         keys += gemm_keys(shapes, ms)
     return list(dict.fromkeys(keys))
@@ -184,6 +191,7 @@ def main() -> None:
     ap.add_argument("--layers", default=None, help="comma list (default: every linear, lm_head too)")
     ap.add_argument("--modes", default="fast,exhaustive", help="the first pays the cold compiles")
     ap.add_argument("--libtype", default=None)
+    ap.add_argument("--family", default="a16w16", choices=["a16w16", "fmoe"], help="fmoe: the models' expert blocks")
     ap.add_argument("--no-verify-range", action="store_true")
     ap.add_argument("--compare-reps", type=int, default=30)
     ap.add_argument("--compare-rounds", type=int, default=3)
@@ -192,16 +200,17 @@ def main() -> None:
     device = torch.device("cuda")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    fam = families.get("a16w16")
+    fam = families.get(args.family)
     layers = set(args.layers.split(",")) if args.layers else None
-    keys = model_keys(find_models_dir(args.models_dir), args.models.split(","), parse_nsets(args.ms), layers)
+    keys = model_keys(find_models_dir(args.models_dir), args.models.split(","), parse_nsets(args.ms), layers,
+                      args.family)  # fmt: skip
     print(f"{len(keys)} keys", flush=True)
     runs = {}
     for mode in args.modes.split(","):
         opts = TuneOptions(libtypes=args.libtype.split(",") if args.libtype else None,
                            verify_range=not args.no_verify_range, **parse_mode(mode))  # fmt: skip
         tp = time.perf_counter()
-        fails = precompile_all(keys, device, opts, workers=16)
+        fails = precompile_all(keys, device, opts, workers=16, family=fam.name)
         pre = time.perf_counter() - tp
         print(f"== {mode}: precompiled in {pre:.1f}s ({len(fails)} failed)", flush=True)
         runs[mode] = tune_all(keys, device, opts, fam)
