@@ -185,29 +185,181 @@ def test_a_spent_budget_skips_the_checks_and_keeps_the_default(fake, monkeypatch
     assert "over the 1e-09 s budget" in by["fake:slowgood"].reason and res.kept_default
 
 
-def test_precompile_all_hands_each_backend_its_jobs_and_times_it(monkeypatch):
-    from gemmtune.backends.base import Solution
+class _TileStub:
+    """A backend that compiles ahead: three configs per key, one kernel per config name (M, bias do not matter)."""
+
+    def candidates(self, key, device):
+        from gemmtune.backends.base import Solution
+
+        return [Solution("tiles", f"t{i}", i) for i in range(3)]
+
+    def supports(self, sol, key, device):
+        return True
+
+    def compile_items(self, jobs):
+        return list({sol.kernel_name: (sol.kernel_name, key) for sol, key in jobs}.values())
+
+
+class _SkinnyStub(_TileStub):
+    """A second such backend: one kernel per key."""
+
+    def candidates(self, key, device):
+        from gemmtune.backends.base import Solution
+
+        return [Solution("skinny", f"s{key.M}", 1)]
+
+    def compile_items(self, jobs):
+        return [(sol.kernel_name, key) for sol, key in jobs]
+
+
+@pytest.fixture
+def one_pool(monkeypatch):
+    """Two stub backends (and one that cannot compile ahead) for precompile_all; its pool runs no process,
+    it records the chunks of each pool it was asked to start."""
+    from gemmtune.backends.lib import triton_tiles
     from gemmtune.tuner import search
 
-    calls = []
+    pools = []
 
-    class Stub:
-        def candidates(self, key, device):
-            return [Solution("stub", f"k{key.M}", 1)]
+    def run_pool(chunks, device):
+        pools.append(chunks)
+        return [("t0", KEYS[0], "did not compile")] if chunks else []
 
-        def supports(self, sol, key, device):
-            return True
+    monkeypatch.setattr(triton_tiles, "compile_chunks", run_pool)
+    chosen = {"tiles": _TileStub(), "skinny": _SkinnyStub(), "none": object()}
+    monkeypatch.setattr(search, "select_backends", lambda device, libtypes, family: chosen)
+    return pools
 
-        def precompile(self, jobs, device, workers, share):
-            calls.append((len(jobs), workers, share))
-            return [("k1", jobs[0][1], "did not compile")]
 
-    monkeypatch.setattr(search, "select_backends", lambda device, libtypes, family: {"stub": Stub(), "none": object()})
-    timings = {}
-    fails = search.precompile_all(KEYS[:2], CPU, TuneOptions(), workers=3, share=(1, 2), timings=timings)
-    assert calls == [(2, 3, (1, 2))] and len(fails) == 1  # a backend without precompile is passed over
-    assert list(timings) == ["stub"] and timings["stub"][0] == 2 and timings["stub"][1] >= 0
-    assert search.describe_timings(timings).startswith("stub 2 jobs ")
+def test_precompile_all_compiles_every_backends_kernels_in_one_pool(one_pool):
+    from gemmtune.tuner import search
+
+    timings = search.PrecompileTimings()
+    fails = search.precompile_all(KEYS[:2], CPU, TuneOptions(), workers=3, timings=timings)
+    assert len(one_pool) == 1 and len(fails) == 1  # one pool for both backends; "none" is passed over
+    chunks = one_pool[0]
+    assert len(chunks) == 3  # 5 kernel names over 3 processes
+    built = sorted((item.name, item.backend.__name__) for c in chunks for item in c)
+    assert built == [("s1", "_SkinnyStub"), ("s5", "_SkinnyStub"), ("t0", "_TileStub"), ("t1", "_TileStub"),
+                     ("t2", "_TileStub")]  # fmt: skip
+    assert timings.jobs == {"tiles": 6, "skinny": 2} and timings.kernels == {"tiles": 3, "skinny": 2}
+    assert timings.processes == 3 and timings.seconds >= 0
+
+
+def test_a_hosts_ranks_share_one_plan_over_every_backend(one_pool):
+    from gemmtune.tuner import search
+
+    for share in ((0, 2), (1, 2)):
+        search.precompile_all(KEYS[:2], CPU, TuneOptions(), workers=4, share=share)
+    parts = [{item.name for c in chunks for item in c} for chunks in one_pool]
+    assert len(one_pool) == 2 and not parts[0] & parts[1]  # each kernel compiled by one rank of the host
+    assert parts[0] | parts[1] == {"s1", "s5", "t0", "t1", "t2"}
+
+
+def test_describe_timings_gives_each_backends_jobs_and_the_pools_time():
+    from gemmtune.tuner.search import PrecompileTimings, describe_timings
+
+    spent = PrecompileTimings({"triton": 4184, "skinny": 718}, {"triton": 812, "skinny": 718}, 16, 19.24)
+    assert describe_timings(spent) == (
+        "triton 4184 jobs (812 kernels), skinny 718 jobs (718 kernels): 1 pool of 16 processes, 19.2 s"
+    )
+    spent.processes = 0  # another rank of the host compiles all of them
+    assert describe_timings(spent).endswith(": nothing to compile here")
+    assert describe_timings(PrecompileTimings()) == "nothing to compile"
+
+
+def test_a_pool_process_builds_each_item_with_its_own_backend():
+    from gemmtune.backends.lib import triton_tiles
+
+    built = []
+
+    def recording(tag):
+        class Recorder:
+            def solution_from_row(self, solidx, name, splitk):
+                return name
+
+            def make_runner(self, sol, key, device):
+                built.append((tag, sol))
+                if sol == "bad":
+                    raise ValueError("no such config")
+
+        return Recorder
+
+    a, b = recording("a"), recording("b")
+    chunk = [triton_tiles.CompileItem(n, KEYS[0], cls) for n, cls in (("x", a), ("y", b), ("bad", a))]
+    failed = triton_tiles._compile_chunk((chunk, "cpu"))
+    assert sorted(built) == [("a", "bad"), ("a", "x"), ("b", "y")]
+    assert [(name, err) for name, _, err in failed] == [("bad", "ValueError: no such config")]
+
+
+class _Calls:
+    """tune_items' collaborators, recording the order they are called in: no process is started."""
+
+    def __init__(self, monkeypatch):
+        from gemmtune.tuner import runner
+
+        self.order = []
+        self.stopped = []
+        monkeypatch.setattr(runner, "start_workers", self.start)
+        monkeypatch.setattr(runner, "stop_workers", self.stopped.append)
+        monkeypatch.setattr(runner, "precompile_all", self.precompile)
+        monkeypatch.setattr(runner, "run_workers", self.run)
+
+    def start(self, device, opts, n, verbose):
+        self.order.append("start workers")
+        return ["worker"]
+
+    def precompile(self, keys, device, opts, workers, family, timings):
+        self.order.append("precompile")
+        return []
+
+    def run(self, keys, *args, workers, **kwargs):
+        self.order.append(f"tune with {workers}")
+        return iter(keys)
+
+
+def test_the_tuning_worker_starts_before_the_precompile_and_tunes_after_it(monkeypatch):
+    from gemmtune import families
+    from gemmtune.tuner.runner import tune_items
+
+    calls = _Calls(monkeypatch)
+    logged = []
+    items = tune_items(KEYS[:2], {}, families.get("a16w16"), torch.device("cuda"), FAST, 1, 60.0, print, False,
+                       True, logged.append)  # fmt: skip
+    assert calls.order == ["start workers", "precompile", "tune with ['worker']"]
+    assert list(items) == KEYS[:2] and "precompiled kernels" in logged[0]
+
+
+def test_a_fleets_host_precompile_runs_in_place_of_the_own_one(monkeypatch):
+    from gemmtune import families
+    from gemmtune.tuner.runner import tune_items
+
+    calls = _Calls(monkeypatch)
+    fam = families.get("a16w16")
+
+    def host():
+        calls.order.append("host precompile")
+
+    tune_items(KEYS[:2], {}, fam, torch.device("cuda"), FAST, 1, 60.0, print, False, False, print, prepare=host)
+    assert calls.order == ["start workers", "host precompile", "tune with ['worker']"]
+    calls.order.clear()
+    assert list(tune_items([], {}, fam, CPU, FAST, 1, 60.0, print, False, False, print, prepare=host)) == []
+    assert calls.order == ["host precompile"]  # a rank without keys compiles its part, starts no worker
+
+
+def test_a_failed_precompile_stops_the_started_workers(monkeypatch):
+    from gemmtune import families
+    from gemmtune.tuner.runner import tune_items
+
+    calls = _Calls(monkeypatch)
+
+    def host():
+        raise RuntimeError("rank 1: barrier timed out")
+
+    with pytest.raises(RuntimeError, match="barrier"):
+        tune_items(KEYS[:2], {}, families.get("a16w16"), CPU, FAST, 1, 60.0, print, False, False, print,
+                   prepare=host)  # fmt: skip
+    assert calls.stopped == [["worker"]]
 
 
 def test_a_first_call_precompile_runs_a_narrow_stand_in_of_each_key():

@@ -14,6 +14,7 @@ receives from any rank as keys finish, which NCCL's point-to-point cannot do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import socket
@@ -30,7 +31,7 @@ from .. import families
 from ..device import DeviceIdentity, identity
 from .output import done_keys
 from .runner import RowSink, RunReport, _Progress, estimated_cost, load_keys, range_floors, tune_items
-from .search import TuneOptions, describe_timings, precompile_all, select_backends
+from .search import PrecompileTimings, TuneOptions, describe_timings, precompile_all, select_backends
 from .workers import import_plugins
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -148,7 +149,7 @@ def _precompile_host(fleet: Fleet, plan, fam, dev: torch.device, opts: TuneOptio
     """Compile the host's Triton kernels, split over its ranks; every rank waits until all hosts are done."""
     keys, share = host_share(plan.shares, _gather(socket.gethostname(), fleet), fleet.rank)
     t0 = time.perf_counter()
-    spent: dict[str, tuple[int, float]] = {}
+    spent = PrecompileTimings()
     fails = precompile_all(keys, dev, opts, workers=workers, family=fam.name, share=share, timings=spent)
     mine = time.perf_counter() - t0
     dist.barrier(group=fleet.control)
@@ -242,19 +243,22 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
     mine = plan.shares[fleet.rank]
     compile_workers = max(1, min(16, (os.cpu_count() or 1) // max(1, fleet.local_world)))
     log_here = log if fleet.rank == 0 else (lambda m: None)  # rank 0 speaks for the launch
+    # tune_items starts this rank's worker, then runs `host` (the host's kernels, split over its ranks, and
+    # the barrier after them) in place of its own precompile, so the worker starts while they compile.
+    host = None
     if precompile and dev.type == "cuda":
-        _precompile_host(fleet, plan, fam, dev, opts, compile_workers, log_here)
-    precompile = False  # the host's kernels are compiled above: tune_items must not compile them again
+        host = functools.partial(_precompile_host, fleet, plan, fam, dev, opts, compile_workers, log_here)
     if fleet.rank == 0:
         everything = [k for r in sorted(plan.shares) for k in plan.shares[r]]
         bar = _Progress(fam, everything, progress, log)
         sink = RowSink(output, fam, profile_file, bar, verbose)
         failed: list[str] = []
         receiver = threading.Thread(target=_receive, args=(fleet, sink, idents, failed), daemon=True)
-        receiver.start()
         try:
-            for item in tune_items(mine, plan.floors[0], fam, dev, opts, mp_workers, timeout, bar.say, verbose,
-                                   precompile, log_here, compile_workers):  # fmt: skip
+            items = tune_items(mine, plan.floors[0], fam, dev, opts, mp_workers, timeout, bar.say, verbose,
+                               False, log_here, compile_workers, prepare=host)  # fmt: skip
+            receiver.start()  # after the precompile's collectives: the receiver's recv shares their group
+            for item in items:
                 sink.take(item, ident)
             receiver.join()
         finally:
@@ -265,7 +269,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
         return RunReport(sink.results, sink.failures, plan.skipped, time.perf_counter() - t0, fam.name)
     say = (lambda m: log(f"[rank {fleet.rank}] {m}")) if verbose else (lambda m: None)
     for item in tune_items(mine, plan.floors[fleet.rank], fam, dev, opts, mp_workers, timeout, say, verbose,
-                           precompile, log_here, compile_workers):  # fmt: skip
+                           False, log_here, compile_workers, prepare=host):  # fmt: skip
         _send_to_rank0(item, fleet)
     _send_to_rank0(None, fleet)
     dist.barrier(group=fleet.control)

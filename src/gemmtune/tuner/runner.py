@@ -9,6 +9,7 @@ finished row and a rerun skips keys that already have a row for this GPU (gfx, c
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -22,9 +23,17 @@ from ..capture import read_shape_list
 from ..device import DeviceIdentity, identity
 from ..families import Family
 from .output import append_profile, done_keys, result_row, write_row
-from .search import ShapeResult, TuneOptions, describe_timings, precompile_all, select_backends, tune_shape
+from .search import (
+    PrecompileTimings,
+    ShapeResult,
+    TuneOptions,
+    describe_timings,
+    precompile_all,
+    select_backends,
+    tune_shape,
+)
 from .summary import describe_item, summary_lines
-from .workers import PLUGINS_ENV, ShapeFailure, import_plugins, run_workers
+from .workers import PLUGINS_ENV, ShapeFailure, import_plugins, run_workers, start_workers, stop_workers
 
 EXIT_AFTER_ENV = "GEMMTUNE_TUNE_EXIT_AFTER"  # testing hook: os._exit after writing N rows
 # Cost model for the ETA: a fixed part (candidate lists, compiles, checks, graph captures) plus the
@@ -144,26 +153,42 @@ def stderr_is_tty() -> bool:
         return False
 
 
+def precompile_keys(todo: list, fam: Family, device: torch.device, opts: TuneOptions, compile_workers: int | None,
+                    log: Callable[[str], None]) -> None:  # fmt: skip
+    """Compile the keys' Triton kernels ahead in one pool of processes (the tuning then loads them)."""
+    tp = time.perf_counter()
+    n = compile_workers or min(16, os.cpu_count() or 1)
+    spent = PrecompileTimings()
+    fails = precompile_all(todo, device, opts, workers=n, family=fam.name, timings=spent)
+    log(
+        f"gemmtune: precompiled kernels in {time.perf_counter() - tp:.1f}s ({describe_timings(spent)}; "
+        f"{len(fails)} did not compile)"
+    )
+
+
 def tune_items(todo: list, floors: dict, fam: Family, device: torch.device, opts: TuneOptions, mp_workers: int,
                timeout: float, say: Callable[[str], None], verbose: bool, precompile: bool,
-               log: Callable[[str], None], compile_workers: int | None = None) -> Iterator:  # fmt: skip
+               log: Callable[[str], None], compile_workers: int | None = None,
+               prepare: Callable[[], None] | None = None) -> Iterator:  # fmt: skip
     """ShapeResult / ShapeFailure for each key of `todo` as it finishes, in worker processes (`mp_workers`)
-    or in this one; Triton kernels precompiled first on a GPU."""
-    if not todo:  # a rank with no share starts no worker
-        return iter(())
-    if precompile and device.type == "cuda":
-        tp = time.perf_counter()
-        n = compile_workers or min(16, os.cpu_count() or 1)
-        spent: dict[str, tuple[int, float]] = {}
-        fails = precompile_all(todo, device, opts, workers=n, family=fam.name, timings=spent)
-        log(
-            f"gemmtune: precompiled kernels in {time.perf_counter() - tp:.1f}s ({describe_timings(spent)}; "
-            f"{len(fails)} did not compile)"
-        )
-    if mp_workers:
-        return run_workers(todo, device, opts, mp_workers, timeout, say, verbose=verbose, family=fam.name,
-                           describe=lambda t: fam.describe(t.key), m_lo=floors)  # fmt: skip
-    return run_inprocess(todo, device, opts, say if verbose else (lambda m: None), fam, floors)
+    or in this one. Before the returned iterator tunes anything, the Triton kernels are precompiled on a
+    GPU, or `prepare` runs in place of that (a fleet's host-wide precompile; it runs for an empty `todo`
+    too); worker processes are started first, so their start overlaps it."""
+    if prepare is None and precompile and device.type == "cuda" and todo:
+        prepare = functools.partial(precompile_keys, todo, fam, device, opts, compile_workers, log)
+    if not (todo and mp_workers):  # a rank with no share starts no worker
+        if prepare is not None:
+            prepare()
+        return run_inprocess(todo, device, opts, say if verbose else (lambda m: None), fam, floors)
+    workers = start_workers(device, opts, mp_workers, verbose)  # they may not tune before the kernels compiled
+    try:
+        if prepare is not None:
+            prepare()
+    except BaseException:
+        stop_workers(workers)
+        raise
+    return run_workers(todo, device, opts, mp_workers, timeout, say, verbose=verbose, family=fam.name,
+                       describe=lambda t: fam.describe(t.key), m_lo=floors, workers=workers)  # fmt: skip
 
 
 class RowSink:

@@ -556,34 +556,69 @@ def _add_pairs(pool: _Pool, pairs: list[tuple[Backend, Solution]], exclude) -> N
         pool.solutions[cand.name] = (backend, sol)
 
 
+@dataclass
+class PrecompileTimings:
+    """Where one precompile's time went: per backend its (candidate, key) jobs and the distinct kernels
+    they need, and the one pool of processes that compiled every backend's kernels."""
+
+    jobs: dict[str, int] = field(default_factory=dict)
+    kernels: dict[str, int] = field(default_factory=dict)
+    processes: int = 0
+    seconds: float = 0.0
+
+
+def _compile_items_of(backend: Backend) -> Callable | None:
+    """A backend's `compile_items(jobs) -> [(kernel name, key)]` (a method, or its module's function), if
+    it can compile ahead of time."""
+    fn = getattr(backend, "compile_items", None)
+    if fn is None:
+        fn = getattr(importlib.import_module(type(backend).__module__), "compile_items", None)
+    return fn
+
+
+def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
+    """Every (solution, key) the backend offers and supports for `keys` here."""
+    jobs = []
+    for key in keys:
+        try:
+            jobs += [(s, key) for s in backend.candidates(key, device) if backend.supports(s, key, device)]
+        except Exception:  # noqa: BLE001 - tune_shape reports it per shape
+            continue
+    return jobs
+
+
 def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
                    family: str = "a16w16", share: tuple[int, int] = (0, 1),
-                   timings: dict[str, tuple[int, float]] | None = None) -> list:  # fmt: skip
-    """Let backends that can compile ahead of time (triton: `precompile(jobs, device, workers, share)`)
-    fill their caches for every (candidate, key) in parallel processes before tuning. `share` (i, n):
-    this process compiles the i-th of n parts, the other parts compiled by processes sharing its on-disk
-    cache (a host's ranks). `timings`, when given, receives {backend: (jobs, seconds)}. Returns failures."""
-    failures = []
+                   timings: PrecompileTimings | None = None) -> list:  # fmt: skip
+    """Fill Triton's on-disk cache with every kernel the backends that can compile ahead of time (those
+    with `compile_items`) need for `keys`, in ONE pool of `workers` processes for all of them (each
+    process start costs seconds). `share` (i, n): this process compiles the i-th of n parts, the other
+    parts compiled by processes sharing its on-disk cache (a host's ranks). Returns failures."""
+    timings = timings if timings is not None else PrecompileTimings()
+    per_backend = []
     for name, backend in select_backends(device, opts.libtypes, family).items():
-        fn = getattr(backend, "precompile", None)
-        if fn is None:
-            fn = getattr(importlib.import_module(type(backend).__module__), "precompile", None)
-        if fn is None:
-            continue
-        jobs = []
-        for key in keys:
-            try:
-                jobs += [(s, key) for s in backend.candidates(key, device) if backend.supports(s, key, device)]
-            except Exception:  # noqa: BLE001 - tune_shape reports it per shape
-                continue
+        fn = _compile_items_of(backend)
+        jobs = _candidate_jobs(backend, keys, device) if fn is not None else []
         if jobs:
-            t0 = time.perf_counter()
-            failures += fn(jobs, device, workers=workers, share=share)
-            if timings is not None:
-                timings[name] = (len(jobs), time.perf_counter() - t0)
+            items = fn(jobs)
+            per_backend.append((type(backend), items))
+            timings.jobs[name], timings.kernels[name] = len(jobs), len(items)
+    if not per_backend:
+        return []
+    from ..backends.lib import triton_tiles  # here: it imports Triton, which the CPU-only tuner may lack
+
+    items = [triton_tiles.CompileItem(n, k, cls) for cls, pairs in per_backend for n, k in pairs]
+    chunks = triton_tiles.compile_plan(items, workers, share)
+    t0 = time.perf_counter()
+    failures = triton_tiles.compile_chunks(chunks, device)
+    timings.processes, timings.seconds = len(chunks), time.perf_counter() - t0
     return failures
 
 
-def describe_timings(timings: dict[str, tuple[int, float]]) -> str:
-    """'triton 812 jobs 20.1 s, skinny 96 jobs 8.6 s': where a precompile's time went, per backend."""
-    return ", ".join(f"{name} {jobs} jobs {sec:.1f} s" for name, (jobs, sec) in timings.items())
+def describe_timings(timings: PrecompileTimings) -> str:
+    """'triton 4184 jobs (812 kernels), skinny 718 jobs (718 kernels): 1 pool of 16 processes, 19.2 s'."""
+    backends = ", ".join(f"{name} {jobs} jobs ({timings.kernels[name]} kernels)" for name, jobs in timings.jobs.items())
+    if not timings.processes:
+        return f"{backends}: nothing to compile here" if backends else "nothing to compile"
+    plural = "es" if timings.processes != 1 else ""
+    return f"{backends}: 1 pool of {timings.processes} process{plural}, {timings.seconds:.1f} s"

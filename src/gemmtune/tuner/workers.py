@@ -217,13 +217,33 @@ def _on_worker_loss(w: _Worker, hung: bool, timeout: float, pending, log, bans: 
     return None
 
 
+def start_workers(device: torch.device, opts: TuneOptions, n: int, verbose: bool) -> list[_Worker]:
+    """Spawn `n` tuning workers; each imports torch and takes its device, then waits for keys."""
+    ctx = mp.get_context("spawn")
+    return [_Worker(ctx, i, d, opts, verbose) for i, d in enumerate(worker_devices(device, n))]
+
+
+def stop_workers(workers: list[_Worker]) -> None:
+    """Ask each worker to end, then end any that did not."""
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        w.proc.join(timeout=2)
+        w.stop()
+
+
 def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: float, log, verbose: bool,
-                family: str = "a16w16", describe=lambda t: str(t.key), m_lo: dict | None = None):  # fmt: skip
-    """Yield ShapeResult / ShapeFailure for each key, tuned by `n` worker processes."""
+                family: str = "a16w16", describe=lambda t: str(t.key), m_lo: dict | None = None,
+                workers: list[_Worker] | None = None):  # fmt: skip
+    """Yield ShapeResult / ShapeFailure for each key, tuned by `n` worker processes (`workers`: already
+    started by start_workers, e.g. while the kernels compiled; this generator stops them at its end)."""
     m_lo = m_lo or {}
     ctx = mp.get_context("spawn")
-    devices = worker_devices(device, n)
-    workers = [_Worker(ctx, i, d, opts, verbose) for i, d in enumerate(devices)]
+    workers = workers if workers is not None else start_workers(device, opts, n, verbose)
+    for w in workers:  # the startup timeout counts from here: a precompile may have run beside the start
+        w.started = time.monotonic()
     pending = collections.deque(Task(i, k, family, m_lo=m_lo.get(k)) for i, k in enumerate(keys))
     bans = _Bans()
     remaining = len(keys)
@@ -253,10 +273,4 @@ def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: 
                         remaining -= 1
                         yield item
     finally:
-        for w in workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-            w.proc.join(timeout=2)
-            w.stop()
+        stop_workers(workers)

@@ -82,11 +82,9 @@ class TritonGemmBackend(Backend):
         kern(x, w, b, torch.empty((M, N), dtype=key.outdtype, device=device))
 
 
-def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8,
-               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
-    """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
-    this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
-    # One job per distinct compiled kernel: M does not specialize, N and K only through these facts.
+def compile_items(jobs: list[tuple[Solution, GemmKey]]) -> list[tuple[str, GemmKey]]:
+    """The (kernel name, key) pairs whose runners compile every kernel the (solution, key) jobs need:
+    one per distinct compiled kernel (M does not specialize, N and K only through these facts)."""
     uniq: dict[tuple, tuple[str, GemmKey]] = {}
     for sol, key in jobs:
         cfg = parse_config(sol.kernel_name)
@@ -95,7 +93,14 @@ def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, worke
         kernel = TGConfig(**{**cfg.__dict__, "split_k": min(cfg.split_k, 2)}).name  # split is runtime
         sig = (kernel, key.dtype, key.outdtype, key.bias, twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
         uniq.setdefault(sig, (cfg.name, key._replace(M=16)))
-    return compile_in_workers(TritonGemmBackend, list(uniq.values()), device, workers, share)
+    return list(uniq.values())
+
+
+def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8,
+               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
+    """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
+    this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
+    return compile_in_workers(TritonGemmBackend, compile_items(jobs), device, workers, share)
 
 
 BACKENDS = (TritonGemmBackend(),)

@@ -135,12 +135,16 @@ def _make_runner(cfg: SkinnyConfig, key: GemmKey, device: torch.device) -> Runne
     return run
 
 
+def compile_items(jobs: list[tuple[Solution, GemmKey]]) -> list[tuple[str, GemmKey]]:
+    """The distinct (kernel name, key) pairs of the (solution, key) jobs: each is built and run once."""
+    return list(dict.fromkeys((sol.kernel_name, key) for sol, key in jobs))
+
+
 def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8,
                share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
     """Compile every (config, key) in `workers` processes by running each once (skinny kernels
     compile on their first call); they fill Triton's on-disk cache, so the tuner then loads them."""
-    uniq = {(sol.kernel_name, key): None for sol, key in jobs}
-    return compile_in_workers(SkinnyBackend, list(uniq), device, workers, share)
+    return compile_in_workers(SkinnyBackend, compile_items(jobs), device, workers, share)
 
 
 BACKENDS = (SkinnyBackend(),)

@@ -155,16 +155,22 @@ def warmup(cfg: BmmConfig, key: BatchedKey, device: torch.device) -> None:
     BmmKernel(cfg, 1, m, key.N, key.K, key.outdtype, device).launch(a, b, c)
 
 
-def precompile(jobs: list[tuple[Solution, BatchedKey]], device: torch.device, workers: int = 8,
-               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
-    """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
-    this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
+def compile_items(jobs: list[tuple[Solution, BatchedKey]]) -> list[tuple[str, BatchedKey]]:
+    """The (kernel name, key) pairs whose runners compile every kernel the (solution, key) jobs need,
+    one per distinct compiled kernel."""
     uniq: dict[tuple, tuple[str, BatchedKey]] = {}
     for sol, key in jobs:
         cfg = parse_config(sol.kernel_name)
         if cfg is not None:
             uniq.setdefault(compile_signature(cfg, key), (cfg.name, key))
-    return compile_in_workers(TritonBatchedBackend, list(uniq.values()), device, workers, share)
+    return list(uniq.values())
+
+
+def precompile(jobs: list[tuple[Solution, BatchedKey]], device: torch.device, workers: int = 8,
+               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
+    """Compile many (solution, key) pairs in `workers` processes; they fill Triton's on-disk cache, so
+    this process then loads each kernel instead of compiling it. Returns [(name, key, error)] failures."""
+    return compile_in_workers(TritonBatchedBackend, compile_items(jobs), device, workers, share)
 
 
 BACKENDS = (TritonBatchedBackend(),)

@@ -237,6 +237,14 @@ def compile_stand_in(key):
     return key._replace(N=twin(key.N)) if hasattr(key, "_replace") and hasattr(key, "N") else key
 
 
+class CompileItem(NamedTuple):
+    """One kernel to compile ahead: its name, the key it is built for, and the backend class that builds it."""
+
+    name: str
+    key: tuple
+    backend: type
+
+
 def _precompile_worker(args):
     backend_cls, names, keys, device_str = args
     backend = backend_cls()
@@ -259,11 +267,24 @@ def _precompile_worker(args):
     return failed
 
 
-def compile_plan(items: list[tuple[str, tuple]], workers: int, share: tuple[int, int] = (0, 1)) -> list[list]:
-    """The items each of `workers` processes compiles. Items of one kernel name go to one process (they
-    mostly build one binary: split up, processes racing on an empty cache would each compile it); the
-    names are dealt over the `share` (i, n) first, the i-th of n processes that share a cache (a host's
-    ranks, each listing the same items), then over the workers, the largest group to the least loaded."""
+def _compile_chunk(args):
+    """One pool process's part: its CompileItems, backend by backend (each class builds its own runners)."""
+    chunk, device_str = args
+    by_backend: dict[type, list[CompileItem]] = {}
+    for item in chunk:
+        by_backend.setdefault(item.backend, []).append(item)
+    failed = []
+    for backend_cls, items in by_backend.items():
+        failed += _precompile_worker((backend_cls, [i.name for i in items], [i.key for i in items], device_str))
+    return failed
+
+
+def compile_plan(items: list[tuple], workers: int, share: tuple[int, int] = (0, 1)) -> list[list]:
+    """The items (kernel name first: (name, key) or CompileItem) each of `workers` processes compiles.
+    Items of one kernel name go to one process (they mostly build one binary: split up, processes racing
+    on an empty cache would each compile it); the names are dealt over the `share` (i, n) first, the
+    i-th of n processes that share a cache (a host's ranks, each listing the same items), then over the
+    workers, the largest group to the least loaded."""
     groups: dict[str, list] = {}
     for item in items:
         groups.setdefault(item[0], []).append(item)
@@ -274,20 +295,25 @@ def compile_plan(items: list[tuple[str, tuple]], workers: int, share: tuple[int,
     return [c for c in chunks if c]
 
 
+def compile_chunks(chunks: list[list[CompileItem]], device: torch.device) -> list:
+    """Build each chunk's runners in one process of a single spawned pool (each process starts torch and
+    a device context, seconds apiece: one pool for all backends pays that once), which fills Triton's
+    on-disk cache. Returns [(name, key, error)] for those that failed."""
+    import multiprocessing as mp
+
+    if not chunks:
+        return []
+    with mp.get_context("spawn").Pool(len(chunks)) as pool:
+        results = pool.map(_compile_chunk, [(c, str(device)) for c in chunks])
+    return [f for r in results for f in r]
+
+
 def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]], device: torch.device,
                        workers: int, share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
     """Build `backend_cls`'s runner for each (kernel name, key) of this process's part (compile_plan) in
-    spawned processes, which fills Triton's on-disk cache. Returns [(name, key, error)] for those that
-    failed."""
-    import multiprocessing as mp
-
-    chunks = compile_plan(items, workers, share)
-    if not chunks:
-        return []
-    args = [(backend_cls, [n for n, _ in c], [k for _, k in c], str(device)) for c in chunks]
-    with mp.get_context("spawn").Pool(len(chunks)) as pool:
-        results = pool.map(_precompile_worker, args)
-    return [f for r in results for f in r]
+    a pool of `workers` spawned processes. Returns [(name, key, error)] for those that failed."""
+    own = [CompileItem(name, key, backend_cls) for name, key in items]
+    return compile_chunks(compile_plan(own, workers, share), device)
 
 
 def tile_kernel(backend: Backend, solution: Solution, key, device: torch.device) -> TGKernel:

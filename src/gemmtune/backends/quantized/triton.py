@@ -15,6 +15,7 @@ from ...quant import formats
 from ..base import Backend, Runner, Solution, stable_solidx
 from ..lib import quant_tiles
 from ..lib.quant_support import OUT_DTYPES, tensor_core_fp8
+from ..lib.triton_tiles import compile_in_workers
 from . import triton_tg as tg
 
 
@@ -83,9 +84,13 @@ class TritonA8W8Backend(TritonQuantBackend):
         ok = self.is_available(device) and self.key_ok(key)
         return ok and tg.supports(solution.kernel_name, key, torch.device(device))
 
+    def compile_items(self, jobs: list) -> list[tuple[str, tuple]]:
+        """The a8w8_tg_ candidates' kernels to compile ahead (the a8w8_ tiles compile on their first call)."""
+        return tg.compile_items(jobs)
+
     def precompile(self, jobs: list, device: torch.device, workers: int = 8, share: tuple[int, int] = (0, 1)) -> list:
-        """Compile the a8w8_tg_ candidates ahead (the a8w8_ tiles compile on their first call)."""
-        return tg.precompile(type(self), jobs, device, workers, share)
+        """Compile the jobs' compile_items in `workers` processes (Triton's on-disk cache then serves them)."""
+        return compile_in_workers(type(self), self.compile_items(jobs), device, workers, share)
 
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:
         if tg.is_tg_name(solution.kernel_name):

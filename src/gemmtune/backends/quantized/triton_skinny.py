@@ -147,11 +147,14 @@ class SkinnyA8W8Backend(Backend):
         self.warmup(cfg, key, device)
         return run
 
+    def compile_items(self, jobs: list) -> list[tuple[str, tuple]]:
+        """The distinct (kernel name, key) pairs of the (solution, key) jobs: building each runner compiles it."""
+        return list(dict.fromkeys((sol.kernel_name, key) for sol, key in jobs))
+
     def precompile(self, jobs: list, device: torch.device, workers: int = 8, share: tuple[int, int] = (0, 1)) -> list:
-        """Compile every (config, key) in `workers` processes by building each runner (which compiles
-        it); they fill Triton's on-disk cache, so the tuner then loads them."""
-        uniq = {(sol.kernel_name, key): None for sol, key in jobs}
-        return compile_in_workers(type(self), list(uniq), device, workers, share)
+        """Compile every (config, key) in `workers` processes; they fill Triton's on-disk cache, so the
+        tuner then loads them."""
+        return compile_in_workers(type(self), self.compile_items(jobs), device, workers, share)
 
 
 class SkinnyA8W8BPreshuffleBackend(SkinnyA8W8Backend):

@@ -7,8 +7,8 @@ The candidate space is lib/triton_tiles.py's `config_space` for a 1-byte key (it
 M = 256; for 8-bit keys only also split-K where a grid of several waves ends in a poor one, the
 flattened persistent grid `_pf`, and for int8 256-deep TMA tiles). `DEFAULT` is what an untuned int8
 key above M = 32 runs. `make_runner` compiles the config before returning (on stand-in operands that specialize
-like the real ones), so a runner can be captured in a CUDA graph at once; `precompile` does that for
-many configs in parallel processes.
+like the real ones), so a runner can be captured in a CUDA graph at once; `compile_items` names the
+kernels the tuner's precompile builds that way ahead, in parallel processes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from ..base import Runner, Solution
 from ..lib.triton_tiles import (
     SMEM_MARGIN,
     cdiv,
-    compile_in_workers,
     config_solution,
     config_space,
     hardware,
@@ -118,10 +117,9 @@ def default_name(key, device: torch.device) -> str | None:
     return None
 
 
-def precompile(backend_cls, jobs: list, device: torch.device, workers: int = 8,
-               share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
-    """Compile the a8w8_tg_ jobs' kernels in `workers` processes (Triton's on-disk cache then serves
-    this one), one job per distinct compiled kernel; returns [(name, key, error)] failures."""
+def compile_items(jobs: list) -> list[tuple[str, tuple]]:
+    """The (kernel name, key) pairs whose runners compile every kernel the a8w8_tg_ (solution, key) jobs
+    need, one per distinct compiled kernel (other jobs are passed over)."""
     uniq: dict[tuple, tuple] = {}
     for sol, key in jobs:
         cfg = parse_config(sol.kernel_name)
@@ -130,4 +128,4 @@ def precompile(backend_cls, jobs: list, device: torch.device, workers: int = 8,
         kernel = dataclasses.replace(cfg, split_k=min(cfg.split_k, 2)).name  # the split is a runtime value
         sig = (kernel, key.q_dtype_w, key.scale, key.bias, key.outdtype, twin(key.N), key.K % 16 == 0, key.K % cfg.bk)
         uniq.setdefault(sig, (cfg.name, key._replace(M=MIN_M)))
-    return compile_in_workers(backend_cls, list(uniq.values()), device, workers, share)
+    return list(uniq.values())
