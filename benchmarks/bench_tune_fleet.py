@@ -5,6 +5,9 @@ then compares the two tables key by key: where the winners differ, both winners 
 interleaved on cuda:0 (CUDA graphs, cold rotating inputs, median of --reps) and the pair is "within
 noise" when they are less than --noise apart. Writes <out>/fleet.json and <out>/fleet.md.
 
+The 1-rank run also writes <out>/one_rank.json (its wall seconds); --reuse-one takes that and
+<out>/one_rank.csv instead of running it again, so the two sides can run in two calls (same GPU kind).
+
     python benchmarks/bench_tune_fleet.py --models llama-3-8b,qwen3-32b --nsets 1,16,128,1024 --nproc 2 -o out
 """
 
@@ -53,6 +56,19 @@ def merged_shapes(models: list[str], nsets: str, out: str) -> str:
     return path
 
 
+def reused_one_rank(path: str, table: str, run_facts: dict) -> float | None:
+    """The 1-rank run's wall seconds from an earlier call (`path`, beside its `table`), None when either is
+    missing; an earlier run of other keys ends the benchmark."""
+    if not (os.path.exists(path) and os.path.exists(table)):
+        return None
+    with open(path) as fh:
+        earlier = json.load(fh)
+    differs = {k: (earlier.get(k), v) for k, v in run_facts.items() if earlier.get(k) != v}
+    if differs:
+        sys.exit(f"{path} is from another run ({differs}: earlier, now); drop --reuse-one to run it again")
+    return float(earlier["wall_s"])
+
+
 def retime_differences(one: str, many: str, reps: int, device: str) -> list[dict]:
     """Every key of the two tables: its winners, and for keys whose winners differ both timed again."""
     import gemmtune
@@ -91,22 +107,36 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.02, help="winners closer than this fraction agree")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (gloo ranks: a dry run of the benchmark)")
     ap.add_argument("-o", "--out", required=True, help="folder for the tables, logs and the report")
+    ap.add_argument("--reuse-one", action="store_true",
+                    help="take the 1-rank run from <out>/one_rank.csv and one_rank.json when both exist")  # fmt: skip
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     shapes = merged_shapes(args.models.split(","), args.nsets, args.out)
     keys = sum(1 for _ in open(shapes)) - 1
     tables = {"one": os.path.join(args.out, "one_rank.csv"), "many": os.path.join(args.out, f"{args.nproc}_ranks.csv")}
-    for path in tables.values():
-        if os.path.exists(path):
-            os.remove(path)
+    one_json = os.path.join(args.out, "one_rank.json")
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    run_facts = {"models": args.models, "nsets": args.nsets, "keys": keys, "device": gpu}  # both sides' must match
+    wall = {}
+    reused = reused_one_rank(one_json, tables["one"], run_facts) if args.reuse_one else None
+    if reused is not None:
+        wall["one"] = reused
+        print(f"one: {keys} keys in {reused:.1f} s (reused from {one_json})", flush=True)
+    for name in ("one", "many"):
+        if name not in wall and os.path.exists(tables[name]):
+            os.remove(tables[name])
     tune = ["-m", "gemmtune.cli.main", "tune", shapes, "--no-progress", "--device", args.device]
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
-    wall = {}
     for name, launcher in (("one", []), ("many", torchrun)):
+        if name in wall:
+            continue
         env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix=f"triton_cache_{name}_"))
         cmd = [sys.executable, *launcher, *tune, "-o", tables[name]]
         wall[name] = run(cmd, env, os.path.join(args.out, f"tune_{name}.log"))
         print(f"{name}: {keys} keys in {wall[name]:.1f} s", flush=True)
+        if name == "one":
+            with open(one_json, "w") as fh:
+                json.dump({**run_facts, "wall_s": wall["one"]}, fh, indent=1)
     compared = retime_differences(tables["one"], tables["many"], args.reps, args.device)
     verdicts = {}
     for e in compared:
@@ -114,10 +144,11 @@ def main() -> None:
             e["verdict"] = "within noise" if e["apart"] < args.noise else "differ"
         verdicts[e["verdict"]] = verdicts.get(e["verdict"], 0) + 1
     report = {
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "ranks": args.nproc,
+        "device": gpu, "ranks": args.nproc,
         "models": args.models, "nsets": args.nsets,
         "keys": keys, "wall_s_one_rank": wall["one"], f"wall_s_{args.nproc}_ranks": wall["many"],
-        "speedup": wall["one"] / wall["many"], "noise": args.noise, "verdicts": verdicts, "keys_compared": compared,
+        "speedup": wall["one"] / wall["many"], "one_rank_reused": reused is not None, "noise": args.noise,
+        "verdicts": verdicts, "keys_compared": compared,
     }  # fmt: skip
     with open(os.path.join(args.out, "fleet.json"), "w") as fh:
         json.dump(report, fh, indent=1)
