@@ -30,6 +30,9 @@ the speedup over the fastest of them, x_hf_default over the model's default. --t
     python benchmarks/bench_moe.py --part op --table tuned_fmoe.csv --out ...                # tuned = the table's rows
     python benchmarks/bench_moe.py --part e2e --out OUT_DIR                                  # ~2-3 min
     python benchmarks/bench_moe.py --device cpu --tiny --out /tmp/moe                        # smoke test (CPU, tiny)
+
+--ab-stage1-split adds a contender `unsplit1` wherever the default splits stage 1 over H: the same pair
+with stage 1 unsplit, timed interleaved with it (the A/B of backends/fmoe/triton.py's STAGE1_SPLIT rule).
 """
 
 from __future__ import annotations
@@ -140,6 +143,21 @@ def quick_pairs(key, sets, device, sweep: int):
     return found.pairs
 
 
+def unsplit_stage1(sol):
+    """The default pair `sol` with its stage 1 unsplit, or None where its stage 1 is not a split Triton one."""
+    from dataclasses import replace
+
+    from gemmtune.backends.fmoe.stages import GM, parse_stage
+    from gemmtune.backends.fmoe.triton import solution_of
+    from gemmtune.families.fmoe import split_name
+
+    n1, n2 = split_name(sol.kernel_name)
+    s1 = parse_stage(n1, 1)
+    if sol.libtype != "triton" or s1 in (None, GM) or s1.split_k == 1:
+        return None
+    return solution_of(replace(s1, split_k=1), parse_stage(n2, 2))
+
+
 def op_point(name, T, sets, ceilings, device, args) -> dict:
     from gemmtune import backends
     from gemmtune.backends.fmoe.pytorch import grouped_mm_torch_runner
@@ -170,6 +188,10 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
     default_backend, default = backends.default("fmoe", key, device)  # what an untuned key runs
     contenders = {"gemmtune": default_backend.make_runner(default, key, device)}
     names = {"gemmtune": default.describe()}
+    unsplit = unsplit_stage1(default) if args.ab_stage1_split else None
+    if unsplit is not None:
+        contenders["unsplit1"] = default_backend.make_runner(unsplit, key, device)
+        names["unsplit1"] = unsplit.describe()
     if args.table:
         from gemmtune.dispatch import resolve
 
@@ -215,7 +237,8 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
             "hf_grouped_mm_us": us.get("hf_grouped_mm"), "hf_batched_mm_us": us.get("hf_batched_mm"),
             "hf_best_us": min(hf) if hf else None, "hf_eager_us_eager_timed": us.get("hf_eager"),
             "grouped_mm_base_us": min(base) if base else None, "roof_us": roof, "hit_MB": hit_bytes / 1e6,
-            "err_gemmtune": errs.get("gemmtune"), "err_tuned": errs.get(tuned)}  # fmt: skip
+            "err_gemmtune": errs.get("gemmtune"), "err_tuned": errs.get(tuned), "unsplit1_us": us.get("unsplit1"),
+            "unsplit1_solution": names.get("unsplit1", "")}  # fmt: skip
 
 
 def run_op(args, device, ceilings) -> list[dict]:
@@ -236,7 +259,8 @@ def run_op(args, device, ceilings) -> list[dict]:
             log(f"{name:<18} T={T:<5} gemmtune {f(row['gemmtune_us'])} tuned {f(row['tuned_us'])} "
                 f"grouped_mm {f(row['grouped_mm_base_us'])} hf_best {f(row['hf_best_us'])} "
                 f"hf_eager {f(row['hf_eager_us_eager_timed'])} roof {f(row['roof_us'])} "
-                f"({time.time() - t0:.0f}s; tuned = {row['tuned_solution']})")  # fmt: skip
+                + (f"unsplit1 {f(row['unsplit1_us'])} " if row["unsplit1_us"] else "")
+                + f"({time.time() - t0:.0f}s; tuned = {row['tuned_solution']})")  # fmt: skip
     return rows
 
 
@@ -271,6 +295,24 @@ def summarize_op(rows) -> list[str]:
             slower = sum(s < 1 for s in sp)
             out.append(f"{label}: T >= 1024 over the grouped_mm baseline geomean {geomean(sp):.2f}, worst "
                        f"{min(sp):.2f} ({slower} of {len(sp)} points below 1.00)")  # fmt: skip
+    return out
+
+
+def summarize_stage1_split(rows) -> list[str]:
+    """--ab-stage1-split: the default (stage 1 split) against the same pair with stage 1 unsplit."""
+    ab = [r for r in rows if r.get("unsplit1_us") and r.get("gemmtune_us")]
+    if not ab:
+        return []
+    out = ["", "Stage 1 split over H (the default) vs unsplit, same stage 2; x > 1: the split is faster.", "",
+           "| experts | T | split us | unsplit us | x unsplit | % roof split | % roof unsplit | default |",
+           "|" + "---|" * 8]  # fmt: skip
+    pct = lambda r, col: f"{100 * r['roof_us'] / r[col]:.0f}%" if r["roof_us"] else "-"  # noqa: E731
+    for r in ab:
+        out.append(f"| {r['model']} | {r['T']} | {r['gemmtune_us']:.1f} | {r['unsplit1_us']:.1f} | "
+                   f"{_ratio(r['unsplit1_us'], r['gemmtune_us'])} | {pct(r, 'gemmtune_us')} | "
+                   f"{pct(r, 'unsplit1_us')} | {r['default_solution']} |")  # fmt: skip
+    sp = [r["unsplit1_us"] / r["gemmtune_us"] for r in ab]
+    out += ["", f"split vs unsplit: geomean x {geomean(sp):.2f}, worst {min(sp):.2f} ({len(sp)} points)"]
     return out
 
 
@@ -413,6 +455,8 @@ def main(argv=None):
     ap.add_argument("--table", default=None, help="tuned fmoe table: the tuned column is its rows' solutions")
     ap.add_argument("--sweep", type=int, default=6, help="without --table: kernels per backend and stage timed")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ab-stage1-split", action="store_true",
+                    help="also time the default with stage 1 unsplit where the default splits it over H")  # fmt: skip
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=2048)
@@ -452,6 +496,7 @@ def main(argv=None):
             "real top-k routing; x HF best > 1: the default is faster.",
             "",
         ] + summarize_grid(rows)
+        md += summarize_stage1_split(rows)
     if args.part in ("op", "all"):
         ceilings = None
         if cuda:
@@ -470,7 +515,7 @@ def main(argv=None):
                 w.writeheader()
                 w.writerows(rows)
             (out / "moe_op.json").write_text(json.dumps(rows, indent=1))
-            md += summarize_op(rows)
+            md += summarize_op(rows) + summarize_stage1_split(rows)
         log(f"op part: {time.time() - t0:.0f}s")
     if args.part in ("e2e", "all"):
         rows, meta = run_e2e(args, device)

@@ -63,3 +63,20 @@ def test_tuned_column_comes_from_the_table(bench, tmp_path):
     (one, sixteen) = json.loads((out / "moe_op.json").read_text())
     assert one["tuned_solution"] == res.winner.name  # the row's solution
     assert sixteen["tuned_solution"].startswith("no row")  # T=16 has no row: the default runs
+
+
+def test_stage1_split_ab_contender_is_the_default_with_stage1_unsplit(bench):
+    from gemmtune.backends.fmoe import triton as mtr
+    from gemmtune.families.fmoe import MoeKey, split_name
+
+    c1, c2 = mtr.heuristic_configs(MoeKey(1, 7168, 256, 256, 8))
+    assert c1.split_k > 1
+    ab = bench.unsplit_stage1(mtr.solution_of(c1, c2))
+    n1, n2 = split_name(ab.kernel_name)
+    assert n1 == c1.name.replace(f"_sk{c1.split_k}_", "_sk1_") and n2 == c2.name and ab.libtype == "triton"
+    unsplit = mtr.heuristic_configs(MoeKey(16, 7168, 256, 256, 8))
+    assert unsplit[0].split_k == 1 and bench.unsplit_stage1(mtr.solution_of(*unsplit)) is None
+    assert bench.unsplit_stage1(mtr.GROUPED_MM_GLUED) is None
+    row = {"model": "E256", "T": 1, "gemmtune_us": 40.0, "unsplit1_us": 60.0, "roof_us": 30.0, "default_solution": "x"}
+    md = bench.summarize_stage1_split([row, {**row, "unsplit1_us": None}])
+    assert "| E256 | 1 | 40.0 | 60.0 | 1.50 | 75% | 50% | x |" in md and bench.summarize_stage1_split([]) == []

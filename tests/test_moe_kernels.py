@@ -6,7 +6,11 @@ Cases: odd sizes (H, I not multiples of any block, E not a power of two), expert
 all tokens on one expert, topk 1/2/8, direct and sorted routing, split-K, ungated, doweight_stage1,
 expert parallelism (expert_map) and a fused shared expert. Mixed pairs run a torch._grouped_mm stage
 (backends/fmoe/stages.py, GM) with a Triton one, and two GM stages with the Triton combine: rows past the
-last expert's group, which torch._grouped_mm leaves unwritten, are made NaN too.
+last expert's group, which torch._grouped_mm leaves unwritten, are made NaN too. Stage 1 split over H
+(the last split of each tile sums the fp32 partials in split order and finishes the rows) runs the
+same kinds of cases at decode sizes, with splits that leave a split no K step, with a Triton or GM
+stage 2, twice (the arrival counters re-arm: the second call is bit-identical), and alone against the
+stage-1 reference as the tuner checks it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ INTERP_CASES = [
     ("fp16", 10, 40, 28, 3, 2, "random", False, 16, 1, "ep"),
     ("fp32", 4, 40, 28, 5, 2, "random", True, 16, 1, "shared"),
     ("fp32", 4, 40, 28, 5, 2, "random", False, 16, 2, "shared"),
+    ("fp32", 3, 41, 37, 11, 2, "one", True, 16, 1, ""),  # fewer slots than experts, two experts hit thrice
     ("fp32", 4, 40, 28, 5, 2, "random", True, 16, 1, "badid"),
 ]
 GPU_CASES = [
@@ -52,8 +57,8 @@ GPU_CASES = [
 ]
 
 
-# (case, stage 1, stage 2): "tri" a Triton config (the case's), "gm" a torch._grouped_mm stage. fp32
-# cases need H, I multiples of 4, fp16 of 8 (16-byte rows).
+# (case, stage 1, stage 2): "tri" a Triton config (the case's), "skN" the same split N ways over H, "gm"
+# a torch._grouped_mm stage. fp32 cases need H, I multiples of 4, fp16 of 8 (16-byte rows) for "gm".
 MIX_CASES = [
     (INTERP_CASES[0], "tri", "gm"),
     (INTERP_CASES[1], "gm", "tri"),
@@ -63,8 +68,26 @@ MIX_CASES = [
     (("fp32", 9, 48, 20, 11, 8, "random", False, 16, 1, "doweight"), "gm", "gm"),
     (INTERP_CASES[9], "gm", "tri"),
     (INTERP_CASES[12], "tri", "gm"),
-    (INTERP_CASES[13], "gm", "gm"),
+    (INTERP_CASES[-1], "gm", "gm"),
 ]
+# Stage 1 split over H at decode sizes. H = 73 is 3 BLOCK_K steps of 32: split 4 leaves one split none.
+SPLIT1_CASES = [
+    (("fp32", 1, 73, 37, 5, 1, "random", True, 16, 1, ""), "sk2", "tri"),
+    (("fp16", 3, 73, 37, 6, 2, "random", True, 16, 2, ""), "sk4", "tri"),
+    (("fp32", 3, 73, 37, 11, 2, "one", True, 16, 1, ""), "sk3", "tri"),
+    (("fp16", 5, 73, 37, 6, 2, "one", True, 32, 1, ""), "sk2", "tri"),
+    (("fp32", 20, 73, 37, 6, 2, "one", True, 16, 1, ""), "sk2", "tri"),  # two BLOCK_M chunks of one expert
+    (("fp32", 5, 73, 37, 9, 8, "random", False, 16, 2, "doweight"), "sk3", "tri"),
+    (("fp32", 2, 73, 37, 11, 8, "random", True, 16, 1, "doweight"), "sk2", "tri"),
+    (("fp16", 4, 73, 37, 5, 2, "random", True, 16, 1, "ungated"), "sk2", "tri"),
+    (("fp32", 4, 73, 37, 3, 2, "random", True, 16, 1, "ep"), "sk2", "tri"),
+    (("fp32", 5, 73, 37, 3, 2, "random", False, 16, 1, "ep"), "sk4", "tri"),
+    (("fp32", 3, 73, 37, 5, 2, "random", True, 16, 1, "shared"), "sk2", "tri"),
+    (("fp32", 4, 73, 37, 5, 2, "random", True, 16, 2, "badid"), "sk2", "tri"),
+    (("fp32", 4, 72, 36, 5, 2, "random", True, 16, 1, "doweight"), "sk2", "gm"),
+    (("fp32", 5, 72, 36, 9, 8, "random", False, 16, 1, ""), "sk4", "gm"),
+]
+ALONE_CASES = SPLIT1_CASES[:5] + SPLIT1_CASES[5:10:2]  # stage 1 alone: both modes, doweight, ungated, ep
 GPU_MIX_CASES = [
     (GPU_CASES[2], "tri", "gm"),
     (GPU_CASES[3], "gm", "tri"),
@@ -74,6 +97,22 @@ GPU_MIX_CASES = [
     (("bf16", 2048, 512, 256, 128, 8, "random", False, 64, 1, ""), "gm", "gm"),  # Qwen3-30B-A3B routing
     (("bf16", 700, 512, 256, 60, 4, "random", False, 64, 1, "shared"), "gm", "gm"),
 ]
+GPU_SPLIT1_CASES = [
+    (("bf16", 1, 7168, 256, 64, 8, "random", True, 16, 1, ""), "sk8", "tri"),  # DeepSeek-V3-like experts
+    (("bf16", 4, 2047, 383, 128, 8, "random", True, 16, 2, "doweight"), "sk4", "tri"),
+    (("bf16", 3, 1000, 520, 13, 8, "random", False, 16, 1, "shared"), "sk4", "tri"),
+    (("bf16", 2, 1024, 384, 3, 2, "random", True, 16, 1, "ep"), "sk2", "gm"),
+]
+
+
+def stage1_of(s1: str, direct: bool, bm: int, bn: int, bk: int, stages: int):
+    """Stage 1 as a case names it: "tri", "skN" (split N ways over H) or "gm"."""
+    from gemmtune.backends.fmoe.stages import GM
+    from gemmtune.kernels.fused_moe import MoeGemmConfig
+
+    if s1 == "gm":
+        return GM
+    return MoeGemmConfig(1, direct, bm, bn, bk, int(s1[2:]) if s1.startswith("sk") else 1, 4, stages)
 
 
 def run_case(case, device="cpu", s1="tri", s2="tri") -> dict:
@@ -82,10 +121,14 @@ def run_case(case, device="cpu", s1="tri", s2="tri") -> dict:
 
     _, _, _, _, _, _, _, direct, bm, sk, extra = case
     key, inputs = make_case(case, device)
-    c1 = MoeGemmConfig(1, direct, bm, 32, 32, 1, 4, 2) if s1 == "tri" else GM
+    c1 = stage1_of(s1, direct, bm, 32, 32, 2)
     c2 = MoeGemmConfig(2, direct, bm, 64, 32, sk, 4, 2) if s2 == "tri" else GM
+    run = pair_runner(key, c1, c2)
     with nan_buffers():
-        y = pair_runner(key, c1, c2)(*inputs)
+        y = run(*inputs)
+        y2 = run(*inputs) if s1.startswith("sk") else None
+    # bit-identical, NaN rows (a bad id's token) included
+    repeat_equal = bool(((y == y2) | (y.isnan() & y2.isnan())).all()) if y2 is not None else None
     hidden, w1, w2, tw, ids, emap = (t if t is None else t.cpu() for t in inputs)
     act = "silu"
     ref = fused_moe_ref(hidden.float(), w1.float(), w2.float(), tw, ids, act, emap, key.shared_expert)
@@ -95,14 +138,30 @@ def run_case(case, device="cpu", s1="tri", s2="tri") -> dict:
     ok = ~want_nan
     err = ((y[ok] - ref[ok]).norm() / ref[ok].norm().clamp_min(1e-30)).item() if ok.any() else 0.0
     return {"shape_ok": list(y.shape) == [key.token, key.model_dim], "nan_rows": nan_rows.tolist(),
-            "want_nan_rows": want_nan.tolist(), "err": err}  # fmt: skip
+            "want_nan_rows": want_nan.tolist(), "err": err, "repeat_equal": repeat_equal}  # fmt: skip
+
+
+def run_stage1_alone(case, s1: str, device="cpu") -> dict:
+    """Stage 1 alone as the tuner checks it (the family's stage result against its stage reference)."""
+    from gemmtune.backends.fmoe.stages import stage_runner
+    from gemmtune.families.fmoe import FAMILY
+
+    key, inputs = make_case(case, device)
+    with nan_buffers():
+        out = stage_runner(key, 1, stage1_of(s1, case[7], case[8], 32, 32, 2))(*inputs)
+    y = FAMILY.stage_result(key, 1, out, inputs).float().cpu()
+    ref = FAMILY.stage_reference(key, 1, tuple(t if t is None else t.cpu() for t in inputs))
+    return {"slot_order": out.rows is None, "any_nan": bool(torch.isnan(y).any()),
+            "err": ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()}  # fmt: skip
 
 
 def _interp_main() -> None:
     for case in INTERP_CASES:
         print(json.dumps({"case": list(case), **run_case(case)}), flush=True)
-    for case, s1, s2 in MIX_CASES:
+    for case, s1, s2 in MIX_CASES + SPLIT1_CASES:
         print(json.dumps({"case": [*case, s1, s2], **run_case(case, "cpu", s1, s2)}), flush=True)
+    for case, s1, _ in ALONE_CASES:
+        print(json.dumps({"case": [*case, s1, "alone"], **run_stage1_alone(case, s1)}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +215,22 @@ def test_interpreter_mixed_stages_match_fp32_reference(mix, interp_results):
     _check(case, r)
 
 
+@pytest.mark.parametrize("mix", SPLIT1_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+def test_interpreter_split_stage1_matches_fp32_reference(mix, interp_results):
+    case, s1, s2 = mix
+    r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
+    _check(case, r)
+    assert r["repeat_equal"]
+
+
+@pytest.mark.parametrize("mix", ALONE_CASES, ids=lambda m: f"{m[1]}-{_case_id(m[0])}")
+def test_interpreter_split_stage1_alone_matches_stage_reference(mix, interp_results):
+    case, s1, _ = mix
+    r = run_stage1_alone(case, s1, "cuda") if torch.cuda.is_available() else interp_results[(*case, s1, "alone")]
+    assert r["slot_order"] and not r["any_nan"]  # stage_result zeroes only the rows of slots with no expert
+    assert r["err"] < _tol(case[0]), r
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", tiered(GPU_CASES, lambda c: c[1] in (1, 33, 1000)), ids=_case_id)
 def test_gpu_matches_fp32_reference(case, gpu):
@@ -176,8 +251,21 @@ def test_gpu_mixed_stages_match_fp32_reference(mix, gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mix", GPU_SPLIT1_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+def test_gpu_split_stage1_matches_fp32_reference(mix, gpu):
+    from gemmtune.backends.fmoe.stages import grouped_mm_usable
+
+    case, s1, s2 = mix
+    if s2 == "gm" and not grouped_mm_usable(torch.bfloat16, gpu):
+        pytest.skip("torch._grouped_mm has no capturable path on this GPU (sm90/sm100, bf16)")
+    r = run_case(case, "cuda", s1, s2)
+    _check(case, r)
+    assert r["repeat_equal"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case,s1,s2", [(GPU_CASES[2], "tri", "tri"), (GPU_CASES[3], "tri", "gm"),
-                                        (GPU_CASES[6], "gm", "gm"),
+                                        (GPU_CASES[6], "gm", "gm"), (GPU_SPLIT1_CASES[1][0], "sk4", "tri"),
                                         *(pytest.param(*c, marks=pytest.mark.slow) for c in [
                                             (GPU_CASES[1], "tri", "tri"), (GPU_CASES[4], "tri", "tri"),
                                             (GPU_CASES[2], "gm", "tri"), (GPU_MIX_CASES[5][0], "gm", "gm")])],
@@ -191,7 +279,7 @@ def test_gpu_graph_replay_equals_eager(case, s1, s2, gpu):
             pytest.skip("torch._grouped_mm has no capturable path on this GPU (sm90/sm100, bf16)")
     _, _, _, _, _, _, _, direct, bm, sk, _ = case
     key, inputs = make_case(case, "cuda")
-    c1 = MoeGemmConfig(1, direct, bm, 64, 64, 1, 4, 3) if s1 == "tri" else GM
+    c1 = stage1_of(s1, direct, bm, 64, 64, 3)
     c2 = MoeGemmConfig(2, direct, bm, 64, 64, sk, 4, 3) if s2 == "tri" else GM
     run = pair_runner(key, c1, c2)
     eager = run(*inputs)

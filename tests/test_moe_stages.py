@@ -148,6 +148,87 @@ def test_mixed_stage_names_round_trip_through_rows():
     assert mtr.stage_configs(key, 1)[0] == c1 and all(c.stage == 2 for c in mtr.stage_configs(key, 2))
 
 
+# ---- stage 1 split over H ---------------------------------------------------------------------------
+DSV3_TP8 = MoeKey(1, 7168, 256, 256, 8)  # fine-grained experts (DeepSeek-V3 tp8) at decode
+
+
+def test_a_split_stage1_config_is_valid_and_its_name_round_trips():
+    from gemmtune.kernels.fused_moe import MoeGemmConfig
+
+    c1 = MoeGemmConfig(1, True, 16, 64, 64, 8, 4, 4)
+    assert c1.valid() and c1.name == "moe1_direct_bm16_bn64_bk64_sk8_w4_s4"
+    assert MoeGemmConfig.parse(c1.name) == c1 and mst.parse_stage(c1.name, 1) == c1
+    assert mst.parse_stage(c1.name, 2) is None and MoeGemmConfig.parse("moe1_direct_bm16_bn64_bk64_sk0_w4_s4") is None
+    c2 = mtr.heuristic_configs(DSV3_TP8)[1]
+    sol = mtr.solution_of(c1, c2)
+    rec = fmoe.FAMILY.solution_record(sol.libtype, sol.kernel_name)
+    assert rec["kernelName1"] == f"triton:{c1.name}"
+    assert mtr.TritonMoeBackend().solution_from_row(0, fmoe.FAMILY.kernel_name_of(rec), 0) == sol
+
+
+def test_a_table_row_naming_a_split_stage1_is_accepted(tmp_path):
+    from gemmtune.configs.schema import TunedRow
+    from gemmtune.configs.table import ConfigTable
+    from gemmtune.device import identity
+
+    tri, ident = mtr.TritonMoeBackend(), identity(CPU)
+    c1, c2 = "moe1_direct_bm16_bn64_bk64_sk8_w4_s4", "moe2_direct_bm16_bn128_bk64_sk2_w4_s4"
+    row = TunedRow(ident.gfx, ident.cu_num, DSV3_TP8, "triton", 16, 2, 30.0, join_name(c1, c2), family=fmoe.FAMILY)
+    path = tmp_path / "tuned_fmoe.csv"
+    ConfigTable([row], family=fmoe.FAMILY).write(str(path))
+    (back,) = ConfigTable.load(str(path)).rows
+    assert (back.raw["kernelName1"], back.raw["kernelName2"]) == (f"triton:{c1}", c2) and back.libtype == "triton"
+    sol = tri.solution_from_row(back.solidx, back.kernel_name, back.splitk)
+    assert sol is not None and sol.kernel_name == join_name(c1, c2) and tri.supports(sol, DSV3_TP8, CPU)
+    assert tri.pair_solution((c1, c2), DSV3_TP8, CPU) == sol
+
+
+@pytest.mark.parametrize("key,split", [
+    (DSV3_TP8, 8),  # 8 experts x 4 N tiles = 32 programs -> 256 (< 2 waves of 132 SMs)
+    (DSV3_TP8._replace(token=4), 2),  # 32 experts x 4 = 128 programs -> 256
+    (DSV3_TP8._replace(token=16), 1),  # 128 x 4 = 512 programs: enough without a split
+    (MoeKey(1, 2048, 384, 128, 8), 4),  # Qwen3-30B-A3B tp2: 8 x 6 = 48 -> 192
+    (MoeKey(4, 2048, 384, 128, 8), 1),  # 32 x 6 = 192
+    (MoeKey(1, 4096, 14336, 8, 2), 1),  # Mixtral: 2 x 224 = 448
+    (MoeKey(1, 5120, 1024, 128, 1), 16),  # Llama-4-Maverick tp8: 1 x 16 -> 256, 80 K steps / 16 = 5
+    (MoeKey(1, 512, 256, 256, 8), 2),  # H 512 = 8 K steps of 64: a split keeps >= 4 of them
+    (MoeKey(1, 256, 256, 256, 8), 1),  # 4 K steps: too short to split
+])  # fmt: skip
+def test_the_default_splits_stage1_where_it_has_few_programs(key, split):
+    c1, _ = mtr.heuristic_configs(key, sms=132)
+    assert c1.split_k == split, c1.name
+    programs = mtr.stage1_programs(key, c1.block_m, c1.block_n)
+    if split > 1:
+        assert programs < 132 and programs * split <= mtr.STAGE1_SPLIT.max_waves * 132
+        assert -(-key.model_dim // c1.block_k) // split >= mtr.STAGE1_SPLIT.min_k_steps
+
+
+def test_the_split_rule_is_its_constants(monkeypatch):
+    monkeypatch.setattr(mtr, "STAGE1_SPLIT", mtr.Stage1Split(max_split=1))
+    assert mtr.heuristic_configs(DSV3_TP8)[0].split_k == 1
+    monkeypatch.setattr(mtr, "STAGE1_SPLIT", mtr.Stage1Split(max_waves=1.0))
+    assert mtr.heuristic_configs(DSV3_TP8)[0].split_k == 4  # 32 programs x 4 = 128 <= 132
+    assert mtr.heuristic_configs(DSV3_TP8, sms=64)[0].split_k == 2
+
+
+def test_stage1_split_candidates_only_where_stage1_has_few_programs(monkeypatch):
+    tri = mtr.TritonMoeBackend()
+    names = tri.stage_candidates(DSV3_TP8, CPU, 1)
+    assert names[0] == mtr.heuristic_configs(DSV3_TP8)[0].name
+    split = [mst.parse_stage(n, 1) for n in names if "_sk1_" not in n]
+    assert {c.split_k for c in split} >= {2, 4, 8} and len(split) < len(names)
+    for c in split:
+        assert mtr.stage1_programs(DSV3_TP8, c.block_m, c.block_n) < 132
+        assert -(-DSV3_TP8.model_dim // c.block_k) // c.split_k >= mtr.STAGE1_SPLIT.min_k_steps
+    assert all("_sk1_" in n for n in tri.stage_candidates(MoeKey(1, 4096, 14336, 8, 2), CPU, 1))
+    assert all("_sk1_" in n for n in tri.stage_candidates(MoeKey(1024, 2048, 768, 128, 8), CPU, 1))
+    # stage 2's candidates, in their order, are the same without stage 1's splits
+    stage2 = tri.stage_candidates(DSV3_TP8, CPU, 2)
+    monkeypatch.setattr(mtr, "STAGE1_SPLIT", mtr.Stage1Split(max_split=1))
+    assert tri.stage_candidates(DSV3_TP8, CPU, 2) == stage2
+    assert all("_sk1_" in n for n in tri.stage_candidates(DSV3_TP8, CPU, 1))
+
+
 # ---- tuning ---------------------------------------------------------------------------------------
 FP32_KEY = MoeKey(6, 32, 24, 5, 2, dtype=torch.float32, q_dtype_a=torch.float32, q_dtype_w=torch.float32)
 FAST = TuneOptions(reps=7, screen_reps=5, min_gain=0.03, verify_range=False)

@@ -17,12 +17,21 @@ kernel writes act(A @ B_gate) * (A @ B_up). Rows of A: slot s reads A at
 Two ways to find a program's rows:
 - direct (few slots): the grid is (expert, N tiles, K splits); each program reads every slot's id
   and gathers the rows routed to its expert, chunk by chunk. No preparation kernel at all, which is
-  what decode needs; experts nobody routed to exit at once.
+  what decode needs; experts nobody routed to exit at once. With fewer slots than experts the first
+  grid axis runs over slots instead: program p takes slot p's expert unless an earlier slot has it, so
+  at decode the grid holds the experts hit rather than every expert.
 - sorted (many slots): moe_align.py sorts slots by expert into BLOCK_M-padded blocks on the device;
   the grid is (block, N tiles, K splits) and a block's padding rows (slot id == n_slots) are masked.
 
-Split-K (stage 2 only: the gated activation is not linear) writes fp32 partials C[split]; the combine
-kernel sums the splits and the topk columns: out[t] = sum_j w[t, j] * C[t * TK + j].
+Split-K: each split's fp32 partial sum is stored without the epilogue (the activation is not linear).
+Stage 2's splits go to C[split] and the combine kernel sums them with the topk columns:
+out[t] = sum_j w[t, j] * C[t * TK + j]. Stage 1's (gate and up halves) go to a scratch buffer, and the
+split of a tile that arrives last (an atomic counter per tile) sums them in split order and stores the
+epilogue, so stage 1 still leaves finished rows: the sum does not depend on arrival order, and no
+kernel is added. Decode with fine-grained experts has too few stage-1 programs to stream the weights
+at full bandwidth unless H is split. (Summing stage 1's partials in stage 2's A load instead would keep
+2 x split fp32 tiles per K step in flight, which the software pipeline multi-buffers in shared memory:
+over 200 KB at split 8.)
 """
 
 from __future__ import annotations
@@ -82,7 +91,7 @@ class MoeGemmConfig:
     def valid(self) -> bool:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.block_k, self.warps))
         return (pow2 and self.block_m >= 16 and self.block_n >= 16 and self.block_k >= 16 and self.split_k >= 1
-                and self.stages >= 1 and (self.stage == 2 or self.split_k == 1))  # fmt: skip
+                and self.stages >= 1 and self.stage in (1, 2))  # fmt: skip
 
     def fits(self, n_slots: int) -> bool:
         return not self.direct or n_slots <= DIRECT_MAX_SLOTS
@@ -223,12 +232,31 @@ if HAS_TRITON:
         return x
 
     @triton.jit
-    def _tile(a_ptr, b_ptr, c_ptr, w_ptr, slot, row_ok, e, pid_n, pid_k, N, K, TK, TOPK,
+    def _epilogue(acc, acc_up, w_ptr, slot, row_ok, TK, TOPK, stride_wt, stride_wj, GATED: tl.constexpr,
+                  ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr):  # fmt: skip
+        """act(gate) * up (or act(x) ungated), times each slot's routing weight with MUL_WEIGHT (shared
+        experts' columns, j >= TOPK, weigh 1)."""
+        if GATED:
+            acc = _act(acc, ACT) * acc_up
+        else:
+            acc = _act(acc, ACT)
+        if MUL_WEIGHT:
+            t = slot // TK
+            j = slot % TK
+            w = tl.load(w_ptr + t * stride_wt + j * stride_wj, mask=row_ok & (j < TOPK), other=1.0)
+            acc = acc * w.to(tl.float32)[:, None]
+        return acc
+
+    @triton.jit
+    def _tile(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, lock, slot, row_ok, e, pid_n, pid_k, N, K, TK, TOPK,
               stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn,
-              stride_wt, stride_wj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-              PREC: tl.constexpr):  # fmt: skip
-        """C[slot] = epilogue(A[slot] @ B[e][:, n tile]) for BLOCK_M slots of one expert."""
+              stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr, GATED: tl.constexpr,
+              ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+        """C[slot] = epilogue(A[slot] @ B[e][:, n tile]) for BLOCK_M slots of one expert. Split (SPLIT_K > 1)
+        without FIXUP: split pid_k's fp32 partial into C[pid_k], no epilogue. With FIXUP: the partial (gate,
+        then up at column N + n) into part[pid_k]; the split that arrives last at lock_ptr[lock] sums all
+        of them in split order, so the result does not depend on arrival order, and stores the epilogue."""
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -248,32 +276,53 @@ if HAS_TRITON:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=PREC)
             a_ptrs += SPLIT_K * BLOCK_K * stride_ak
             b_ptrs += SPLIT_K * BLOCK_K * stride_bk
-        if GATED:
-            acc = _act(acc, ACT) * acc_up
+        c_ptrs = c_ptr + slot64[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        mask = row_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            acc = _epilogue(acc, acc_up, w_ptr, slot, row_ok, TK, TOPK, stride_wt, stride_wj, GATED, ACT, MUL_WEIGHT)
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        elif not FIXUP:  # the combine kernel sums the splits
+            tl.store(c_ptrs + pid_k * stride_cs, acc, mask=mask)
         else:
-            acc = _act(acc, ACT)
-        if MUL_WEIGHT:
-            t = slot // TK
-            j = slot % TK
-            w = tl.load(w_ptr + t * stride_wt + j * stride_wj, mask=row_ok & (j < TOPK), other=1.0)
-            acc = acc * w.to(tl.float32)[:, None]
-        c_ptrs = c_ptr + pid_k * stride_cs + slot64[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+            p_ptrs = part_ptr + slot64[:, None] * stride_pm + offs_n[None, :]
+            tl.store(p_ptrs + pid_k * stride_ps, acc, mask=mask, cache_modifier=".cg")
+            if GATED:
+                tl.store(p_ptrs + pid_k * stride_ps + N, acc_up, mask=mask, cache_modifier=".cg")
+            tl.debug_barrier()  # every thread's partial is stored before one thread publishes the arrival
+            arrived = tl.atomic_add(lock_ptr + lock, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    acc += tl.load(p_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(p_ptrs + s * stride_ps + N, mask=mask, other=0.0, cache_modifier=".cg")
+                acc = _epilogue(acc, acc_up, w_ptr, slot, row_ok, TK, TOPK, stride_wt, stride_wj, GATED, ACT,
+                                MUL_WEIGHT)  # fmt: skip
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr + lock, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
 
     @triton.jit
-    def _moe_gemm_direct(a_ptr, b_ptr, c_ptr, w_ptr, ids_ptr, map_ptr, n_slots, N, K, TK, TOPK, num_routed,
-                         num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak, stride_be,
-                         stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt, stride_wj,
-                         SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                         MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-        e = tl.program_id(0)
+    def _moe_gemm_direct(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_slots, N, K, TK, TOPK,
+                         num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
+                         stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt, stride_wj,
+                         stride_ps, stride_pm, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BY_SLOT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                         FIXUP: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         PREC: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         slots = tl.arange(0, SLOTS)
         ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
                            num_local_routed, HAS_MAP)  # fmt: skip
-        hit = (ids == e).to(tl.int32)
+        if BY_SLOT:  # program p: slot p's expert, unless an earlier slot has it (then that slot's program does)
+            e = tl.sum(tl.where(slots == pid, ids, 0), axis=0)
+            earlier = tl.sum(((ids == e) & (slots < pid)).to(tl.int32), axis=0)
+            e = tl.where(earlier == 0, e, -1)
+        else:
+            e = pid
+        hit = ((ids == e) & (e >= 0)).to(tl.int32)
         count = tl.sum(hit, axis=0)
         rank = tl.cumsum(hit, axis=0) - 1
         # Gather this expert's slots BLOCK_M at a time: row r of a chunk is the slot whose rank is r.
@@ -281,25 +330,30 @@ if HAS_TRITON:
             r = r0 + tl.arange(0, BLOCK_M)
             match = (hit[None, :] > 0) & (rank[None, :] == r[:, None])
             slot = tl.sum(tl.where(match, slots[None, :], 0), axis=1)
-            _tile(a_ptr, b_ptr, c_ptr, w_ptr, slot, r < count, e, pid_n, pid_k, N, K, TK, TOPK, stride_at, stride_aj,
-                  stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt, stride_wj,
-                  BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
+            lock = (pid * tl.num_programs(1) + pid_n) * ((SLOTS + BLOCK_M - 1) // BLOCK_M) + r0 // BLOCK_M
+            _tile(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, lock, slot, r < count, e, pid_n, pid_k, N, K, TK,
+                  TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm,
+                  stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP,
+                  GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
 
     @triton.jit
-    def _moe_gemm_sorted(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, block_expert_ptr, n_slots, N, K, TK, TOPK,
-                         stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm,
-                         stride_cn, stride_wt, stride_wj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                         MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    def _moe_gemm_sorted(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, sorted_ptr, block_expert_ptr, n_slots, N, K,
+                         TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs,
+                         stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr,
+                         GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         PREC: tl.constexpr):  # fmt: skip
         blk = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         e = tl.load(block_expert_ptr + blk)
         if e >= 0:
             slot = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-            _tile(a_ptr, b_ptr, c_ptr, w_ptr, slot, slot < n_slots, e, pid_n, pid_k, N, K, TK, TOPK, stride_at,
-                  stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt,
-                  stride_wj, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
+            lock = blk * tl.num_programs(1) + pid_n
+            _tile(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, lock, slot, slot < n_slots, e, pid_n, pid_k, N, K,
+                  TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm,
+                  stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP,
+                  GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
 
     @triton.jit
     def _combine(c_ptr, w_ptr, ids_ptr, map_ptr, row_ptr, out_ptr, N, TK, TOPK, num_routed, num_local_routed,
@@ -354,38 +408,72 @@ class Routing:
         return self.topk_ids.shape[0] * self.tk
 
 
+class ArrivalCounters:
+    """The int32 counters a split stage 1's programs count their arrivals on (moe_gemm with FIXUP). They
+    are zero between calls (each tile's last split re-arms its own), so one set serves every call of a
+    runner, but not two of its calls running at once. Allocated on first use: a call before CUDA-graph
+    capture (the warm-up that compiles the kernels) allocates them outside the graph."""
+
+    def __init__(self) -> None:
+        self._counters: torch.Tensor | None = None
+
+    def get(self, n: int, device: torch.device) -> torch.Tensor:
+        c = self._counters
+        if c is None or c.numel() < n or c.device != device:
+            self._counters = c = torch.zeros(n, dtype=torch.int32, device=device)
+        return c
+
+
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b: torch.Tensor, c: torch.Tensor,
              routing: Routing, num_experts: int, gated: bool, activation: str = "none",
-             weights: torch.Tensor | None = None, sorted_blocks=None) -> None:  # fmt: skip
-    """Launch one stage into c ((split, S, N) or (S, N)); a is read through (stride_at, stride_aj, a.stride(-1))."""
+             weights: torch.Tensor | None = None, sorted_blocks=None,
+             counters: ArrivalCounters | None = None) -> None:  # fmt: skip
+    """Launch one stage into c; a is read through (stride_at, stride_aj, a.stride(-1)). c (split, S, N) of a
+    split config gets each split's fp32 partial without the epilogue (the combine sums them); c (S, N)
+    of a split config gets the finished rows: the splits' partials go to a scratch buffer and the last
+    split of each tile sums them and applies the epilogue (`counters` count the arrivals)."""
     n = b.shape[2] // 2 if gated else b.shape[2]
     k = b.shape[1]
+    fixup = cfg.split_k > 1 and c.dim() == 2
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
     w = weights if weights is not None else c3  # unused pointer when MUL_WEIGHT is off
     ws = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
-    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, GATED=gated,
-                  ACT=ACTS[activation], MUL_WEIGHT=weights is not None, PREC=_prec(a.dtype), num_warps=cfg.warps,
-                  num_stages=cfg.stages)  # fmt: skip
+    if cfg.split_k > 1 and not fixup and (weights is not None or activation != "none"):
+        raise ValueError("split partials summed by the combine take no activation or routing weights")
+    part = _empty((cfg.split_k, routing.n_slots, (2 if gated else 1) * n), c, torch.float32) if fixup else c3
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, FIXUP=fixup,
+                  GATED=gated, ACT=ACTS[activation], MUL_WEIGHT=weights is not None, PREC=_prec(a.dtype),
+                  num_warps=cfg.warps, num_stages=cfg.stages)  # fmt: skip
     strides = (*a_strides, a.stride(-1), b.stride(0), b.stride(1), b.stride(2), c3.stride(0), c3.stride(1),
-               c3.stride(2), *ws)  # fmt: skip
+               c3.stride(2), *ws, part.stride(0), part.stride(1))  # fmt: skip
     n_tiles = triton.cdiv(n, cfg.block_n)
     if cfg.direct:
         ids = routing.topk_ids
         emap = routing.expert_map if routing.expert_map is not None else ids
-        grid = (num_experts, n_tiles, cfg.split_k)
-        _moe_gemm_direct[grid](a, b, c3, w, ids, emap, routing.n_slots, n, k, routing.tk, routing.topk,
+        by_slot = routing.n_slots < num_experts  # a program per slot: the grid holds the experts hit, no more
+        slots_p2 = max(16, triton.next_power_of_2(routing.n_slots))
+        grid = (max(1, routing.n_slots) if by_slot else num_experts, n_tiles, cfg.split_k)
+        locks = _locks(counters, grid[0] * n_tiles * triton.cdiv(slots_p2, cfg.block_m), c) if fixup else c3
+        _moe_gemm_direct[grid](a, b, c3, w, part, locks, ids, emap, routing.n_slots, n, k, routing.tk, routing.topk,
                                routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1), *strides,
-                               SLOTS=max(16, triton.next_power_of_2(routing.n_slots)),
-                               HAS_MAP=routing.expert_map is not None, **common)  # fmt: skip
+                               SLOTS=slots_p2, HAS_MAP=routing.expert_map is not None, BY_SLOT=by_slot,
+                               **common)  # fmt: skip
     else:
         sorted_slots, block_expert = sorted_blocks
         grid = (block_expert.shape[0], n_tiles, cfg.split_k)
-        _moe_gemm_sorted[grid](a, b, c3, w, sorted_slots, block_expert, routing.n_slots, n, k, routing.tk,
-                               routing.topk, *strides, **common)  # fmt: skip
+        locks = _locks(counters, grid[0] * n_tiles, c) if fixup else c3
+        _moe_gemm_sorted[grid](a, b, c3, w, part, locks, sorted_slots, block_expert, routing.n_slots, n, k,
+                               routing.tk, routing.topk, *strides, **common)  # fmt: skip
+
+
+def _locks(counters: ArrivalCounters | None, n: int, like: torch.Tensor) -> torch.Tensor:
+    if counters is None:
+        raise ValueError("a split moe_gemm into finished rows needs ArrivalCounters")
+    return counters.get(n, like.device)
 
 
 def combine(c: torch.Tensor, routing: Routing, topk_weights: torch.Tensor | None, out: torch.Tensor,

@@ -5,7 +5,8 @@ doweight_stage1, shared experts).
 
 A solution is two stages, named apart as aiter's table names them (kernelName1 | kernelName2):
   stage 1  gate+up GEMM and the gated activation (times the routing weight with doweight_stage1),
-           into one intermediate row per slot (slot s = t * TK + j, kernels/fused_moe.py);
+           into one intermediate row per slot (slot s = t * TK + j, kernels/fused_moe.py); a Triton
+           stage 1 may split H (its last split of each tile finishes the rows), whatever stage 2 is;
   stage 2  down GEMM and the routing-weight combine into (T, H).
 A stage is a Triton config (kernels/fused_moe.py: `moe1_...` / `moe2_...`) or `grouped_mm`
 (torch._grouped_mm over the slots sorted by expert on the device). Any stage 1 runs with any
@@ -85,8 +86,10 @@ class Call:
     call's two stages."""
 
     def __init__(self, key: MoeKey, hidden, w1, w2, topk_weights, topk_ids, expert_map=None,
-                 triton_glue: bool | None = None, sort_plan: dict | None = None):  # fmt: skip
+                 triton_glue: bool | None = None, sort_plan: dict | None = None,
+                 counters: kmoe.ArrivalCounters | None = None):  # fmt: skip
         self.key, self.hidden, self.w1, self.w2, self.topk_weights = key, hidden, w1, w2, topk_weights
+        self.counters = counters  # the runner's: a split stage 1 counts its programs' arrivals there
         self.r = _routing(key, topk_ids, expert_map)
         # Triton kernels for what runs around torch._grouped_mm (the sort by expert, gated activation,
         # combine): they read the router's ids themselves, so the local-id tensor is never built
@@ -148,7 +151,7 @@ def _stage1(key: MoeKey, s1: Stage, call: Call) -> StageOut:
     h = kmoe._empty((r.n_slots, key.inter_dim), hidden)
     kmoe.moe_gemm(s1, hidden, (hidden.stride(0), 0), call.w1.transpose(1, 2), h, r, call.w1.shape[0], gated(key),
                   act_name(key.act_type), call.topk_weights if key.doweight_stage1 else None,
-                  None if s1.direct else call.blocks(s1.block_m))  # fmt: skip
+                  None if s1.direct else call.blocks(s1.block_m), call.counters)  # fmt: skip
     return StageOut(h)
 
 
@@ -182,9 +185,10 @@ def pair_runner(key: MoeKey, s1: Stage, s2: Stage, triton_glue: bool | None = No
 
     # launch constants of the Triton sort, fixed by the key (tokens, topk, experts)
     plan = moe_route.sort_plan(key.token * (key.topk + key.shared_expert), key.expert) if triton_installed() else None
+    counters = kmoe.ArrivalCounters()
 
     def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
-        call = Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map, triton_glue, plan)
+        call = Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map, triton_glue, plan, counters)
         return _stage2(key, s2, call, _stage1(key, s1, call))
 
     return run
@@ -195,7 +199,8 @@ def stage_runner(key: MoeKey, stage: int, s: Stage, triton_glue: bool | None = N
     (h (slots, I) in slot order, *inputs) -> (T, H). Each does its own routing work; triton_glue as
     pair_runner's."""
     if stage == 1:
-        return lambda *inputs: _stage1(key, s, Call(key, *inputs, triton_glue=triton_glue))
+        counters = kmoe.ArrivalCounters()
+        return lambda *inputs: _stage1(key, s, Call(key, *inputs, triton_glue=triton_glue, counters=counters))
     return lambda h, *inputs: _stage2(key, s, Call(key, *inputs, triton_glue=triton_glue), StageOut(h))
 
 

@@ -6,6 +6,7 @@ torch._grouped_mm GEMMs (the sort by expert, gated activation and combine: fmoe/
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,6 +17,50 @@ from ..base import Backend, Runner, Solution
 from .stages import GM, TRITON_DTYPES, Stage, grouped_mm_fits, pair_runner, parse_stage, stage_name, stage_runner
 
 
+@dataclass(frozen=True)
+class Stage1Split:
+    """When stage 1 splits H (its K). Fine-grained experts at decode give stage 1 few programs (experts
+    hit x I / BLOCK_N, e.g. 8 x 4 at E 256, I 256, T 1), each walking all of H: too few loads in flight to
+    stream the weights at full bandwidth. Splitting H multiplies the programs; the last split of each
+    tile sums the fp32 partials and finishes the rows (kernels/fused_moe.py). The untuned rule's
+    constants, all here (tune them on a GPU: benchmarks/bench_moe.py --part grid --ab-stage1-split)."""
+
+    max_waves: float = 2.0  # the default splits while stage 1's programs fit this many waves of SMs
+    min_k_steps: int = 4  # every split still walks at least this many BLOCK_K steps of H
+    max_split: int = 16
+    sweep_waves: float = 4.0  # the tuner's stage-1 candidates split up to this many waves
+
+
+STAGE1_SPLIT = Stage1Split()
+
+
+def _slots(key: MoeKey) -> int:
+    return key.token * (key.topk + key.shared_expert)
+
+
+def stage1_programs(key: MoeKey, block_m: int, block_n: int) -> int:
+    """Programs of an unsplit stage 1 that do work: experts hit (at most) x row blocks x N tiles."""
+    slots = _slots(key)
+    hit = max(1, min(key.expert, slots))
+    per_expert = -(-slots // hit)
+    return hit * max(1, -(-per_expert // block_m)) * -(-key.inter_dim // block_n)
+
+
+def stage1_splits(key: MoeKey, c1: kmoe.MoeGemmConfig, sms: int, waves: float) -> list[int]:
+    """Splits of H (powers of 2 > 1) for stage-1 config c1 whose programs fit `waves` waves of SMs and
+    whose every split walks >= min_k_steps BLOCK_K steps; none when c1 alone has as many programs as SMs."""
+    rule = STAGE1_SPLIT
+    programs = stage1_programs(key, c1.block_m, c1.block_n)
+    if programs >= sms:
+        return []
+    k_steps = -(-key.model_dim // c1.block_k)
+    out, split = [], 2
+    while split <= rule.max_split and programs * split <= waves * sms and k_steps // split >= rule.min_k_steps:
+        out.append(split)
+        split *= 2
+    return out
+
+
 def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]:
     """A reasonable (stage 1, stage 2) pair for an untuned key.
 
@@ -23,8 +68,9 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     default against transformers' grouped_mm / batched_mm, and the tuner's winners at the points where it
     lost (benchmarks/results/h100/fused_moe_op/): with many slots per expert (coarse experts, T ~ 64) a
     taller stage-1 tile and a split stage 2; with fewer stage-1 programs than SMs (fine-grained experts
-    at T = 1) a shorter K step with a deeper pipeline, and a wide, short-K stage 2 where I is small."""
-    slots = key.token * (key.topk + key.shared_expert)
+    at T = 1) a shorter K step with a deeper pipeline, and a wide, short-K stage 2 where I is small.
+    Direct-mode keys with fewer stage-1 programs than SMs split stage 1 over H (STAGE1_SPLIT)."""
+    slots = _slots(key)
     hit = max(1, min(key.expert, slots))
     per_expert = slots / hit
     direct = slots <= 128
@@ -40,6 +86,8 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     if few_programs:
         bk1, stages1 = 64, 4
     c1 = kmoe.MoeGemmConfig(1, direct, bm1, bn1, bk1, 1, 4 if bm1 < 128 else 8, stages1)
+    if direct:
+        c1 = replace(c1, split_k=max(stage1_splits(key, c1, sms, STAGE1_SPLIT.max_waves), default=1))
     n_tiles = -(-key.model_dim // 64)
     programs = hit * n_tiles * max(1, -(-slots // hit // bm))
     sk = 1
@@ -54,10 +102,11 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     return c1, c2
 
 
-def sweep_configs(key: MoeKey) -> list[tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]]:
-    """Candidate (stage 1, stage 2) pairs worth timing for `key` (the heuristic first)."""
-    slots = key.token * (key.topk + key.shared_expert)
-    out = [heuristic_configs(key)]
+def sweep_configs(key: MoeKey, sms: int = 132) -> list[tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]]:
+    """Candidate (stage 1, stage 2) pairs worth timing for `key` (the heuristic first); stage 1 split over
+    H where it has fewer programs than SMs (stage1_splits)."""
+    slots = _slots(key)
+    out = [heuristic_configs(key, sms)]
     modes = [True, False] if slots <= kmoe.DIRECT_MAX_SLOTS else [False]
     for direct in modes:
         for bm in (16, 32, 64, 128):
@@ -66,15 +115,18 @@ def sweep_configs(key: MoeKey) -> list[tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmCon
             for bn, bk, w, s in ((64, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (128, 64, 8, 3)):
                 if bm == 128 and w == 4 and bn == 128:
                     continue
-                for sk in (1, 2, 4) if bm <= 32 else (1,):
-                    pair = (kmoe.MoeGemmConfig(1, direct, bm, bn, bk, 1, w, s),
-                            kmoe.MoeGemmConfig(2, direct, bm, bn, bk, sk, w, s))  # fmt: skip
-                    if pair not in out:
-                        out.append(pair)
-    # Nearest the heuristic first (block_m, then mode), so a short sweep tries the likely winners.
+                c1 = kmoe.MoeGemmConfig(1, direct, bm, bn, bk, 1, w, s)
+                for sk1 in (1, *stage1_splits(key, c1, sms, STAGE1_SPLIT.sweep_waves)):
+                    for sk in (1, 2, 4) if bm <= 32 else (1,):
+                        pair = (replace(c1, split_k=sk1), kmoe.MoeGemmConfig(2, direct, bm, bn, bk, sk, w, s))
+                        if pair not in out:
+                            out.append(pair)
+    # Nearest the heuristic first (block_m, then mode, then stage 1's split), so a short sweep tries the
+    # likely winners.
     h1 = out[0][0]
     rest = sorted(out[1:], key=lambda p: (abs(p[0].block_m.bit_length() - h1.block_m.bit_length()),
-                                          p[0].direct != h1.direct))  # fmt: skip
+                                          p[0].direct != h1.direct,
+                                          abs(p[0].split_k.bit_length() - h1.split_k.bit_length())))  # fmt: skip
     return out[:1] + rest
 
 
