@@ -1,0 +1,55 @@
+"""Is eager prefill host-bound? For stock, optimize() and optimize(quantize="fp8") of a 4-layer model
+(random weights, 1x2048): the host time to issue one forward (no sync inside) against its wall time,
+then torch.profiler's host-side table of the fp8 model's forwards.
+
+    python benchmarks/experiments/exp_host_overhead.py llama-3-8b
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gemmtune.models import optimize
+from gemmtune.profiling.build import build_model
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
+    dev = torch.device("cuda")
+    stock, _ = build_model(name, 4, dev, torch.bfloat16, 0)
+    opt = copy.deepcopy(stock)
+    optimize(opt)
+    q = copy.deepcopy(stock)
+    optimize(q, quantize="fp8")
+    ids = torch.randint(0, stock.config.vocab_size, (1, 2048), device=dev)
+    for label, m in (("stock", stock), ("optimize", opt), ("quantize=fp8", q)):
+        host, wall = [], []
+        with torch.no_grad():
+            for _ in range(3):
+                m(input_ids=ids, use_cache=False, logits_to_keep=1)
+            for _ in range(7):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                m(input_ids=ids, use_cache=False, logits_to_keep=1)
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                host.append(t1 - t0)
+                wall.append(time.perf_counter() - t0)
+        print(
+            f"{label}: host issue {statistics.median(host) * 1e3:.2f} ms, wall {statistics.median(wall) * 1e3:.2f} ms"
+        )
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            q(input_ids=ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
