@@ -50,6 +50,11 @@ def make_case(case, device):
         ids[:, 1:] = torch.arange(topk - 1).expand(T, topk - 1)
     elif routing == "low":
         ids = torch.stack([torch.randperm(topk + 1, generator=g)[:topk] for _ in range(T)])
+    elif routing == "rep":  # tokens share experts on purpose: topk + 1 experts drawn from all, each hit ~T times
+        pool = torch.randperm(n_routed, generator=g)[: topk + 1]
+        ids = torch.stack([pool[(t + torch.randperm(topk, generator=g)) % (topk + 1)] for t in range(T)])
+    elif routing == "spread":  # no expert hit twice (needs T * topk <= E): token t takes its own topk experts
+        ids = torch.randperm(n_routed, generator=g)[: T * topk].view(T, topk)
     expert_map = None
     if extra == "ep":  # this rank holds global experts 2, 5, 7 as local 0, 1, 2
         expert_map = torch.full((8,), -1, dtype=torch.int32)

@@ -10,7 +10,9 @@ last expert's group, which torch._grouped_mm leaves unwritten, are made NaN too.
 (the last split of each tile sums the fp32 partials in split order and finishes the rows) runs the
 same kinds of cases at decode sizes, with splits that leave a split no K step, with a Triton or GM
 stage 2, twice (the arrival counters re-arm: the second call is bit-identical), and alone against the
-stage-1 reference as the tuner checks it.
+stage-1 reference as the tuner checks it. The direct grid over slots (fewer slots than experts) runs
+with experts hit by several slots (tokens sharing experts, up to two BLOCK_M chunks of one expert) and
+with no expert hit twice, split and unsplit.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from tiers import tiered
 
 # (dtype, T, H, I, E, topk, routing, direct, bm, split_k, extra)
 # routing: "random" (softmax top-k of random logits), "one" (every token on expert E-1), "low" (ids
-# only among the first topk+1 experts: the others receive nothing). extra: "", "ungated", "doweight",
-# "ep" (8 global experts, this rank holds E of them), "shared" (1 shared expert), "badid".
+# only among the first topk+1 experts: the others receive nothing), "rep" (topk+1 experts drawn from all
+# E, every token takes topk of them: each is hit by ~T slots), "spread" (no expert hit twice). extra: "",
+# "ungated", "doweight", "ep" (8 global experts, this rank holds E of them), "shared" (1 shared expert), "badid".
 INTERP_CASES = [
     ("fp32", 7, 40, 36, 5, 2, "random", True, 16, 1, ""),
     ("fp32", 7, 40, 36, 5, 2, "random", False, 16, 2, ""),
@@ -88,6 +91,24 @@ SPLIT1_CASES = [
     (("fp32", 5, 72, 36, 9, 8, "random", False, 16, 1, ""), "sk4", "gm"),
 ]
 ALONE_CASES = SPLIT1_CASES[:5] + SPLIT1_CASES[5:10:2]  # stage 1 alone: both modes, doweight, ungated, ep
+# The direct grid over slots (fewer slots than experts): program p takes slot p's expert unless an earlier
+# slot has it. Experts hit by several slots ("rep"; T = 40 at topk 1 puts ~20 slots on each of 2 experts:
+# two BLOCK_M chunks of one program) and no expert hit twice ("spread"), stage 1 unsplit and split 2 / 3
+# (H = 73: split 3 leaves no split idle, each walks one BLOCK_K step; split 4 leaves one none).
+SLOT_GRID_CASES = [
+    *((("fp32", 4, 73, 37, 40, 8, "rep", True, 16, 1, ""), s1, "tri") for s1 in ("tri", "sk2", "sk3")),
+    (("fp16", 3, 73, 37, 32, 6, "rep", True, 16, 2, ""), "sk2", "tri"),
+    (("fp32", 5, 73, 37, 32, 4, "rep", True, 16, 1, "doweight"), "sk3", "tri"),
+    (("fp32", 5, 73, 37, 32, 4, "rep", True, 16, 1, "shared"), "sk2", "tri"),  # the shared expert: every token
+    (("fp32", 4, 73, 37, 33, 5, "rep", True, 16, 1, "ungated"), "sk4", "tri"),
+    (("fp32", 40, 73, 37, 48, 1, "rep", True, 16, 1, ""), "tri", "tri"),
+    (("fp32", 40, 73, 37, 48, 1, "rep", True, 16, 1, ""), "sk2", "tri"),
+    (("fp32", 4, 73, 37, 40, 8, "spread", True, 16, 1, ""), "tri", "tri"),
+    (("fp32", 4, 73, 37, 40, 8, "spread", True, 16, 1, ""), "sk2", "tri"),
+    (("fp16", 2, 73, 37, 64, 8, "spread", True, 16, 2, ""), "sk3", "tri"),
+    (("fp32", 4, 72, 36, 40, 8, "rep", True, 16, 1, ""), "sk2", "gm"),
+]
+SLOT_GRID_ALONE = [SLOT_GRID_CASES[1], SLOT_GRID_CASES[8], SLOT_GRID_CASES[10]]
 GPU_MIX_CASES = [
     (GPU_CASES[2], "tri", "gm"),
     (GPU_CASES[3], "gm", "tri"),
@@ -158,14 +179,20 @@ def run_stage1_alone(case, s1: str, device="cpu") -> dict:
 def _interp_main() -> None:
     for case in INTERP_CASES:
         print(json.dumps({"case": list(case), **run_case(case)}), flush=True)
-    for case, s1, s2 in MIX_CASES + SPLIT1_CASES:
+    for case, s1, s2 in MIX_CASES + SPLIT1_CASES + SLOT_GRID_CASES:
         print(json.dumps({"case": [*case, s1, s2], **run_case(case, "cpu", s1, s2)}), flush=True)
-    for case, s1, _ in ALONE_CASES:
+    for case, s1, _ in ALONE_CASES + SLOT_GRID_ALONE:
         print(json.dumps({"case": [*case, s1, "alone"], **run_stage1_alone(case, s1)}), flush=True)
 
 
 @pytest.fixture(scope="module")
 def interp_results():
+    """The interpreter run of every CPU case (a subprocess: TRITON_INTERPRET must be set before triton is
+    imported). On a GPU the tests run their cases there in-process instead, so no interpreter run: it
+    would only cost time, and Triton 3.6's interpreter cannot run these kernels under numpy >= 2.4 (a
+    program id or reduced scalar as a range bound: int() of a 1-element array raises)."""
+    if torch.cuda.is_available():
+        return {}
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True,
@@ -223,7 +250,23 @@ def test_interpreter_split_stage1_matches_fp32_reference(mix, interp_results):
     assert r["repeat_equal"]
 
 
-@pytest.mark.parametrize("mix", ALONE_CASES, ids=lambda m: f"{m[1]}-{_case_id(m[0])}")
+@pytest.mark.parametrize("mix", SLOT_GRID_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+def test_interpreter_slot_grid_matches_fp32_reference(mix, interp_results):
+    from gemmtune.kernels.fused_moe import DIRECT_MAX_SLOTS
+
+    case, s1, s2 = mix
+    key, inputs = make_case(case, "cpu")
+    ids = inputs[4]
+    slots = ids.numel() + key.token * key.shared_expert
+    assert slots < key.expert and slots <= DIRECT_MAX_SLOTS  # the grid runs over slots
+    hits = torch.bincount(ids.flatten(), minlength=key.expert)
+    assert (hits.max() > 1) == (case[6] == "rep")  # "rep": experts hit by several slots; "spread": none
+    r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
+    _check(case, r)
+    assert r["repeat_equal"] in (None, True)
+
+
+@pytest.mark.parametrize("mix", ALONE_CASES + SLOT_GRID_ALONE, ids=lambda m: f"{m[1]}-{_case_id(m[0])}")
 def test_interpreter_split_stage1_alone_matches_stage_reference(mix, interp_results):
     case, s1, _ = mix
     r = run_stage1_alone(case, s1, "cuda") if torch.cuda.is_available() else interp_results[(*case, s1, "alone")]
@@ -261,6 +304,44 @@ def test_gpu_split_stage1_matches_fp32_reference(mix, gpu):
     r = run_case(case, "cuda", s1, s2)
     _check(case, r)
     assert r["repeat_equal"]
+
+
+# The untuned default at DeepSeek-V3-like decode (E 256, top-8, I 256, H 7168) as benchmarks/bench_moe.py
+# --part grid --ab-stage1-split runs it: on an H100 stage 1 splits over H (8 ways at T 1, 2 at T 4) on the
+# direct grid over slots (32 slots < 256 experts at T 4, tokens sharing experts or not), beside its
+# unsplit twin. Outputs start NaN; the second call must be bit-identical (arrival counters re-armed).
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,routing", [(1, "random"), (4, "random"), (4, "rep"), (4, "spread"), (2, "rep")])
+def test_gpu_default_split_stage1_at_decode(T, routing, gpu):
+    from dataclasses import replace
+
+    from gemmtune import backends
+    from gemmtune.backends.fmoe.stages import pair_runner, parse_stage
+    from gemmtune.families import fmoe
+
+    H, inter, E, topk, dt = 7168, 256, 256, 8, torch.bfloat16
+    key = fmoe.MoeKey(T, H, inter, E, topk, dtype=dt, q_dtype_a=dt, q_dtype_w=dt)
+    g = torch.Generator(device=gpu).manual_seed(T * 10 + len(routing))
+    w1 = (torch.randn(E, 2 * inter, H, device=gpu, generator=g) / H**0.5).to(dt)
+    w2 = (torch.randn(E, H, inter, device=gpu, generator=g) / inter**0.5).to(dt)
+    x = torch.randn(T, H, device=gpu, generator=g).to(dt)
+    tw, ids = fmoe.route(torch.randn(T, E, device=gpu, generator=g), topk)
+    if routing == "rep":  # as moe_cases "rep": topk + 1 experts, every token takes topk of them
+        pool = torch.randperm(E, device=gpu, generator=g)[: topk + 1]
+        ids = torch.stack([pool[(t + torch.arange(topk, device=gpu)) % (topk + 1)] for t in range(T)])
+    elif routing == "spread":
+        ids = torch.randperm(E, device=gpu, generator=g)[: T * topk].view(T, topk)
+    inputs = (x, w1, w2, tw, ids, None)
+    ref = fmoe.FAMILY.reference(key, inputs)
+    backend, sol = backends.default("fmoe", key, gpu)
+    s1, s2 = (parse_stage(n, i + 1) for i, n in enumerate(fmoe.split_name(sol.kernel_name)))
+    for c1 in dict.fromkeys([s1, replace(s1, split_k=1)]):
+        run = pair_runner(key, c1, s2)
+        with nan_buffers():
+            y, y2 = run(*inputs), run(*inputs)
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert not torch.isnan(y).any() and err < _tol("bf16"), (c1.name, s2.name, err)
+        assert torch.equal(y, y2), (c1.name, "second call differs")
 
 
 @pytest.mark.gpu
