@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import pathlib
 import sys
 import textwrap
 
@@ -548,19 +547,3 @@ def test_a_gemm_custom_op_without_readable_shapes_gives_way_to_the_gemm_inside()
     outer = Node("gemmtune::fused_moe", 0, 1, 0, 0, ((8, 64),), ("float",))
     assert _outer_gemm([inner, outer]) is inner  # innermost first, as launch chains are
     assert _outer_gemm([outer]) is outer  # nothing readable: still attributed to the GEMM op
-
-
-def test_a_sliced_model_keeps_its_share_of_dense_layers():
-    from gemmtune.profiling.build import sliced_dense_layers
-
-    assert sliced_dense_layers(3, 4, 61) == 1  # DeepSeek-V3: 3 of 61 dense; cut plainly, 3 of 4 would be
-    assert sliced_dense_layers(3, 30, 61) == 1 and sliced_dense_layers(3, 40, 61) == 2
-    assert sliced_dense_layers(3, 61, 61) == 3 and sliced_dense_layers(None, 4, 61) is None
-    assert sliced_dense_layers(2, 2, 3) == 1 and sliced_dense_layers(0, 2, 3) == 0
-    cfg = json.loads((pathlib.Path(__file__).parent / "data/models/tiny-moe/deepseek-v3.json").read_text())
-    model, desc = build_model({**cfg, "num_hidden_layers": 12, "first_k_dense_replace": 3}, layers=4)
-    assert model.config.first_k_dense_replace == 1 and "the first 1 dense (the model's share: 3 of 12)" in desc
-    sparse = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
-    assert sparse == [False, True, True, True]
-    _, desc = build_model(cfg, layers=3)  # the whole model: as it is
-    assert "dense (the model's share" not in desc

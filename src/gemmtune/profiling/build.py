@@ -21,23 +21,10 @@ def architecture(model: str | dict, layers: int | None = None) -> tuple[dict, st
     if layers is not None:
         if layers < 1:
             raise ValueError(f"layers must be >= 1, got {layers}")
-        total = cfg.get("num_hidden_layers") or layers
         cfg["num_hidden_layers"] = layers
         if isinstance(cfg.get("layer_types"), list):  # per-layer attention kinds (Gemma 2/3, Qwen 3 ...)
             cfg["layer_types"] = cfg["layer_types"][:layers]
-        cfg["first_k_dense_replace"] = sliced_dense_layers(cfg.get("first_k_dense_replace"), layers, total)
-        if cfg["first_k_dense_replace"] is None:
-            del cfg["first_k_dense_replace"]
     return cfg, source
-
-
-def sliced_dense_layers(dense: int | None, layers: int, total: int) -> int | None:
-    """How many of a `layers`-layer slice are dense, for a model whose first `dense` of `total` layers
-    are (first_k_dense_replace): the model's share, and at least one. Cut plainly, the first 4 of
-    DeepSeek-V3's 61 layers are 3 dense and 1 MoE, while 58 of its 61 are MoE."""
-    if not dense or layers >= total:
-        return dense
-    return min(layers, max(1, round(dense * layers / total)))
 
 
 def build_model(
@@ -73,8 +60,4 @@ def build_model(
     n_params = sum(p.numel() for p in net.parameters())
     desc = (f"{source}: {mt}, {config.num_hidden_layers} layers, {n_params / 1e9:.2f} B parameters, "
             f"random weights, {str(dtype).replace('torch.', '')}")  # fmt: skip
-    whole, _ = architecture(model)
-    if whole.get("first_k_dense_replace") != cfg.get("first_k_dense_replace"):
-        desc += (f", the first {cfg['first_k_dense_replace']} dense (the model's share: "
-                 f"{whole['first_k_dense_replace']} of {whole.get('num_hidden_layers')})")  # fmt: skip
     return net, desc
