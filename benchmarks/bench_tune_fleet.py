@@ -41,7 +41,9 @@ def merged_shapes(models: list[str], nsets: str, out: str) -> str:
     path = os.path.join(out, "shapes.csv")
     header, seen = None, {}
     for model in models:
-        part = os.path.join(out, f"shapes.{model}.csv")
+        # a config path names its file by its folder and stem: "models/x/config.json" -> "x_config"
+        stem = "_".join(os.path.normpath(os.path.splitext(model)[0]).split(os.sep)[-2:])
+        part = os.path.join(out, f"shapes.{stem}.csv")
         subprocess.run([sys.executable, "-m", "gemmtune.cli.main", "shapes", "--model", model, "--nsets", nsets,
                         "-o", part], check=True)  # fmt: skip
         with open(part, newline="") as fh:
