@@ -216,9 +216,9 @@ def _launch_act(gu, act: str, qdtype, scaling):
         whole = triton.next_power_of_2(max(inter, 16))
         one_pass = whole <= ONE_PASS_MAX
         block = whole if one_pass else min(4096, whole)
-        warps = 4 if block <= 2048 else min(32, block // 512)  # one pass: 16-32 values a thread
+        warps = 4 if block <= 2048 else min(32, block // 512)  # 16 values a thread (32 at 32768 wide)
         _act_mul_quant_token_kernel[(m,)](rows2d, q, s, inter, rows2d.stride(0), BLOCK=block, ONE_PASS=one_pass,
-                                         num_warps=warps if one_pass else min(warps, 8), **common)  # fmt: skip
+                                         num_warps=warps, **common)  # fmt: skip
     else:
         groups = s.shape[1]
         per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program

@@ -217,13 +217,9 @@ def reference_linears(model: nn.Module, matmul_dtype: torch.dtype | None = None)
     mods = [m for m in model.modules() if _STATE in m.__dict__]
     saved = [m.__dict__.get("forward") for m in mods]
     feeds = model.__dict__.get(FEEDS)
+    fwd = reference_forward if matmul_dtype is None else functools.partial(reference_forward, matmul_dtype=matmul_dtype)
     with feeds.paused() if feeds is not None else contextlib.nullcontext():
         for m in mods:
-            fwd = (
-                reference_forward
-                if matmul_dtype is None
-                else functools.partial(reference_forward, matmul_dtype=matmul_dtype)
-            )
             m.forward = types.MethodType(fwd, m)
         try:
             yield

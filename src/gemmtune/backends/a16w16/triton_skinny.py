@@ -28,7 +28,7 @@ from ...kernels.skinny import REDUCE_FIXUP, REDUCE_NONE, SkinnyConfig
 from ...keys import GemmKey
 from ..base import Backend, Runner, Solution, stable_solidx
 from ..lib.skinny import MAX_ROWS, Shape, device_limits, smem_bytes, tile_config, tile_configs
-from ..lib.triton_tiles import compile_in_workers
+from ..lib.triton_tiles import compile_in_workers, distinct_items
 
 MAX_TUNE_M = 32  # candidates are offered up to here (measured: skinny lost most shapes at M=64)
 IN_DTYPES = (torch.float16, torch.bfloat16)
@@ -135,9 +135,7 @@ def _make_runner(cfg: SkinnyConfig, key: GemmKey, device: torch.device) -> Runne
     return run
 
 
-def compile_items(jobs: list[tuple[Solution, GemmKey]]) -> list[tuple[str, GemmKey]]:
-    """The distinct (kernel name, key) pairs of the (solution, key) jobs: each is built and run once."""
-    return list(dict.fromkeys((sol.kernel_name, key) for sol, key in jobs))
+compile_items = distinct_items  # each (kernel name, key) is built and run once
 
 
 def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8,

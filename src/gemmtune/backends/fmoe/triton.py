@@ -51,7 +51,7 @@ def stage1_splits(key: MoeKey, c1: kmoe.MoeGemmConfig, sms: int, waves: float) -
     whose every split walks >= min_k_steps BLOCK_K steps; none when c1 alone has as many programs as SMs."""
     rule = STAGE1_SPLIT
     programs = stage1_programs(key, c1.block_m, c1.block_n)
-    if programs >= sms or _slots(key) > kmoe.SPLIT1_MAX_SLOTS:  # see SPLIT1_MAX_SLOTS
+    if programs >= sms or not replace(c1, split_k=2).fits(_slots(key)):  # a split where it may run at all
         return []
     k_steps = -(-key.model_dim // c1.block_k)
     out, split = [], 2

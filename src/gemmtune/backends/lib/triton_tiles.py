@@ -237,6 +237,12 @@ def compile_stand_in(key):
     return key._replace(N=twin(key.N)) if hasattr(key, "_replace") and hasattr(key, "N") else key
 
 
+def distinct_items(jobs: list[tuple[Solution, tuple]]) -> list[tuple[str, tuple]]:
+    """The distinct (kernel name, key) pairs of (solution, key) jobs, for backends whose runner compiles
+    per key (the skinny kernels): each is built and run once."""
+    return list(dict.fromkeys((sol.kernel_name, key) for sol, key in jobs))
+
+
 class CompileItem(NamedTuple):
     """One kernel to compile ahead: its name, the key it is built for, and the backend class that builds it."""
 

@@ -23,7 +23,7 @@ from ...kernels._common import pdl_enabled
 from ..base import Backend, Runner, Solution, stable_solidx
 from ..lib.quant_support import OUT_DTYPES, tensor_core_fp8
 from ..lib.skinny import DOT_TILES, GEMV_TILES, MAX_ROWS, Shape, device_limits, smem_bytes, tile_config, tile_configs
-from ..lib.triton_tiles import compile_in_workers
+from ..lib.triton_tiles import compile_in_workers, distinct_items
 from .pytorch import NATIVE, TorchA8W8Backend
 from .triton_tg import standins
 
@@ -147,9 +147,7 @@ class SkinnyA8W8Backend(Backend):
         self.warmup(cfg, key, device)
         return run
 
-    def compile_items(self, jobs: list) -> list[tuple[str, tuple]]:
-        """The distinct (kernel name, key) pairs of the (solution, key) jobs: building each runner compiles it."""
-        return list(dict.fromkeys((sol.kernel_name, key) for sol, key in jobs))
+    compile_items = staticmethod(distinct_items)  # building each (kernel name, key)'s runner compiles it
 
     def precompile(self, jobs: list, device: torch.device, workers: int = 8, share: tuple[int, int] = (0, 1)) -> list:
         """Compile every (config, key) in `workers` processes; they fill Triton's on-disk cache, so the
