@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from gemmtune.cli.main import cli
 from gemmtune.configs.table import read_table_file
 from gemmtune.errors import ConfigError
-from gemmtune.tuner.distributed import deal, host_share, launched_by_torchrun
+from gemmtune.tuner.distributed import Claims, by_cost, host_share, launched_by_torchrun, make_plan
 from gemmtune.tuner.runner import PLUGINS_ENV, tune_file
 from gemmtune.tuner.search import TuneOptions
 
@@ -111,11 +111,37 @@ def test_launched_by_torchrun_needs_all_its_variables():
     assert not launched_by_torchrun({**env, "MASTER_PORT": ""}) and not launched_by_torchrun({})
 
 
-def test_deal_balances_expected_cost_and_keeps_list_order():
+def test_keys_are_claimed_most_expensive_first_each_by_one_rank_as_it_frees_up():
     costs = {"a": 8.0, "b": 1.0, "c": 4.0, "d": 4.0, "e": 1.0}
-    shares = deal(list(costs), costs, [0, 1])
-    assert shares == {0: ["a", "b"], 1: ["c", "d", "e"]}  # loads 9 and 9
-    assert deal(["a"], costs, [0, 3]) == {0: ["a"], 3: []}
+    order = by_cost(list(costs), costs)
+    assert order == ["a", "c", "d", "b", "e"]  # ties keep the list's order
+    store = dist.HashStore()
+    slow, fast = Claims(order, store, "kind0"), Claims(order, store, "kind0")
+    assert len(slow) == len(fast) == 5
+    slow_keys, fast_iter = [], iter(fast)
+    fast_keys = [next(fast_iter)]  # "a": the fast rank starts first
+    for k in slow:  # the slow rank takes one key while the fast one takes two
+        slow_keys.append(k)
+        fast_keys += [k2 for _, k2 in zip(range(2), fast_iter)]
+    assert fast_keys == ["a", "d", "b"] and slow_keys == ["c", "e"]
+    assert list(Claims(order, store, "kind0")) == []  # all claimed: a late rank gets nothing
+    assert list(Claims(order, store, "kind1")) == order  # another GPU kind has its own counter
+
+
+def test_a_plan_lists_each_kinds_keys_once_for_its_ranks(tmp_path):
+    from gemmtune.device import DeviceIdentity
+    from gemmtune.families import get
+    from gemmtune.keys import GemmKey
+
+    fam = get("a16w16")
+    keys = [GemmKey(m, 4096, 4096) for m in (1, 512, 8)]
+    h100, mi300 = DeviceIdentity("sm90", 132), DeviceIdentity("gfx942", 304)
+    plan = make_plan(fam, keys, [h100, mi300, h100], str(tmp_path / "none.csv"), False)
+    assert plan.kind_of == {0: 0, 1: 1, 2: 0} and plan.shares[0] == plan.shares[2] == plan.shares[1]
+    assert plan.shares[0][0] == keys[1]  # M=512, the most expensive, first
+    assert sorted(plan.everything(), key=str) == sorted(keys * 2, key=str)  # each key once per kind
+    store = dist.HashStore()
+    assert plan.claims(0, store).counter == plan.claims(2, store).counter != plan.claims(1, store).counter
 
 
 def test_a_hosts_ranks_split_its_compiles_and_list_the_same_keys():
@@ -124,22 +150,22 @@ def test_a_hosts_ranks_split_its_compiles_and_list_the_same_keys():
     assert host_share(shares, hosts, 0) == (["a", "b", "d"], (0, 2))
     assert host_share(shares, hosts, 2) == (["a", "b", "d"], (1, 2))  # the same list, the other half
     assert host_share(shares, hosts, 3) == (["c"], (1, 2))  # a rank without keys still compiles its part
+    same_kind = {0: ["a", "b"], 1: ["a", "b"]}  # two ranks claiming from one list
+    assert host_share(same_kind, ["h1", "h1"], 1) == (["a", "b"], (1, 2))
 
 
-def test_each_kernel_is_compiled_by_one_process_of_one_rank():
+def test_each_item_is_compiled_by_one_process_of_one_rank_and_every_process_gets_a_mix():
     from gemmtune.backends.lib.triton_tiles import compile_plan
 
     items = [(name, (m,)) for m in (1, 16, 128) for name in ("k1", "k2", "k3", "k4", "k5")] + [("k1", (7,))]
     parts = [compile_plan(items, 2, (i, 2)) for i in range(2)]
     chunks = [c for part in parts for c in part]
     assert sorted(it for c in chunks for it in c) == sorted(items)  # every item once, over both ranks
-    where = {}
-    for i, c in enumerate(chunks):
-        for name, _ in c:
-            where.setdefault(name, set()).add(i)
-    assert all(len(w) == 1 for w in where.values())  # a name's items stay in one process
-    assert [sorted(map(len, p)) for p in parts] == [[4, 6], [3, 3]]  # k1 | k3,k5 on rank 0; k2 | k4 on 1
-    assert compile_plan([], 4) == [] and len(compile_plan(items, 16)) == 5  # no idle processes
+    assert [sorted(map(len, p)) for p in parts] == [[4, 4], [4, 4]]  # balanced over ranks and processes
+    # a config's items are spread: one process walking k1's items for every key was the critical path
+    assert all(len({name for name, _ in c}) > 1 for c in chunks)
+    assert compile_plan([], 4) == [] and len(compile_plan(items, 32)) == 16  # no idle processes
+    assert compile_plan(items, 3) == compile_plan(list(reversed(items)), 3)  # every rank lists the same plan
 
 
 def test_two_ranks_write_the_table_one_process_writes(tmp_path):

@@ -160,6 +160,34 @@ def test_supports_and_default():
         assert be.solution_from_row(sol.solidx, sol.kernel_name, sol.splitk) == sol
 
 
+def _binary_of(cfg, key) -> tuple:
+    """What Triton compiles a launch of `cfg` on `key` into: the plan's constexprs, the key's dtypes and
+    bias, and the ==1 / %16 facts of every int argument (M, N, K, iterations per split, the strides)."""
+    from gemmtune.kernels import skinny as ks
+
+    plan = ks.make_plan(cfg, key.M, key.N, key.K, key.dtype)
+    facts = tuple((v == 1, v % 16 == 0) for v in (key.M, key.N, key.K, plan.iters_per_split))
+    return tuple(sorted(plan.constexprs.items())), plan.split > 1, facts, key.dtype, key.outdtype, key.bias
+
+
+def test_precompile_items_keep_one_key_per_binary_and_never_merge_two_binaries():
+    from gemmtune.backends.a16w16.triton_skinny import SkinnyBackend, compile_items
+    from gemmtune.kernels.skinny import SkinnyConfig
+
+    names = ["skinny_dot_bn64_bk256_sk4_w4_s4_fx", "skinny_dot_bn32_bk256_sk1_w4_s3", "skinny_gemv_bn8_bk512_sk1_w4_s1",
+             "skinny_dot_bn16_bk512_sk8_w4_s3_rk"]  # fmt: skip
+    sizes = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (77, 203), (128256, 4096))
+    keys = [GemmKey(m, n, k, bias=b) for m in (1, 2, 3, 4, 8, 16, 32) for n, k in sizes for b in (False, True)]
+    be = SkinnyBackend()
+    jobs = [(be.solution_from_row(0, name, 0), key) for name in names for key in keys]
+    items = compile_items(jobs)
+    binary = {(s.kernel_name, key): _binary_of(SkinnyConfig.parse(s.kernel_name), key) for s, key in jobs}
+    kept = {(name, binary[name, key]) for name, key in items}
+    assert len(kept) == len(items)  # no two items build one binary
+    assert kept == {(name, binary[name, key]) for name, key in binary}  # every binary of the jobs is built
+    assert len(items) < len(jobs) / 3
+
+
 def test_bad_operands_raise_value_error():
     from gemmtune.kernels.skinny import skinny_gemm
 

@@ -221,8 +221,10 @@ def one_pool(monkeypatch):
 
     pools = []
 
-    def run_pool(chunks, device):
+    def run_pool(chunks, device, seconds=None):
         pools.append(chunks)
+        if seconds is not None:
+            seconds += [float(len(c)) for c in chunks]
         return [("t0", KEYS[0], "did not compile")] if chunks else []
 
     monkeypatch.setattr(triton_tiles, "compile_chunks", run_pool)
@@ -244,6 +246,7 @@ def test_precompile_all_compiles_every_backends_kernels_in_one_pool(one_pool):
                      ("t2", "_TileStub")]  # fmt: skip
     assert timings.jobs == {"tiles": 6, "skinny": 2} and timings.kernels == {"tiles": 3, "skinny": 2}
     assert timings.processes == 3 and timings.seconds >= 0
+    assert sorted(timings.busy) == sorted(float(len(c)) for c in chunks)  # each process's seconds, kept
 
 
 def test_a_hosts_ranks_share_one_plan_over_every_backend(one_pool):
@@ -263,6 +266,8 @@ def test_describe_timings_gives_each_backends_jobs_and_the_pools_time():
     assert describe_timings(spent) == (
         "triton 4184 jobs (812 kernels), skinny 718 jobs (718 kernels): 1 pool of 16 processes, 19.2 s"
     )
+    spent.busy = [17.04, 13.0, 15.2]
+    assert describe_timings(spent).endswith("19.2 s (busiest 17.0 s, mean 15.1 s)")
     spent.processes = 0  # another rank of the host compiles all of them
     assert describe_timings(spent).endswith(": nothing to compile here")
     assert describe_timings(PrecompileTimings()) == "nothing to compile"
@@ -287,9 +292,10 @@ def test_a_pool_process_builds_each_item_with_its_own_backend():
 
     a, b = recording("a"), recording("b")
     chunk = [triton_tiles.CompileItem(n, KEYS[0], cls) for n, cls in (("x", a), ("y", b), ("bad", a))]
-    failed = triton_tiles._compile_chunk((chunk, "cpu"))
+    failed, seconds = triton_tiles._compile_chunk((chunk, "cpu"))
     assert sorted(built) == [("a", "bad"), ("a", "x"), ("b", "y")]
     assert [(name, err) for name, _, err in failed] == [("bad", "ValueError: no such config")]
+    assert seconds >= 0
 
 
 class _Calls:

@@ -1,11 +1,12 @@
 """`gemmtune tune` over torch.distributed: one launch (torchrun) tunes a shape list on every rank's GPU.
 
-Rank 0 reads the shape list and the output table, learns every rank's GPU (gfx, cu_num), and deals each
-kind's untuned keys to the ranks of that kind (largest expected cost first, to the least loaded rank).
-Each rank tunes its share on its own device (cuda:LOCAL_RANK under a crash-isolating worker, or the CPU
-in-process) and sends every finished key to rank 0, which writes its row for the sender's GPU at once,
-through the same sink as a 1-process run (table lock, atomic rewrite). A rank that dies loses only its
-unfinished keys: the output holds every row written so far, and the restarted launch skips them.
+Rank 0 reads the shape list and the output table, learns every rank's GPU (gfx, cu_num), and lists each
+kind's untuned keys, largest expected cost first; the ranks of that kind claim them one at a time from a
+counter in the launch's store as their GPU frees up. Each rank tunes what it claims on its own device
+(cuda:LOCAL_RANK under a crash-isolating worker, or the CPU in-process) and sends every finished key to
+rank 0, which writes its row for the sender's GPU at once, through the same sink as a 1-process run
+(table lock, atomic rewrite). A rank that dies loses only the key it was tuning: the others go on
+claiming the rest, the output holds every row written so far, and the restarted launch skips them.
 
 Objects travel over a gloo group (the default one on CPUs, a gloo group beside NCCL on GPUs): rank 0
 receives from any rank as keys finish, which NCCL's point-to-point cannot do.
@@ -20,6 +21,7 @@ import pickle
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -77,36 +79,59 @@ def rank_device(device: torch.device, fleet: Fleet) -> torch.device:
     return torch.device("cuda", fleet.local_rank) if device.type == "cuda" else device
 
 
-def deal(keys: list, costs: dict, ranks: list[int]) -> dict[int, list]:
-    """Each rank's keys: the most expensive first, each to the least loaded rank (ties: the lower rank);
-    every share keeps the list's order."""
-    load = dict.fromkeys(ranks, 0.0)
-    owner = {}
-    for i in sorted(range(len(keys)), key=lambda i: (-costs[keys[i]], i)):
-        r = min(ranks, key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += costs[keys[i]]
-    return {r: [k for i, k in enumerate(keys) if owner[i] == r] for r in ranks}
+def by_cost(keys: list, costs: dict) -> list:
+    """The keys most expensive first (ties in list order): claimed in this order, the last keys to
+    finish are the cheap ones, so the ranks end close together."""
+    return [keys[i] for i in sorted(range(len(keys)), key=lambda i: (-costs[keys[i]], i))]
+
+
+class Claims:
+    """One GPU kind's keys, taken one at a time by whichever of that kind's ranks is free: each next
+    key is an atomic add on a counter in the launch's store, so a rank that drew cheap keys takes more
+    (a deal fixed up front left one rank idle while the other finished). Its length is the kind's list."""
+
+    def __init__(self, keys: list, store, counter: str):
+        self.keys, self.store, self.counter = keys, store, counter
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator:
+        while (i := self.store.add(self.counter, 1) - 1) < len(self.keys):
+            yield self.keys[i]
 
 
 @dataclass
 class Plan:
-    """What rank 0 decided: the family, each rank's keys with their M floors, and what was skipped."""
+    """What rank 0 decided: the family, per rank the keys its GPU kind still needs (most expensive
+    first; the kind's ranks claim them from one counter) with their M floors, and what was skipped."""
 
     family: str
+    run: str = field(default_factory=lambda: uuid.uuid4().hex)  # names this launch's claim counters
     shares: dict[int, list] = field(default_factory=dict)
+    kind_of: dict[int, int] = field(default_factory=dict)
     floors: dict[int, dict] = field(default_factory=dict)
     skipped: int = 0
     lines: list[str] = field(default_factory=list)
 
+    def everything(self) -> list:
+        """Every (kind, key) to tune, once: the progress bar's total."""
+        first = {}
+        for r, kind in self.kind_of.items():
+            first.setdefault(kind, r)
+        return [k for kind in sorted(first) for k in self.shares[first[kind]]]
+
+    def claims(self, rank: int, store) -> Claims:
+        return Claims(self.shares[rank], store, f"gemmtune/claims/{self.run}/{self.kind_of[rank]}")
+
 
 def make_plan(fam, keys: list, idents: list[DeviceIdentity], output: str, all_shapes: bool) -> Plan:
-    """Per GPU kind among the ranks: the keys without a row for it in `output`, dealt to that kind's ranks."""
+    """Per GPU kind among the ranks: the keys without a row for it in `output`, for that kind's ranks."""
     plan = Plan(fam.name)
     kinds: dict[DeviceIdentity, list[int]] = {}
     for r, ident in enumerate(idents):
         kinds.setdefault(ident, []).append(r)
-    for ident, ranks in kinds.items():
+    for kind, (ident, ranks) in enumerate(kinds.items()):
         tuned = done_keys(output, ident, fam)
         todo = [k for k in keys if all_shapes or k not in tuned]
         floors = range_floors(fam, keys, list(tuned))
@@ -114,10 +139,10 @@ def make_plan(fam, keys: list, idents: list[DeviceIdentity], output: str, all_sh
         if len(todo) < len(keys):
             plan.lines.append(f"gemmtune: {len(keys) - len(todo)} of {len(keys)} shapes already tuned in {output} "
                               f"for {ident.gfx}/{ident.cu_num} ({fam.name}; skipped, --all retunes them)")  # fmt: skip
-        shares = deal(todo, {k: estimated_cost(fam, k) for k in todo}, ranks)
+        ordered = by_cost(todo, {k: estimated_cost(fam, k) for k in todo})
         for r in ranks:
-            plan.shares[r] = shares[r]
-            plan.floors[r] = {k: floors[k] for k in shares[r]}
+            plan.shares[r], plan.kind_of[r] = ordered, kind
+            plan.floors[r] = {k: floors[k] for k in todo}
         if todo:
             plan.lines.append(f"gemmtune: tuning {len(todo)} {fam.name} keys on {len(ranks)} rank(s) of "
                               f"{ident.gfx} ({ident.cu_num} units)")  # fmt: skip
@@ -137,11 +162,11 @@ def _gather(obj, fleet: Fleet) -> list:
 
 
 def host_share(shares: dict[int, list], hosts: list[str], rank: int) -> tuple[list, tuple[int, int]]:
-    """The keys of every rank on `rank`'s host (in rank order: each lists the same) and `rank`'s part
-    (i, n) of compiling their kernels: the host's ranks share one on-disk Triton cache, so each compiles
-    1/n of the host's kernels once instead of every rank compiling all of them."""
+    """The keys any rank on `rank`'s host may tune, once each (in rank order: each rank lists the same),
+    and `rank`'s part (i, n) of compiling their kernels: the host's ranks share one on-disk Triton cache,
+    so each compiles 1/n of the host's kernels once instead of every rank compiling all of them."""
     here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
-    return [k for r in here for k in shares.get(r, [])], (here.index(rank), len(here))
+    return list(dict.fromkeys(k for r in here for k in shares.get(r, []))), (here.index(rank), len(here))
 
 
 def _precompile_host(fleet: Fleet, plan, fam, dev: torch.device, opts: TuneOptions, workers: int,
@@ -240,7 +265,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
     if fleet.rank == 0:
         for line in plan.lines:
             log(line)
-    mine = plan.shares[fleet.rank]
+    mine = plan.claims(fleet.rank, dist.distributed_c10d._get_default_store())
     compile_workers = max(1, min(16, (os.cpu_count() or 1) // max(1, fleet.local_world)))
     log_here = log if fleet.rank == 0 else (lambda m: None)  # rank 0 speaks for the launch
     # tune_items starts this rank's worker, then runs `host` (the host's kernels, split over its ranks, and
@@ -249,8 +274,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
     if precompile and dev.type == "cuda":
         host = functools.partial(_precompile_host, fleet, plan, fam, dev, opts, compile_workers, log_here)
     if fleet.rank == 0:
-        everything = [k for r in sorted(plan.shares) for k in plan.shares[r]]
-        bar = _Progress(fam, everything, progress, log)
+        bar = _Progress(fam, plan.everything(), progress, log)
         sink = RowSink(output, fam, profile_file, bar, verbose)
         failed: list[str] = []
         receiver = threading.Thread(target=_receive, args=(fleet, sink, idents, failed), daemon=True)

@@ -244,21 +244,31 @@ def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: 
     workers = workers if workers is not None else start_workers(device, opts, n, verbose)
     for w in workers:  # the startup timeout counts from here: a precompile may have run beside the start
         w.started = time.monotonic()
-    pending = collections.deque(Task(i, k, family, m_lo=m_lo.get(k)) for i, k in enumerate(keys))
+    # Keys are taken one at a time, as a worker frees up (a fleet's ranks claim theirs on demand);
+    # a key requeued after a worker loss goes first.
+    source = enumerate(keys)
+    pending: collections.deque[Task] = collections.deque()
+    exhausted = False
     bans = _Bans()
-    remaining = len(keys)
     try:
-        while remaining:
+        while True:
             for w in workers:
-                if w.ready and w.task is None and pending:
+                if not (w.ready and w.task is None):
+                    continue
+                if not pending and not exhausted:
+                    nxt = next(source, None)
+                    exhausted = nxt is None
+                    if nxt is not None:
+                        pending.append(Task(nxt[0], nxt[1], family, m_lo=m_lo.get(nxt[1])))
+                if pending:
                     t = pending.popleft()
                     t.exclude = {**bans.banned, **t.exclude}
                     w.assign(t)
+            if exhausted and not pending and all(w.task is None for w in workers):
+                return
             wait([w.conn for w in workers] + [w.proc.sentinel for w in workers], timeout=0.5)
             for i, w in enumerate(workers):
-                for item in w.drain(log):
-                    remaining -= 1
-                    yield item
+                yield from w.drain(log)
                 dead = not w.proc.is_alive()
                 hung = w.task is not None and time.monotonic() - w.last_hb > timeout
                 slow_start = not w.ready and time.monotonic() - w.started > STARTUP_TIMEOUT
@@ -270,7 +280,6 @@ def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: 
                     w.stop()
                     workers[i] = _Worker(ctx, w.wid, w.device, opts, verbose)
                     if item is not None:
-                        remaining -= 1
                         yield item
     finally:
         stop_workers(workers)

@@ -27,8 +27,8 @@ from ...kernels._common import pdl_enabled
 from ...kernels.skinny import REDUCE_FIXUP, REDUCE_NONE, SkinnyConfig
 from ...keys import GemmKey
 from ..base import Backend, Runner, Solution, stable_solidx
-from ..lib.skinny import MAX_ROWS, Shape, device_limits, smem_bytes, tile_config, tile_configs
-from ..lib.triton_tiles import compile_in_workers, distinct_items
+from ..lib.skinny import MAX_ROWS, Shape, compile_items, device_limits, smem_bytes, tile_config, tile_configs
+from ..lib.triton_tiles import compile_in_workers
 
 MAX_TUNE_M = 32  # candidates are offered up to here (measured: skinny lost most shapes at M=64)
 IN_DTYPES = (torch.float16, torch.bfloat16)
@@ -133,9 +133,6 @@ def _make_runner(cfg: SkinnyConfig, key: GemmKey, device: torch.device) -> Runne
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
     return run
-
-
-compile_items = distinct_items  # each (kernel name, key) is built and run once
 
 
 def precompile(jobs: list[tuple[Solution, GemmKey]], device: torch.device, workers: int = 8,

@@ -21,6 +21,7 @@ from ...kernels import skinny as ks
 from ...kernels._common import pdl_enabled
 from ...kernels.skinny import REDUCE_FIXUP, REDUCE_NONE, SkinnyConfig
 from ...keys import GemmKey
+from .triton_tiles import twin
 
 # A runner computes any M, but past this it is not a skinny GEMM any more (the weight would be
 # streamed once per 64-row tile): the runners hand such calls to torch.
@@ -124,3 +125,28 @@ def tile_configs(shape: Shape, device: torch.device, dot_tiles=DOT_TILES, gemv_t
     if pdl_enabled(device):
         out += [dataclasses.replace(c, pdl=p) for c in out if c.reduce != ks.REDUCE_KERNEL for p in PDL_VARIANTS]
     return list(dict.fromkeys(out))
+
+
+def _int_facts(v: int) -> tuple[bool, bool]:
+    return v == 1, v % 16 == 0  # what Triton specializes an int argument on
+
+
+def plan_signature(kernel_name: str, cfg: SkinnyConfig, key) -> tuple:
+    """What the binary a skinny runner builds for `key` depends on: the config, the key's dtypes and
+    flags, and its sizes only through the launch plan (rows per program, whole or split K, K's tail)
+    and the int facts Triton specializes (M, K, the iterations per split; N as twin(N))."""
+    m, n, k = key.M, key.N, key.K
+    split, per = cfg.effective_split(k)
+    sizes = (cfg.block_m(m), _int_facts(m), twin(n), _int_facts(k), k % cfg.block_k == 0, split > 1, _int_facts(per))
+    return kernel_name, key._replace(M=0, N=0, K=0), sizes
+
+
+def compile_items(jobs: list, parse=SkinnyConfig.parse) -> list[tuple[str, tuple]]:
+    """One (kernel name, key) per distinct binary the (solution, key) jobs' runners build (`parse`: the
+    backend's kernel-name parser): many keys share a binary, and each is compiled by one process."""
+    uniq: dict[tuple, tuple[str, tuple]] = {}
+    for sol, key in jobs:
+        cfg = parse(sol.kernel_name)
+        if cfg is not None:
+            uniq.setdefault(plan_signature(sol.kernel_name, cfg, key), (sol.kernel_name, key))
+    return list(uniq.values())

@@ -9,6 +9,7 @@ kernels/triton_gemm.py) with solidx its crc, so a table row means the same kerne
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -237,12 +238,6 @@ def compile_stand_in(key):
     return key._replace(N=twin(key.N)) if hasattr(key, "_replace") and hasattr(key, "N") else key
 
 
-def distinct_items(jobs: list[tuple[Solution, tuple]]) -> list[tuple[str, tuple]]:
-    """The distinct (kernel name, key) pairs of (solution, key) jobs, for backends whose runner compiles
-    per key (the skinny kernels): each is built and run once."""
-    return list(dict.fromkeys((sol.kernel_name, key) for sol, key in jobs))
-
-
 class CompileItem(NamedTuple):
     """One kernel to compile ahead: its name, the key it is built for, and the backend class that builds it."""
 
@@ -274,44 +269,45 @@ def _precompile_worker(args):
 
 
 def _compile_chunk(args):
-    """One pool process's part: its CompileItems, backend by backend (each class builds its own runners)."""
+    """One pool process's part: its CompileItems, backend by backend (each class builds its own runners).
+    Returns (failures, seconds spent)."""
     chunk, device_str = args
+    t0 = time.perf_counter()
     by_backend: dict[type, list[CompileItem]] = {}
     for item in chunk:
         by_backend.setdefault(item.backend, []).append(item)
     failed = []
     for backend_cls, items in by_backend.items():
         failed += _precompile_worker((backend_cls, [i.name for i in items], [i.key for i in items], device_str))
-    return failed
+    return failed, time.perf_counter() - t0
 
 
 def compile_plan(items: list[tuple], workers: int, share: tuple[int, int] = (0, 1)) -> list[list]:
-    """The items (kernel name first: (name, key) or CompileItem) each of `workers` processes compiles.
-    Items of one kernel name go to one process (they mostly build one binary: split up, processes racing
-    on an empty cache would each compile it); the names are dealt over the `share` (i, n) first, the
-    i-th of n processes that share a cache (a host's ranks, each listing the same items), then over the
-    workers, the largest group to the least loaded."""
-    groups: dict[str, list] = {}
-    for item in items:
-        groups.setdefault(item[0], []).append(item)
-    names = sorted(groups)[share[0] :: share[1]]
-    chunks: list[list] = [[] for _ in range(max(1, min(workers, len(names))))]
-    for name in sorted(names, key=lambda n: -len(groups[n])):
-        min(chunks, key=len).extend(groups[name])
-    return [c for c in chunks if c]
+    """The items (kernel name first: (name, key) or CompileItem, each building its own binaries: the
+    backends' compile_items dedupe) each of `workers` processes compiles: the share (i, n) first, the
+    i-th of n processes that share a cache (a host's ranks, each listing the same items), then dealt
+    over the workers in turn, so every process gets a like mix of configs (a process walking one
+    config's items for every key was the whole pool's critical path)."""
+    ordered = sorted(items, key=lambda it: (getattr(it, "backend", type(None)).__name__, it[0], repr(it[1])))
+    mine = ordered[share[0] :: share[1]]
+    n = max(1, min(workers, len(mine)))
+    return [c for c in (mine[i::n] for i in range(n)) if c]
 
 
-def compile_chunks(chunks: list[list[CompileItem]], device: torch.device) -> list:
+def compile_chunks(chunks: list[list[CompileItem]], device: torch.device, seconds: list[float] | None = None) -> list:
     """Build each chunk's runners in one process of a single spawned pool (each process starts torch and
     a device context, seconds apiece: one pool for all backends pays that once), which fills Triton's
-    on-disk cache. Returns [(name, key, error)] for those that failed."""
+    on-disk cache. Returns [(name, key, error)] for those that failed; each process's busy seconds are
+    appended to `seconds`."""
     import multiprocessing as mp
 
     if not chunks:
         return []
     with mp.get_context("spawn").Pool(len(chunks)) as pool:
         results = pool.map(_compile_chunk, [(c, str(device)) for c in chunks])
-    return [f for r in results for f in r]
+    if seconds is not None:
+        seconds += [s for _, s in results]
+    return [f for r, _ in results for f in r]
 
 
 def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]], device: torch.device,

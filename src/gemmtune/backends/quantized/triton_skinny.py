@@ -23,7 +23,8 @@ from ...kernels._common import pdl_enabled
 from ..base import Backend, Runner, Solution, stable_solidx
 from ..lib.quant_support import OUT_DTYPES, tensor_core_fp8
 from ..lib.skinny import DOT_TILES, GEMV_TILES, MAX_ROWS, Shape, device_limits, smem_bytes, tile_config, tile_configs
-from ..lib.triton_tiles import compile_in_workers, distinct_items
+from ..lib.skinny import compile_items as skinny_compile_items
+from ..lib.triton_tiles import compile_in_workers
 from .pytorch import NATIVE, TorchA8W8Backend
 from .triton_tg import standins
 
@@ -147,7 +148,8 @@ class SkinnyA8W8Backend(Backend):
         self.warmup(cfg, key, device)
         return run
 
-    compile_items = staticmethod(distinct_items)  # building each (kernel name, key)'s runner compiles it
+    def compile_items(self, jobs: list) -> list[tuple[str, tuple]]:
+        return skinny_compile_items(jobs, self.parse)
 
     def precompile(self, jobs: list, device: torch.device, workers: int = 8, share: tuple[int, int] = (0, 1)) -> list:
         """Compile every (config, key) in `workers` processes; they fill Triton's on-disk cache, so the
