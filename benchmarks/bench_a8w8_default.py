@@ -18,6 +18,10 @@ Ratios > 1 mean gemmtune is faster; the 8-bit roof takes twice the bf16 matmul r
 
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --out OUT_DIR [--formats fp8,int8] [--ms 1,16,...]
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --producer --suite-only --out OUT_DIR
+    PYTHONPATH=src python benchmarks/bench_a8w8_default.py --producer --suite-only --table tuned.csv --out OUT_DIR
+
+With --table, gemmtune's GEMM is the tuned table's row for each point instead of the untuned default
+(the report says which); torch's and bf16's contenders are unchanged.
 
 Writes a8w8_default.md / .json into --out.
 """
@@ -151,9 +155,11 @@ def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, pro
     return row
 
 
-def summarize(rows: list[dict], device: str) -> str:
-    lines = [f"# The untuned a8w8 default vs torch's own 8-bit path ({device})", "",
-             "x = time of the other / time of gemmtune's default (> 1: the default is faster).", "",
+def summarize(rows: list[dict], device: str, table: str | None = None) -> str:
+    what = f"the tuned table {table}" if table else "the untuned a8w8 default"
+    lines = [f"# gemmtune's 8-bit GEMM ({what}) vs torch's own 8-bit path ({device})", "",
+             "x = time of the other / time of gemmtune's (> 1: gemmtune is faster; 'default' is the solution "
+             "dispatch ran).", "",
              "| fmt | M | N | K | bf16 us | torch q+gemm | torch gemm | gemmtune q+gemm | gemmtune gemm | "
              "x torch (q+gemm) | x torch (gemm) | x bf16 (q+gemm) | default |", "|" + "---|" * 13]  # fmt: skip
     for r in rows:
@@ -199,9 +205,10 @@ def main():
     ap.add_argument("--models-dir", default=None)
     ap.add_argument("--producer", action="store_true", help="also the RMSNorm -> GEMM chain, fused and not")
     ap.add_argument("--suite-only", action="store_true", help="only the three models' shapes (no EXTRA)")
+    ap.add_argument("--table", default=None, help="a tuned a8w8 table for gemmtune's GEMM (default: none)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    gemmtune.set_config(None)  # the untuned default, whatever GEMMTUNE_CONFIG says
+    gemmtune.set_config(args.table)  # None: the untuned default, whatever GEMMTUNE_CONFIG says
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ceil = measure_ceilings(dev)
@@ -218,7 +225,7 @@ def main():
                 print(f"{fmt:5s} M={m:5d} N={n:6d} K={k:6d} x torch q+gemm {r['x_torch_q']:.3f} gemm "
                       f"{r['x_torch_gemm']:.3f} x bf16 {r['x_bf16_q']:.2f} {r['default']} [{time.time() - t0:.0f}s]",
                       flush=True)  # fmt: skip
-    text = summarize(rows, device)
+    text = summarize(rows, device, args.table)
     print(text)
     (out / "a8w8_default.md").write_text(text + "\n")
     (out / "a8w8_default.json").write_text(json.dumps({"device": device, "ceilings": ceil.__dict__, "rows": rows},
