@@ -1,0 +1,148 @@
+"""The Triton launches of the fmoe triton backend, described instead of run: for a key and a Triton stage
+config (or the grouped_mm pair's Triton glue), each launch as Triton specializes it, which is what
+decides the binary it loads (its compile signature):
+  - the kernel, its constexprs and launch options (the config's blocks, split, warps and stages; the
+    slot count's power of two and the grid over slots or experts of a direct launch; gating, activation,
+    routing weights, expert map; the sort's bins and chunks, the act*mul and combine block sizes);
+  - each pointer argument's dtype (every tensor is freshly allocated, so 16-byte aligned);
+  - each int argument as Triton specializes it: == 1, or its type (i32/i64) and whether 16 divides it.
+Two launches with one description load one binary; the precompile (precompile.py) dedupes and picks
+stand-in keys by it. It mirrors the launchers as stages.py calls them on the family's inputs
+(kernels/fused_moe.py moe_gemm and combine, kernels/moe_route.py expert_sort, kernels/activations.py
+act_mul; a device's PDL launch option is the same for every key and left out); tests/test_moe_precompile.py
+records the real launches to hold it to them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ...families.fmoe import MoeKey, act_name
+from ...kernels import fused_moe as kmoe
+from ...kernels import moe_route
+from ...kernels.activations import ACTIVATIONS as ACT_MUL_ACTS
+
+
+class Launch(NamedTuple):
+    kernel: str
+    pointers: tuple[str, ...]  # each pointer argument's dtype
+    ints: tuple[str, ...]  # each int argument's specialization (spec)
+    constexprs: tuple  # (name, value) pairs, the launch options last
+
+
+def spec(v: int) -> str:
+    """An int argument as Triton (3.x) specializes it: "1", else its type and "D" when 16 divides it."""
+    if v == 1:
+        return "1"
+    kind = "i32" if -(2**31) <= v < 2**31 else "u64" if 2**63 <= v < 2**64 else "i64"
+    return kind + ("D" if v % 16 == 0 else "")
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Call(NamedTuple):
+    """What one call on the family's inputs (families/fmoe.py make_inputs) passes to the launchers."""
+
+    T: int
+    H: int
+    I: int  # noqa: E741 - the intermediate size, as the module docs name it
+    E: int
+    topk: int
+    tk: int  # routing columns: topk + shared experts
+    S: int  # slots
+    routed: int  # the router ids' range
+    local: int  # local routed experts
+    has_map: bool
+    dt: str
+    ids: str  # the router ids' dtype (torch.topk's int64)
+    map: str  # the expert map's dtype (the ids stand in without one)
+
+    @classmethod
+    def of(cls, key: MoeKey) -> _Call:
+        tk = key.topk + key.shared_expert
+        has_map = bool(key.global_expert)
+        return cls(key.token, key.model_dim, key.inter_dim, key.expert, key.topk, tk, key.token * tk, key.num_routed,
+                   key.local_routed, has_map, _dt(key.dtype), "int64", "int32" if has_map else "int64")  # fmt: skip
+
+
+def gemm_launch(key: MoeKey, cfg: kmoe.MoeGemmConfig) -> Launch:
+    """moe_gemm's launch for stage cfg.stage of `key` (stage 1 into finished rows, stage 2 into partials)."""
+    c = _Call.of(key)
+    S, H, I = c.S, c.H, c.I  # noqa: E741
+    sk = cfg.split_k
+    if cfg.stage == 1:
+        g = 2 if key.use_g1u1 else 1
+        n, k, gated, act, weighted = I, H, bool(key.use_g1u1), kmoe.ACTS[act_name(key.act_type)], key.doweight_stage1
+        a = (H, 0, 1)  # hidden (T, H): every routing column reads its token's row
+        b = (g * I * H, 1, H)  # w1 (E, gI, H) read as (E, H, gI)
+        out, c_str = c.dt, (S * I, I, 1)  # the rows (S, I) as (1, S, I)
+        fixup = sk > 1
+        part, p_str, lock = ("float32", (S * g * I, g * I), "int32") if fixup else (out, c_str[:2], out)
+    else:
+        n, k, gated, act, weighted, fixup = H, I, False, 0, False, False
+        a = (c.tk * I, I, 1)  # the rows (S, I) in slot order
+        b = (H * I, 1, I)  # w2 (E, H, I) read as (E, I, H)
+        out, c_str = ("float32" if sk > 1 else c.dt), (S * H, H, 1)
+        part, p_str, lock = out, c_str[:2], out
+    w, w_str = ("float32", (c.topk, 1)) if weighted else (out, (0, 0))
+    strides = tuple(spec(v) for v in (*a, *b, *c_str, *w_str, *p_str))
+    common = (("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("BLOCK_K", cfg.block_k), ("SPLIT_K", sk),
+              ("FIXUP", fixup), ("GATED", gated), ("ACT", act), ("MUL_WEIGHT", weighted),
+              ("PREC", "ieee" if key.dtype == torch.float32 else "tf32"), ("num_warps", cfg.warps),
+              ("num_stages", cfg.stages))  # fmt: skip
+    pointers = (c.dt, c.dt, out, w, part, lock)
+    if cfg.direct:
+        ints = tuple(spec(v) for v in (S, n, k, c.tk, c.topk, c.routed, c.local, c.topk, 1))
+        grid = (("SLOTS", max(16, _p2(S))), ("HAS_MAP", c.has_map), ("BY_SLOT", S < c.E))
+        return Launch("_moe_gemm_direct", (*pointers, c.ids, c.map), ints + strides, grid + common)
+    ints = tuple(spec(v) for v in (S, n, k, c.tk, c.topk))
+    return Launch("_moe_gemm_sorted", (*pointers, "int32", "int32"), ints + strides, common)
+
+
+def combine_launch(key: MoeKey, splits: int, c_dtype: str, rows: bool) -> Launch:
+    """combine's launch: `splits` partials of c_dtype, in slot order or (rows) sorted by expert."""
+    c = _Call.of(key)
+    weighted = not key.doweight_stage1
+    w, w_str = ("float32", (c.topk, 1)) if weighted else (c.dt, (0, 0))
+    pointers = (c_dtype, w, c.ids, c.map, "int64" if rows else c.ids, c.dt)
+    ints = tuple(spec(v) for v in (c.H, c.tk, c.topk, c.routed, c.local, c.topk, 1, *w_str, c.S * c.H, c.H, c.H))
+    consts = (("SPLITS", splits), ("TK_P2", max(2, _p2(c.tk))), ("HAS_MAP", c.has_map), ("MUL_WEIGHT", weighted),
+              ("HAS_ROWS", rows), ("BLOCK_N", min(1024, max(64, _p2(c.H)))), ("num_warps", 4))  # fmt: skip
+    return Launch("_combine", pointers, ints, consts)
+
+
+def stage_launches(key: MoeKey, cfg: kmoe.MoeGemmConfig) -> tuple[Launch, ...]:
+    """A Triton stage alone: stage 1's GEMM; stage 2's GEMM and the combine of its partials."""
+    if cfg.stage == 1:
+        return (gemm_launch(key, cfg),)
+    c_dtype = "float32" if cfg.split_k > 1 else _dt(key.dtype)
+    return gemm_launch(key, cfg), combine_launch(key, cfg.split_k, c_dtype, rows=False)
+
+
+def glue_launches(key: MoeKey) -> tuple[Launch, ...]:
+    """The Triton glue around torch._grouped_mm (both stages grouped_mm, triton_glue): the sort by expert,
+    act*mul of the gated activations it computes, the combine of the sorted rows."""
+    c = _Call.of(key)
+    out: list[Launch] = []
+    if c.S:
+        p = moe_route.sort_plan(c.S, c.E)
+        ints = tuple(spec(v) for v in (c.S, c.tk, c.topk, c.routed, c.local, c.E, c.topk, 1))
+        consts = tuple((n, p[n]) for n in ("BINS", "CHUNK", "HIST", "SUB", "num_warps"))
+        out.append(Launch("_expert_sort_kernel", (c.ids, c.map, "int64", "int32"), ints,
+                          (("HAS_MAP", c.has_map), *consts)))  # fmt: skip
+    act = act_name(key.act_type)
+    if key.use_g1u1 and act in ACT_MUL_ACTS and c.S and c.I:
+        block = min(1024, _p2(c.I))
+        out.append(Launch("_act_mul_kernel", (c.dt, c.dt), (spec(c.I), spec(2 * c.I)),
+                          (("ACT", ACT_MUL_ACTS.index(act)), ("BLOCK", block),
+                           ("num_warps", 4 if block >= 512 else 1))))  # fmt: skip
+    out.append(combine_launch(key, 1, c.dt, rows=True))
+    return tuple(out)
