@@ -44,8 +44,9 @@ def _cases(dt: str) -> list:
                 for m, n, k, s, b in _A8W8_SHAPES]  # fmt: skip
     for cfg in _CFGS["blockscale"]:
         out += [(f"{cfg}-{dt}-M{m}-N{n}-K{k}", "blockscale", cfg, dt, m, n, k, "", False) for m, n, k in _BLOCK_SHAPES]
+    kinds = ("per_token", "per_token_twopass", "1x128", "1x128m")
     out += [(f"quant-{g}-{dt}-M{m}-K{k}", "quant", g, dt, m, 0, k, "", False)
-            for g in ("per_token", "1x128", "1x128m") for m, k in ((1, 300), (6, 4100))]  # fmt: skip
+            for g in kinds for m, k in ((1, 300), (6, 4100))]  # fmt: skip
     return out
 
 
@@ -76,14 +77,15 @@ def run_case(case, device: str) -> dict:
     if kind == "quant":
         x = x.to(device)
         m_major = cfg_name == "1x128m"
-        if device == "cpu":  # the interpreter: call the launchers the CUDA entry points use
+        per_token = cfg_name.startswith("per_token")
+        if device == "cpu" or cfg_name == "per_token_twopass":  # the launchers the CUDA entry points use
             q, s = _interp_quant(kq, x, dt, cfg_name)
-        elif cfg_name == "per_token":
+        elif per_token:
             q, s = kq.quantize_per_token_triton(x, dt)
         else:
             q, s = kq.quantize_1x128_triton(x, dt, m_major=m_major)
-        qr, sr = (Q.quantize_per_token if cfg_name == "per_token" else Q.quantize_1x128)(x, dt)
-        deq = _deq_1x128 if cfg_name != "per_token" else (lambda q_, s_: q_.float() * s_)
+        qr, sr = (Q.quantize_per_token if per_token else Q.quantize_1x128)(x, dt)
+        deq = _deq_1x128 if not per_token else (lambda q_, s_: q_.float() * s_)
         return {"scale_err": (s - sr).abs().max().item() / sr.abs().max().item(),
                 "q_steps": (q.float() - qr.float()).abs().max().item() if dt == torch.int8 else
                 _rel(deq(q, s), deq(qr, sr)),
@@ -118,12 +120,12 @@ def _deq_1x128(q, s):
 
 def _interp_quant(kq, x, dt, kind):
     m, k = x.shape
-    q = torch.empty(m, k, dtype=dt)
-    if kind == "per_token":
-        s = torch.empty(m, 1)
-        kq.launch_per_token(x, q, s)
+    q = torch.empty(m, k, dtype=dt, device=x.device)
+    if kind.startswith("per_token"):
+        s = torch.empty(m, 1, device=x.device)
+        kq.launch_per_token(x, q, s, one_pass_max=16 if kind.endswith("twopass") else kq.ONE_PASS_MAX)
     else:
-        s = kq.scales_1x128(m, k, "cpu", m_major=kind == "1x128m")
+        s = kq.scales_1x128(m, k, x.device, m_major=kind == "1x128m")
         kq.launch_1x128(x, q, s)
     return q, s
 
