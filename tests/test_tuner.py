@@ -259,6 +259,37 @@ def test_a_hosts_ranks_share_one_plan_over_every_backend(one_pool):
     assert parts[0] | parts[1] == {"s1", "s5", "t0", "t1", "t2"}
 
 
+def test_a_backend_that_takes_the_scope_gets_it_and_may_name_each_items_builder(one_pool, monkeypatch):
+    """compile_items(jobs, scope): the tune's options and each key's M floor (the range verification's
+    keys); an item (name, key, builder) is built by that class, the others by their backend's."""
+    from gemmtune.tuner import search
+
+    got = []
+
+    class Builder:
+        def build_item(self, name, key, device):
+            pass
+
+    class Scoped(_TileStub):
+        def compile_items(self, jobs, scope):
+            got.append(scope)
+            return [("b0", jobs[0][1], Builder), ("plain", jobs[0][1])]
+
+    monkeypatch.setattr(search, "select_backends", lambda device, libtypes, family: {"tiles": _TileStub(),
+                                                                                     "scoped": Scoped()})  # fmt: skip
+    big = KEYS[0]._replace(M=64)
+    search.precompile_all([KEYS[0], big], CPU, FAST, workers=2, floors={big: 2})
+    (scope,) = got
+    assert scope.opts is FAST and scope.family.name == "a16w16"
+    assert [k.M for k in scope.range_keys(big)] == search.range_points(2, 64) == [62, 41, 27, 18, 12, 8, 5, 3, 2]
+    assert scope.range_keys(KEYS[0]) == []  # no floor: its own M alone
+    assert search.CompileScope(scope.family, CPU, TuneOptions(verify_range=False), {big: 2}).range_keys(big) == []
+    assert search.CompileScope(scope.family, CPU, FAST, {big: 64}).range_keys(big) == []
+    assert scope.default(big) == backends.default("a16w16", big, CPU)[1]
+    built = {item.name: item.backend for chunk in one_pool[0] for item in chunk}
+    assert built["b0"] is Builder and built["plain"] is Scoped and built["t0"] is _TileStub  # the others: as before
+
+
 def test_describe_timings_gives_each_backends_jobs_and_the_pools_time():
     from gemmtune.tuner.search import PrecompileTimings, describe_timings
 
@@ -315,7 +346,7 @@ class _Calls:
         self.order.append("start workers")
         return ["worker"]
 
-    def precompile(self, keys, device, opts, workers, family, timings):
+    def precompile(self, keys, device, opts, workers, family, timings, floors=None):
         self.order.append("precompile")
         return []
 
@@ -366,6 +397,23 @@ def test_a_failed_precompile_stops_the_started_workers(monkeypatch):
         tune_items(KEYS[:2], {}, families.get("a16w16"), CPU, FAST, 1, 60.0, print, False, False, print,
                    prepare=host)  # fmt: skip
     assert calls.stopped == [["worker"]]
+
+
+def test_an_items_builder_builds_it_by_its_name():
+    from gemmtune.backends.lib import triton_tiles
+
+    built = []
+
+    class Builder:
+        def build_item(self, name, key, device):
+            if name == "bad":
+                raise ValueError("no such item")
+            built.append((name, key, device.type))
+
+    assert triton_tiles._precompile_worker((Builder, ["x", "bad"], [KEYS[0], KEYS[1]], "cpu")) == [
+        ("bad", KEYS[1], "ValueError: no such item")
+    ]
+    assert built == [("x", KEYS[0], "cpu")]  # as named: no stand-in of its own, no runner
 
 
 def test_a_first_call_precompile_runs_a_narrow_stand_in_of_each_key():

@@ -210,7 +210,7 @@ def main() -> None:
         opts = TuneOptions(libtypes=args.libtype.split(",") if args.libtype else None,
                            verify_range=not args.no_verify_range, **parse_mode(mode))  # fmt: skip
         tp = time.perf_counter()
-        fails = precompile_all(keys, device, opts, workers=16, family=fam.name)
+        fails = precompile_all(keys, device, opts, workers=16, family=fam.name, floors=range_floors(fam, keys, []))
         pre = time.perf_counter() - tp
         print(f"== {mode}: precompiled in {pre:.1f}s ({len(fails)} failed)", flush=True)
         runs[mode] = tune_all(keys, device, opts, fam)

@@ -173,9 +173,13 @@ def _precompile_host(fleet: Fleet, plan, fam, dev: torch.device, opts: TuneOptio
                      log: Callable[[str], None]) -> None:  # fmt: skip
     """Compile the host's Triton kernels, split over its ranks; every rank waits until all hosts are done."""
     keys, share = host_share(plan.shares, _gather(socket.gethostname(), fleet), fleet.rank)
+    floors: dict = {}
+    for r in sorted(plan.floors):  # a key's floor as the rank that tunes it gets it (one per GPU kind)
+        floors.update({k: f for k, f in plan.floors[r].items() if k not in floors})
     t0 = time.perf_counter()
     spent = PrecompileTimings()
-    fails = precompile_all(keys, dev, opts, workers=workers, family=fam.name, share=share, timings=spent)
+    fails = precompile_all(keys, dev, opts, workers=workers, family=fam.name, share=share, timings=spent,
+                           floors=floors)  # fmt: skip
     mine = time.perf_counter() - t0
     dist.barrier(group=fleet.control)
     log(f"gemmtune: precompiled kernels in {time.perf_counter() - t0:.1f}s, split over each host's ranks (rank "

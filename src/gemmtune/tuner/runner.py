@@ -154,12 +154,13 @@ def stderr_is_tty() -> bool:
 
 
 def precompile_keys(todo: list, fam: Family, device: torch.device, opts: TuneOptions, compile_workers: int | None,
-                    log: Callable[[str], None]) -> None:  # fmt: skip
-    """Compile the keys' Triton kernels ahead in one pool of processes (the tuning then loads them)."""
+                    log: Callable[[str], None], floors: dict | None = None) -> None:  # fmt: skip
+    """Compile the keys' Triton kernels ahead in one pool of processes (the tuning then loads them); `floors`:
+    each key's M floor, as its tune gets it."""
     tp = time.perf_counter()
     n = compile_workers or min(16, os.cpu_count() or 1)
     spent = PrecompileTimings()
-    fails = precompile_all(todo, device, opts, workers=n, family=fam.name, timings=spent)
+    fails = precompile_all(todo, device, opts, workers=n, family=fam.name, timings=spent, floors=floors)
     log(
         f"gemmtune: precompiled kernels in {time.perf_counter() - tp:.1f}s ({describe_timings(spent)}; "
         f"{len(fails)} did not compile)"
@@ -175,7 +176,7 @@ def tune_items(todo: list, floors: dict, fam: Family, device: torch.device, opts
     GPU, or `prepare` runs in place of that (a fleet's host-wide precompile; it runs for an empty `todo`
     too); worker processes are started first, so their start overlaps it."""
     if prepare is None and precompile and device.type == "cuda" and todo:
-        prepare = functools.partial(precompile_keys, todo, fam, device, opts, compile_workers, log)
+        prepare = functools.partial(precompile_keys, todo, fam, device, opts, compile_workers, log, floors)
     if not (todo and mp_workers):  # a rank with no share starts no worker
         if prepare is not None:
             prepare()

@@ -31,6 +31,7 @@ against the family's default.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import time
 import zlib
@@ -568,13 +569,50 @@ class PrecompileTimings:
     busy: list[float] = field(default_factory=list)  # each process's seconds: the busiest is the critical path
 
 
+@dataclass(frozen=True)
+class CompileScope:
+    """What a tune of the keys runs beyond each candidate's plain call on its own key, for a backend whose
+    compile_items takes it (a `scope` parameter): the options (the search, --stage-limit, the range
+    verification), the family's default at a key, and the keys at the Ms the range verification checks
+    a winner at (step 6: range_points from the key's floor, the lowest M its row should answer)."""
+
+    family: Family
+    device: torch.device
+    opts: TuneOptions
+    floors: dict = field(default_factory=dict)  # key -> its M floor (runner.range_floors); none: its M alone
+
+    def range_keys(self, key) -> list:
+        """The keys the range verification may check a winner for `key` at (nearest first; it stops at
+        the first where the winner is slower), as tune_shape(m_lo=floor) walks them."""
+        m, lo = self.family.m_of(key), self.floors.get(key)
+        if lo is None or not self.opts.verify_range or lo >= m:
+            return []
+        return [self.family.with_m(key, p) for p in range_points(lo, m)]
+
+    def default(self, key) -> Solution | None:
+        """The family's default solution at `key` here (None when there is none)."""
+        try:
+            return backends.default(self.family.name, key, self.device)[1]
+        except Exception:  # noqa: BLE001 - tune_shape reports it per shape
+            return None
+
+
 def _compile_items_of(backend: Backend) -> Callable | None:
-    """A backend's `compile_items(jobs) -> [(kernel name, key)]` (a method, or its module's function), if
-    it can compile ahead of time."""
+    """A backend's `compile_items(jobs) -> [(kernel name, key) or (name, key, builder class)]` (a method, or
+    its module's function), if it can compile ahead of time."""
     fn = getattr(backend, "compile_items", None)
     if fn is None:
         fn = getattr(importlib.import_module(type(backend).__module__), "compile_items", None)
     return fn
+
+
+def _call_compile_items(fn: Callable, jobs: list, scope: CompileScope) -> list:
+    """fn(jobs), with the tune's scope where fn takes one (a `scope` parameter)."""
+    try:
+        takes_scope = "scope" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: a builtin
+        takes_scope = False
+    return fn(jobs, scope=scope) if takes_scope else fn(jobs)
 
 
 def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
@@ -590,25 +628,30 @@ def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
 
 def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
                    family: str = "a16w16", share: tuple[int, int] = (0, 1),
-                   timings: PrecompileTimings | None = None) -> list:  # fmt: skip
+                   timings: PrecompileTimings | None = None, floors: dict | None = None) -> list:  # fmt: skip
     """Fill Triton's on-disk cache with every kernel the backends that can compile ahead of time (those
     with `compile_items`) need for `keys`, in ONE pool of `workers` processes for all of them (each
     process start costs seconds). `share` (i, n): this process compiles the i-th of n parts, the other
-    parts compiled by processes sharing its on-disk cache (a host's ranks). Returns failures."""
+    parts compiled by processes sharing its on-disk cache (a host's ranks). `floors`: each key's M floor
+    as the tune gets it (m_lo), for backends that also compile what the range verification runs
+    (CompileScope). Returns failures."""
     timings = timings if timings is not None else PrecompileTimings()
+    scope = CompileScope(families.get(family), device, opts, dict(floors or {}))
     per_backend = []
     for name, backend in select_backends(device, opts.libtypes, family).items():
         fn = _compile_items_of(backend)
         jobs = _candidate_jobs(backend, keys, device) if fn is not None else []
         if jobs:
-            items = fn(jobs)
+            items = _call_compile_items(fn, jobs, scope)
             per_backend.append((type(backend), items))
             timings.jobs[name], timings.kernels[name] = len(jobs), len(items)
     if not per_backend:
         return []
     from ..backends.lib import triton_tiles  # here: it imports Triton, which the CPU-only tuner may lack
 
-    items = [triton_tiles.CompileItem(n, k, cls) for cls, pairs in per_backend for n, k in pairs]
+    # an item is (name, key), built by its backend's class, or (name, key, the class that builds it)
+    items = [triton_tiles.CompileItem(*it) if len(it) == 3 else triton_tiles.CompileItem(*it, cls)
+             for cls, its in per_backend for it in its]  # fmt: skip
     chunks = triton_tiles.compile_plan(items, workers, share)
     t0 = time.perf_counter()
     failures = triton_tiles.compile_chunks(chunks, device, timings.busy)

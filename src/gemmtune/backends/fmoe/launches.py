@@ -4,13 +4,15 @@ decides the binary it loads (its compile signature):
   - the kernel, its constexprs and launch options (the config's blocks, split, warps and stages; the
     slot count's power of two and the grid over slots or experts of a direct launch; gating, activation,
     routing weights, expert map; the sort's bins and chunks, the act*mul and combine block sizes);
-  - each pointer argument's dtype (every tensor is freshly allocated, so 16-byte aligned);
+  - each pointer argument's dtype, and whether 16 bytes divide its address (every tensor the family's
+    inputs and the launchers allocate is, so only the strided hidden state's is not);
   - each int argument as Triton specializes it: == 1, or its type (i32/i64) and whether 16 divides it.
 Two launches with one description load one binary; the precompile (precompile.py) dedupes and picks
-stand-in keys by it. It mirrors the launchers as stages.py calls them on the family's inputs
-(kernels/fused_moe.py moe_gemm and combine, kernels/moe_route.py expert_sort, kernels/activations.py
-act_mul; a device's PDL launch option is the same for every key and left out); tests/test_moe_precompile.py
-records the real launches to hold it to them.
+stand-in keys by it. It mirrors the launchers as stages.py calls them on the family's inputs, as made
+(form "") or in one of the other call forms the tuner's full check calls a solution with (FORMS: the
+family's check_variants), through kernels/fused_moe.py moe_gemm and combine, kernels/moe_route.py
+expert_sort, kernels/activations.py act_mul (a device's PDL launch option is the same for every key and
+left out); tests/test_moe_precompile.py records the real launches to hold it to them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from ...families.fmoe import MoeKey, act_name
 from ...kernels import fused_moe as kmoe
 from ...kernels import moe_route
 from ...kernels.activations import ACTIVATIONS as ACT_MUL_ACTS
+
+# The call forms of the full check (families/fmoe.py check_variants, by its labels), as item names spell
+# them: the hidden state a view of a wider buffer (4 elements in: its address off 16 bytes in 16-bit),
+# the router's ids int32 with routing weights in the key's dtype, the expert weights stored (E, K, N).
+FORMS = {"strided": "hidden strided", "ids32": "int32 ids, 16-bit weights", "ekn": "weights stored (E, K, N)"}
 
 
 class Launch(NamedTuple):
@@ -49,7 +56,8 @@ def _dt(dtype: torch.dtype) -> str:
 
 
 class _Call(NamedTuple):
-    """What one call on the family's inputs (families/fmoe.py make_inputs) passes to the launchers."""
+    """What one call on the family's inputs (families/fmoe.py make_inputs), in call form `form` (FORMS),
+    passes to the launchers."""
 
     T: int
     H: int
@@ -64,41 +72,55 @@ class _Call(NamedTuple):
     dt: str
     ids: str  # the router ids' dtype (torch.topk's int64)
     map: str  # the expert map's dtype (the ids stand in without one)
+    weights: str  # the routing weights' dtype (fp32)
+    hidden: str  # the hidden state's pointer (dtype, unaligned when strided)
+    stride_t: int  # the hidden state's row stride
+    ekn: bool  # the expert weights stored (E, K, N)
 
     @classmethod
-    def of(cls, key: MoeKey) -> _Call:
+    def of(cls, key: MoeKey, form: str = "") -> _Call:
+        if form and form not in FORMS:
+            raise ValueError(f"unknown call form {form!r} (known: {', '.join(FORMS)})")
         tk = key.topk + key.shared_expert
         has_map = bool(key.global_expert)
+        dt = _dt(key.dtype)
+        ids = "int32" if form == "ids32" else "int64"
+        hidden, stride_t = dt, key.model_dim
+        if form == "strided":  # wide[:, 4 : 4 + H] of a (T, H + 8) buffer
+            stride_t = key.model_dim + 8
+            hidden = dt if 4 * key.dtype.itemsize % 16 == 0 else f"{dt} unaligned"
         return cls(key.token, key.model_dim, key.inter_dim, key.expert, key.topk, tk, key.token * tk, key.num_routed,
-                   key.local_routed, has_map, _dt(key.dtype), "int64", "int32" if has_map else "int64")  # fmt: skip
+                   key.local_routed, has_map, dt, ids, "int32" if has_map else ids,
+                   dt if form == "ids32" else "float32", hidden, stride_t, form == "ekn")  # fmt: skip
 
 
-def gemm_launch(key: MoeKey, cfg: kmoe.MoeGemmConfig) -> Launch:
+def gemm_launch(key: MoeKey, cfg: kmoe.MoeGemmConfig, form: str = "") -> Launch:
     """moe_gemm's launch for stage cfg.stage of `key` (stage 1 into finished rows, stage 2 into partials)."""
-    c = _Call.of(key)
+    c = _Call.of(key, form)
     S, H, I = c.S, c.H, c.I  # noqa: E741
     sk = cfg.split_k
+    a_ptr = c.dt
     if cfg.stage == 1:
         g = 2 if key.use_g1u1 else 1
         n, k, gated, act, weighted = I, H, bool(key.use_g1u1), kmoe.ACTS[act_name(key.act_type)], key.doweight_stage1
-        a = (H, 0, 1)  # hidden (T, H): every routing column reads its token's row
-        b = (g * I * H, 1, H)  # w1 (E, gI, H) read as (E, H, gI)
+        a, a_ptr = (c.stride_t, 0, 1), c.hidden  # hidden (T, H): every routing column reads its token's row
+        b = (g * I * H, g * I, 1) if c.ekn else (g * I * H, 1, H)  # w1 (E, gI, H) read as (E, H, gI)
         out, c_str = c.dt, (S * I, I, 1)  # the rows (S, I) as (1, S, I)
         fixup = sk > 1
         part, p_str, lock = ("float32", (S * g * I, g * I), "int32") if fixup else (out, c_str[:2], out)
     else:
         n, k, gated, act, weighted, fixup = H, I, False, 0, False, False
         a = (c.tk * I, I, 1)  # the rows (S, I) in slot order
-        b = (H * I, 1, I)  # w2 (E, H, I) read as (E, I, H)
+        b = (H * I, H, 1) if c.ekn else (H * I, 1, I)  # w2 (E, H, I) read as (E, I, H)
         out, c_str = ("float32" if sk > 1 else c.dt), (S * H, H, 1)
         part, p_str, lock = out, c_str[:2], out
-    w, w_str = ("float32", (c.topk, 1)) if weighted else (out, (0, 0))
+    w, w_str = (c.weights, (c.topk, 1)) if weighted else (out, (0, 0))
     strides = tuple(spec(v) for v in (*a, *b, *c_str, *w_str, *p_str))
     common = (("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("BLOCK_K", cfg.block_k), ("SPLIT_K", sk),
               ("FIXUP", fixup), ("GATED", gated), ("ACT", act), ("MUL_WEIGHT", weighted),
               ("PREC", "ieee" if key.dtype == torch.float32 else "tf32"), ("num_warps", cfg.warps),
               ("num_stages", cfg.stages))  # fmt: skip
-    pointers = (c.dt, c.dt, out, w, part, lock)
+    pointers = (a_ptr, c.dt, out, w, part, lock)
     if cfg.direct:
         ints = tuple(spec(v) for v in (S, n, k, c.tk, c.topk, c.routed, c.local, c.topk, 1))
         grid = (("SLOTS", max(16, _p2(S))), ("HAS_MAP", c.has_map), ("BY_SLOT", S < c.E))
@@ -107,11 +129,11 @@ def gemm_launch(key: MoeKey, cfg: kmoe.MoeGemmConfig) -> Launch:
     return Launch("_moe_gemm_sorted", (*pointers, "int32", "int32"), ints + strides, common)
 
 
-def combine_launch(key: MoeKey, splits: int, c_dtype: str, rows: bool) -> Launch:
+def combine_launch(key: MoeKey, splits: int, c_dtype: str, rows: bool, form: str = "") -> Launch:
     """combine's launch: `splits` partials of c_dtype, in slot order or (rows) sorted by expert."""
-    c = _Call.of(key)
+    c = _Call.of(key, form)
     weighted = not key.doweight_stage1
-    w, w_str = ("float32", (c.topk, 1)) if weighted else (c.dt, (0, 0))
+    w, w_str = (c.weights, (c.topk, 1)) if weighted else (c.dt, (0, 0))
     pointers = (c_dtype, w, c.ids, c.map, "int64" if rows else c.ids, c.dt)
     ints = tuple(spec(v) for v in (c.H, c.tk, c.topk, c.routed, c.local, c.topk, 1, *w_str, c.S * c.H, c.H, c.H))
     consts = (("SPLITS", splits), ("TK_P2", max(2, _p2(c.tk))), ("HAS_MAP", c.has_map), ("MUL_WEIGHT", weighted),
@@ -119,18 +141,19 @@ def combine_launch(key: MoeKey, splits: int, c_dtype: str, rows: bool) -> Launch
     return Launch("_combine", pointers, ints, consts)
 
 
-def stage_launches(key: MoeKey, cfg: kmoe.MoeGemmConfig) -> tuple[Launch, ...]:
-    """A Triton stage alone: stage 1's GEMM; stage 2's GEMM and the combine of its partials."""
+def stage_launches(key: MoeKey, cfg: kmoe.MoeGemmConfig, form: str = "") -> tuple[Launch, ...]:
+    """A Triton stage alone, or in a pair (the same launches): stage 1's GEMM; stage 2's GEMM and the
+    combine of its partials."""
     if cfg.stage == 1:
-        return (gemm_launch(key, cfg),)
+        return (gemm_launch(key, cfg, form),)
     c_dtype = "float32" if cfg.split_k > 1 else _dt(key.dtype)
-    return gemm_launch(key, cfg), combine_launch(key, cfg.split_k, c_dtype, rows=False)
+    return gemm_launch(key, cfg, form), combine_launch(key, cfg.split_k, c_dtype, False, form)
 
 
-def glue_launches(key: MoeKey) -> tuple[Launch, ...]:
+def glue_launches(key: MoeKey, form: str = "") -> tuple[Launch, ...]:
     """The Triton glue around torch._grouped_mm (both stages grouped_mm, triton_glue): the sort by expert,
     act*mul of the gated activations it computes, the combine of the sorted rows."""
-    c = _Call.of(key)
+    c = _Call.of(key, form)
     out: list[Launch] = []
     if c.S:
         p = moe_route.sort_plan(c.S, c.E)
@@ -144,5 +167,5 @@ def glue_launches(key: MoeKey) -> tuple[Launch, ...]:
         out.append(Launch("_act_mul_kernel", (c.dt, c.dt), (spec(c.I), spec(2 * c.I)),
                           (("ACT", ACT_MUL_ACTS.index(act)), ("BLOCK", block),
                            ("num_warps", 4 if block >= 512 else 1))))  # fmt: skip
-    out.append(combine_launch(key, 1, c.dt, rows=True))
+    out.append(combine_launch(key, 1, c.dt, True, form))
     return tuple(out)

@@ -1,8 +1,8 @@
 """The fmoe family's `triton` backend: every pair with a Triton stage (`moe1_...|moe2_...`, the other stage
 may be `grouped_mm`), and `grouped_mm|grouped_mm` with gemmtune's Triton kernels around the two
 torch._grouped_mm GEMMs (the sort by expert, gated activation and combine: fmoe/stages.py's glue).
-Its kernels compile on their first call; the tuner compiles them ahead (precompile.py), where a bare
-stage config (`moe1_...`, no table row names one) is that stage alone.
+Its kernels compile on their first call; the tuner compiles them ahead (precompile.py: its items, each a
+stage config or the glue in one call form, are built by precompile.ItemBuilder, not as solutions).
 """
 
 from __future__ import annotations
@@ -175,7 +175,6 @@ class TritonMoeBackend(Backend):
     name = "triton"
     family = "fmoe"
     needs = Needs(triton=True)
-    compiles_on_first_call = True  # the precompile runs each item once (on its stand-in key)
 
     def candidates(self, key: MoeKey, device: torch.device) -> list[Solution]:
         """The heuristic pair and the grouped_mm pair with Triton glue: the tuner draws every other pair
@@ -188,10 +187,6 @@ class TritonMoeBackend(Backend):
         return solution_of(*heuristic_configs(key, facts(device).sms))
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
-        """A pair this backend runs; a bare stage config (a precompile item, never supported) is that stage alone."""
-        one = precompile.one_stage(kernel_name)
-        if one is not None:
-            return Solution(self.name, one.name, one.block_m, one.split_k)
         stages = _stages_of(kernel_name)
         return solution_of(*stages) if stages else None
 
@@ -205,17 +200,15 @@ class TritonMoeBackend(Backend):
         return all(s.fits(slots) for s in stages if s != GM)
 
     def make_runner(self, solution: Solution, key: MoeKey, device: torch.device) -> Runner:
-        one = precompile.one_stage(solution.kernel_name)
-        if one is not None:
-            return precompile.one_stage_runner(key, one)
         stages = _stages_of(solution.kernel_name)
         if stages is None:
             raise ValueError(f"not a Triton fused-MoE solution: {solution.kernel_name!r}")
         return pair_runner(key, *stages, triton_glue=True)
 
-    def compile_items(self, jobs: list[tuple[Solution, MoeKey]]) -> list[tuple[str, MoeKey]]:
-        """(item name, stand-in key) that compile every Triton kernel a tune of the jobs' keys runs (precompile.py)."""
-        return precompile.compile_items(jobs, stage_sweep)
+    def compile_items(self, jobs: list[tuple[Solution, MoeKey]], scope=None) -> list[tuple[str, MoeKey, type]]:
+        """(item name, stand-in key, its builder) that compile the Triton kernels a tune of the jobs' keys runs
+        (precompile.py); `scope` (tuner/search.py CompileScope) adds the range verification's token counts."""
+        return precompile.compile_items(jobs, stage_sweep, scope)
 
     # stages: every Triton config of the sweep, per stage
     def stage_candidates(self, key: MoeKey, device: torch.device, stage: int) -> list[str]:

@@ -239,7 +239,10 @@ def compile_stand_in(key):
 
 
 class CompileItem(NamedTuple):
-    """One kernel to compile ahead: its name, the key it is built for, and the backend class that builds it."""
+    """One kernel to compile ahead: its name, the key it is built for, and the class that builds it: a backend
+    (its runner for the solution the name names, run once if its kernels compile on the first call), or a
+    builder whose build_item(name, key, device) compiles what a name of its own names (a backend's
+    compile_items may name one: items that are no solution of the backend)."""
 
     name: str
     key: tuple
@@ -250,9 +253,13 @@ def _precompile_worker(args):
     backend_cls, names, keys, device_str = args
     backend = backend_cls()
     device = torch.device(device_str)
+    build = getattr(backend, "build_item", None)
     failed = []
     for name, key in zip(names, keys, strict=True):
         try:
+            if build is not None:
+                build(name, key, device)
+                continue
             first_call = getattr(backend, "compiles_on_first_call", False)  # its kernels compile when first run
             if first_call:
                 key = compile_stand_in(key)
