@@ -1,6 +1,7 @@
 """Is eager prefill host-bound? For stock, optimize() and optimize(quantize="fp8") of a 4-layer model
-(random weights, 1x2048): the host time to issue one forward (no sync inside) against its wall time,
-then torch.profiler's host-side table of the fp8 model's forwards.
+(random weights, 1x2048): the host time to issue one forward (no sync inside) against its wall time and
+against the GPU's busy time (the sum of its kernels' durations, torch.profiler), then torch.profiler's
+host-side table of the fp8 model's forwards.
 
     python benchmarks/experiments/exp_host_overhead.py llama-3-8b
 """
@@ -41,8 +42,15 @@ def main() -> None:
                 torch.cuda.synchronize()
                 host.append(t1 - t0)
                 wall.append(time.perf_counter() - t0)
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                m(input_ids=ids, use_cache=False, logits_to_keep=1)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 3 / 1e3
         print(
-            f"{label}: host issue {statistics.median(host) * 1e3:.2f} ms, wall {statistics.median(wall) * 1e3:.2f} ms"
+            f"{label}: host issue {statistics.median(host) * 1e3:.2f} ms, wall {statistics.median(wall) * 1e3:.2f} ms, "
+            f"GPU busy {busy:.2f} ms ({len(kernels) / 3:.0f} kernels a forward)"
         )
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
