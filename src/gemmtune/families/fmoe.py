@@ -54,6 +54,11 @@ class MoeKey(NamedTuple):
         return self.expert - self.shared_expert
 
     @property
+    def slots(self) -> int:
+        """(token, expert) rows the two stages compute: each token's top-k routed experts and the shared ones."""
+        return self.token * (self.topk + self.shared_expert)
+
+    @property
     def num_routed(self) -> int:
         """The range of the router's ids."""
         return self.global_expert or self.local_routed
@@ -253,7 +258,7 @@ class FusedMoe(Family):
 
     def stage_output_shape(self, key: MoeKey, stage: int) -> tuple[int, int]:
         if stage == 1:
-            return (key.token * (key.topk + key.shared_expert), key.inter_dim)
+            return (key.slots, key.inter_dim)
         return self.output_shape(key)
 
     def stage_result(self, key: MoeKey, stage: int, out, inputs):

@@ -83,16 +83,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 ONE_PASS_MAX = 32768
 
 
+def row_launch(width: int, one_pass_max: int = ONE_PASS_MAX) -> dict:
+    """BLOCK, ONE_PASS and num_warps of a per-token kernel over `width`-wide rows, one row a program: the
+    whole row in one block up to one_pass_max, else 4096-wide blocks in two passes; 16 values a thread
+    (32 at 32768 wide)."""
+    whole = triton.next_power_of_2(max(width, 16))
+    one_pass = whole <= one_pass_max
+    block = whole if one_pass else min(4096, whole)
+    return {"BLOCK": block, "ONE_PASS": one_pass, "num_warps": 4 if block <= 2048 else min(32, block // 512)}
+
+
 def launch_per_token(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, one_pass_max: int = ONE_PASS_MAX) -> None:
     """Fill q [M, K] and s [M, 1] from x2 [M, K] (unit stride along K)."""
     m, k = x2.shape
     if m:
-        whole = triton.next_power_of_2(max(k, 16))
-        one_pass = whole <= one_pass_max
-        block = whole if one_pass else min(4096, whole)
-        warps = 4 if block <= 2048 else min(32, block // 512)  # 16 values a thread (32 at 32768 wide)
         _per_token_kernel[(m,)](x2, q, s, k, x2.stride(0), QMAX=qmax(q.dtype), IS_INT=not is_fp8(q.dtype),
-                                BLOCK=block, ONE_PASS=one_pass, num_warps=warps)  # fmt: skip
+                                **row_launch(k, one_pass_max))  # fmt: skip
 
 
 def launch_1x128(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:

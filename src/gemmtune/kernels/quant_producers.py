@@ -94,7 +94,7 @@ def act_mul_quant_ref(gu, act: str, qdtype, scaling):
 if HAS_TRITON:
     from .activations import act_mul_values
     from .norms import rmsnorm_tile
-    from .quant import _to_q, quantize_rows
+    from .quant import ONE_PASS_MAX, _to_q, quantize_rows, row_launch
 
     @triton.jit
     def _store_rows(y, rows, cols, mask, Q, QS, n_rows, C, stride_sm, stride_sg,
@@ -199,11 +199,6 @@ def _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, s
     return (q, s) if residual is None else (q, s, total)
 
 
-# A per-token act*mul row up to this wide is read once and kept on chip (32 warps: 32 values a thread);
-# wider rows take two passes, reading gate_up twice.
-ONE_PASS_MAX = 32768
-
-
 def _launch_act(gu, act: str, qdtype, scaling):
     inter = gu.shape[-1] // 2
     rows2d = activations.gate_up_rows(gu)
@@ -213,12 +208,9 @@ def _launch_act(gu, act: str, qdtype, scaling):
         return q, s
     common = {"ACT": activations.ACTIVATIONS.index(act), **_format_args(qdtype), **_pdl_kwargs(gu.device)}
     if scaling == "per_token":
-        whole = triton.next_power_of_2(max(inter, 16))
-        one_pass = whole <= ONE_PASS_MAX
-        block = whole if one_pass else min(4096, whole)
-        warps = 4 if block <= 2048 else min(32, block // 512)  # 16 values a thread (32 at 32768 wide)
-        _act_mul_quant_token_kernel[(m,)](rows2d, q, s, inter, rows2d.stride(0), BLOCK=block, ONE_PASS=one_pass,
-                                         num_warps=warps, **common)  # fmt: skip
+        # a row up to ONE_PASS_MAX wide is read once, kept on chip; wider ones read gate_up twice
+        _act_mul_quant_token_kernel[(m,)](rows2d, q, s, inter, rows2d.stride(0), **row_launch(inter, ONE_PASS_MAX),
+                                         **common)  # fmt: skip
     else:
         groups = s.shape[1]
         per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program

@@ -27,7 +27,7 @@ GM_MIN_SLOTS, GM_MIN_PER_EXPERT = 1024, 64
 def prefers_grouped_mm(key: MoeKey) -> bool:
     """Does an untuned `key` run the grouped_mm pair rather than the Triton heuristic pair (on a GPU
     where both run)?"""
-    slots = key.token * (key.topk + key.shared_expert)
+    slots = key.slots
     return slots >= GM_MIN_SLOTS and slots / max(1, min(key.expert, slots)) >= GM_MIN_PER_EXPERT
 
 

@@ -118,7 +118,7 @@ def item_runner(name: str, key: MoeKey):
         run = stage_runner(key, 1, unit, triton_glue=True)
     else:
         second = stage_runner(key, 2, unit, triton_glue=True)
-        slots = key.token * (key.topk + key.shared_expert)
+        slots = key.slots
 
         def run(hidden, *rest):
             return second(torch.zeros(slots, key.inter_dim, dtype=hidden.dtype, device=hidden.device), hidden, *rest)

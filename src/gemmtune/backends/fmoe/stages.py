@@ -184,7 +184,7 @@ def pair_runner(key: MoeKey, s1: Stage, s2: Stage, triton_glue: bool | None = No
     sort, activation and combine); None: Triton's where Triton runs on the call's device."""
 
     # launch constants of the Triton sort, fixed by the key (tokens, topk, experts)
-    plan = moe_route.sort_plan(key.token * (key.topk + key.shared_expert), key.expert) if triton_installed() else None
+    plan = moe_route.sort_plan(key.slots, key.expert) if triton_installed() else None
     counters = kmoe.ArrivalCounters()
 
     def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):

@@ -37,13 +37,9 @@ class Stage1Split:
 STAGE1_SPLIT = Stage1Split()
 
 
-def _slots(key: MoeKey) -> int:
-    return key.token * (key.topk + key.shared_expert)
-
-
 def stage1_programs(key: MoeKey, block_m: int, block_n: int) -> int:
     """Programs of an unsplit stage 1 that do work: experts hit (at most) x row blocks x N tiles."""
-    slots = _slots(key)
+    slots = key.slots
     hit = max(1, min(key.expert, slots))
     per_expert = -(-slots // hit)
     return hit * max(1, -(-per_expert // block_m)) * -(-key.inter_dim // block_n)
@@ -54,7 +50,7 @@ def stage1_splits(key: MoeKey, c1: kmoe.MoeGemmConfig, sms: int, waves: float) -
     whose every split walks >= min_k_steps BLOCK_K steps; none when c1 alone has as many programs as SMs."""
     rule = STAGE1_SPLIT
     programs = stage1_programs(key, c1.block_m, c1.block_n)
-    if programs >= sms or not replace(c1, split_k=2).fits(_slots(key)):  # a split where it may run at all
+    if programs >= sms or not replace(c1, split_k=2).fits(key.slots):  # a split where it may run at all
         return []
     k_steps = -(-key.model_dim // c1.block_k)
     out, split = [], 2
@@ -73,7 +69,7 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     taller stage-1 tile and a split stage 2; with fewer stage-1 programs than SMs (fine-grained experts
     at T = 1) a shorter K step with a deeper pipeline, and a wide, short-K stage 2 where I is small.
     Direct-mode keys with fewer stage-1 programs than SMs split stage 1 over H (STAGE1_SPLIT)."""
-    slots = _slots(key)
+    slots = key.slots
     hit = max(1, min(key.expert, slots))
     per_expert = slots / hit
     direct = slots <= 128
@@ -108,7 +104,7 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
 def sweep_configs(key: MoeKey, sms: int = 132) -> list[tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]]:
     """Candidate (stage 1, stage 2) pairs worth timing for `key` (the heuristic first); stage 1 split over
     H where it has fewer programs than SMs (stage1_splits)."""
-    slots = _slots(key)
+    slots = key.slots
     out = [heuristic_configs(key, sms)]
     modes = [True, False] if slots <= kmoe.DIRECT_MAX_SLOTS else [False]
     for direct in modes:
@@ -167,8 +163,7 @@ def stage_sweep(key: MoeKey, stage: int) -> list[kmoe.MoeGemmConfig]:
     """The Triton configs of one stage the tuner times apart for `key` (stage_configs that fit its slots)."""
     if not _triton_stage_ok(key):
         return []
-    slots = key.token * (key.topk + key.shared_expert)
-    return [c for c in stage_configs(key, stage) if c.fits(slots)]
+    return [c for c in stage_configs(key, stage) if c.fits(key.slots)]
 
 
 class TritonMoeBackend(Backend):
@@ -196,8 +191,7 @@ class TritonMoeBackend(Backend):
             return False
         if GM in stages and not grouped_mm_fits(key, device):
             return False
-        slots = key.token * (key.topk + key.shared_expert)
-        return all(s.fits(slots) for s in stages if s != GM)
+        return all(s.fits(key.slots) for s in stages if s != GM)
 
     def make_runner(self, solution: Solution, key: MoeKey, device: torch.device) -> Runner:
         stages = _stages_of(solution.kernel_name)
