@@ -196,7 +196,7 @@ class _TileStub:
     def supports(self, sol, key, device):
         return True
 
-    def compile_items(self, jobs):
+    def compile_items(self, jobs, scope=None):
         return list({sol.kernel_name: (sol.kernel_name, key) for sol, key in jobs}.values())
 
 
@@ -208,7 +208,7 @@ class _SkinnyStub(_TileStub):
 
         return [Solution("skinny", f"s{key.M}", 1)]
 
-    def compile_items(self, jobs):
+    def compile_items(self, jobs, scope=None):
         return [(sol.kernel_name, key) for sol, key in jobs]
 
 

@@ -31,7 +31,6 @@ against the family's default.
 from __future__ import annotations
 
 import importlib
-import inspect
 import math
 import time
 import zlib
@@ -571,10 +570,11 @@ class PrecompileTimings:
 
 @dataclass(frozen=True)
 class CompileScope:
-    """What a tune of the keys runs beyond each candidate's plain call on its own key, for a backend whose
-    compile_items takes it (a `scope` parameter): the options (the search, --stage-limit, the range
-    verification), the family's default at a key, and the keys at the Ms the range verification checks
-    a winner at (step 6: range_points from the key's floor, the lowest M its row should answer)."""
+    """What a tune of the keys runs beyond each candidate's plain call on its own key, given to every
+    backend's compile_items (those that compile only the plain calls ignore it): the options (the search,
+    --stage-limit, the range verification), the family's default at a key, and the keys at the Ms the
+    range verification checks a winner at (step 6: range_points from the key's floor, the lowest M its row
+    should answer)."""
 
     family: Family
     device: torch.device
@@ -598,21 +598,13 @@ class CompileScope:
 
 
 def _compile_items_of(backend: Backend) -> Callable | None:
-    """A backend's `compile_items(jobs) -> [(kernel name, key) or (name, key, builder class)]` (a method, or
-    its module's function), if it can compile ahead of time."""
+    """A backend's `compile_items(jobs, scope=None) -> [(kernel name, key) or (name, key, builder class)]`
+    (a method, or its module's function), if it can compile ahead of time; `scope` is the tune's
+    CompileScope, for backends that also compile what the range verification runs."""
     fn = getattr(backend, "compile_items", None)
     if fn is None:
         fn = getattr(importlib.import_module(type(backend).__module__), "compile_items", None)
     return fn
-
-
-def _call_compile_items(fn: Callable, jobs: list, scope: CompileScope) -> list:
-    """fn(jobs), with the tune's scope where fn takes one (a `scope` parameter)."""
-    try:
-        takes_scope = "scope" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # no signature to read: a builtin
-        takes_scope = False
-    return fn(jobs, scope=scope) if takes_scope else fn(jobs)
 
 
 def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
@@ -642,7 +634,7 @@ def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers:
         fn = _compile_items_of(backend)
         jobs = _candidate_jobs(backend, keys, device) if fn is not None else []
         if jobs:
-            items = _call_compile_items(fn, jobs, scope)
+            items = fn(jobs, scope=scope)
             per_backend.append((type(backend), items))
             timings.jobs[name], timings.kernels[name] = len(jobs), len(items)
     if not per_backend:

@@ -82,7 +82,7 @@ class TritonGemmBackend(Backend):
         kern(x, w, b, torch.empty((M, N), dtype=key.outdtype, device=device))
 
 
-def compile_items(jobs: list[tuple[Solution, GemmKey]]) -> list[tuple[str, GemmKey]]:
+def compile_items(jobs: list[tuple[Solution, GemmKey]], scope=None) -> list[tuple[str, GemmKey]]:
     """The (kernel name, key) pairs whose runners compile every kernel the (solution, key) jobs need:
     one per distinct compiled kernel (M does not specialize, N and K only through these facts)."""
     uniq: dict[tuple, tuple[str, GemmKey]] = {}

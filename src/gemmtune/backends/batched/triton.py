@@ -155,7 +155,7 @@ def warmup(cfg: BmmConfig, key: BatchedKey, device: torch.device) -> None:
     BmmKernel(cfg, 1, m, key.N, key.K, key.outdtype, device).launch(a, b, c)
 
 
-def compile_items(jobs: list[tuple[Solution, BatchedKey]]) -> list[tuple[str, BatchedKey]]:
+def compile_items(jobs: list[tuple[Solution, BatchedKey]], scope=None) -> list[tuple[str, BatchedKey]]:
     """The (kernel name, key) pairs whose runners compile every kernel the (solution, key) jobs need,
     one per distinct compiled kernel."""
     uniq: dict[tuple, tuple[str, BatchedKey]] = {}

@@ -141,7 +141,7 @@ def plan_signature(kernel_name: str, cfg: SkinnyConfig, key) -> tuple:
     return kernel_name, key._replace(M=0, N=0, K=0), sizes
 
 
-def compile_items(jobs: list, parse=SkinnyConfig.parse) -> list[tuple[str, tuple]]:
+def compile_items(jobs: list, scope=None, parse=SkinnyConfig.parse) -> list[tuple[str, tuple]]:
     """One (kernel name, key) per distinct binary the (solution, key) jobs' runners build (`parse`: the
     backend's kernel-name parser): many keys share a binary, and each is compiled by one process."""
     uniq: dict[tuple, tuple[str, tuple]] = {}

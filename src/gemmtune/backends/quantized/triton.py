@@ -84,7 +84,7 @@ class TritonA8W8Backend(TritonQuantBackend):
         ok = self.is_available(device) and self.key_ok(key)
         return ok and tg.supports(solution.kernel_name, key, torch.device(device))
 
-    def compile_items(self, jobs: list) -> list[tuple[str, tuple]]:
+    def compile_items(self, jobs: list, scope=None) -> list[tuple[str, tuple]]:
         """The a8w8_tg_ candidates' kernels to compile ahead (the a8w8_ tiles compile on their first call)."""
         return tg.compile_items(jobs)
 

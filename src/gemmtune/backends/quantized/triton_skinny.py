@@ -148,8 +148,8 @@ class SkinnyA8W8Backend(Backend):
         self.warmup(cfg, key, device)
         return run
 
-    def compile_items(self, jobs: list) -> list[tuple[str, tuple]]:
-        return skinny_compile_items(jobs, self.parse)
+    def compile_items(self, jobs: list, scope=None) -> list[tuple[str, tuple]]:
+        return skinny_compile_items(jobs, parse=self.parse)
 
     def precompile(self, jobs: list, device: torch.device, workers: int = 8, share: tuple[int, int] = (0, 1)) -> list:
         """Compile every (config, key) in `workers` processes; they fill Triton's on-disk cache, so the

@@ -117,7 +117,7 @@ def default_name(key, device: torch.device) -> str | None:
     return None
 
 
-def compile_items(jobs: list) -> list[tuple[str, tuple]]:
+def compile_items(jobs: list, scope=None) -> list[tuple[str, tuple]]:
     """The (kernel name, key) pairs whose runners compile every kernel the a8w8_tg_ (solution, key) jobs
     need, one per distinct compiled kernel (other jobs are passed over)."""
     uniq: dict[tuple, tuple] = {}
