@@ -137,8 +137,8 @@ def test_a_plan_lists_each_kinds_keys_once_for_its_ranks(tmp_path):
     keys = [GemmKey(m, 4096, 4096) for m in (1, 512, 8)]
     h100, mi300 = DeviceIdentity("sm90", 132), DeviceIdentity("gfx942", 304)
     plan = make_plan(fam, keys, [h100, mi300, h100], str(tmp_path / "none.csv"), False)
-    assert plan.kind_of == {0: 0, 1: 1, 2: 0} and plan.shares[0] == plan.shares[2] == plan.shares[1]
-    assert plan.shares[0][0] == keys[1]  # M=512, the most expensive, first
+    assert plan.kind_of == {0: 0, 1: 1, 2: 0} and plan.keys_of(0) == plan.keys_of(2) == plan.keys_of(1)
+    assert plan.keys_of(0)[0] == keys[1]  # M=512, the most expensive, first
     assert sorted(plan.everything(), key=str) == sorted(keys * 2, key=str)  # each key once per kind
     store = dist.HashStore()
     assert plan.claims(0, store).counter == plan.claims(2, store).counter != plan.claims(1, store).counter

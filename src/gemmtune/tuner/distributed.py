@@ -103,26 +103,29 @@ class Claims:
 
 @dataclass
 class Plan:
-    """What rank 0 decided: the family, per rank the keys its GPU kind still needs (most expensive
-    first; the kind's ranks claim them from one counter) with their M floors, and what was skipped."""
+    """What rank 0 decided: per GPU kind among the ranks, the keys it still needs (most expensive first;
+    the kind's ranks claim them from one counter) and their M floors; each rank's kind; what was skipped."""
 
     family: str
     run: str = field(default_factory=lambda: uuid.uuid4().hex)  # names this launch's claim counters
-    shares: dict[int, list] = field(default_factory=dict)
-    kind_of: dict[int, int] = field(default_factory=dict)
+    todo: dict[int, list] = field(default_factory=dict)
     floors: dict[int, dict] = field(default_factory=dict)
+    kind_of: dict[int, int] = field(default_factory=dict)
     skipped: int = 0
     lines: list[str] = field(default_factory=list)
 
+    def keys_of(self, rank: int) -> list:
+        return self.todo[self.kind_of[rank]]
+
+    def floors_of(self, rank: int) -> dict:
+        return self.floors[self.kind_of[rank]]
+
     def everything(self) -> list:
-        """Every (kind, key) to tune, once: the progress bar's total."""
-        first = {}
-        for r, kind in self.kind_of.items():
-            first.setdefault(kind, r)
-        return [k for kind in sorted(first) for k in self.shares[first[kind]]]
+        """Every key to tune, once per GPU kind: the progress bar's total."""
+        return [k for kind in sorted(self.todo) for k in self.todo[kind]]
 
     def claims(self, rank: int, store) -> Claims:
-        return Claims(self.shares[rank], store, f"gemmtune/claims/{self.run}/{self.kind_of[rank]}")
+        return Claims(self.keys_of(rank), store, f"gemmtune/claims/{self.run}/{self.kind_of[rank]}")
 
 
 def make_plan(fam, keys: list, idents: list[DeviceIdentity], output: str, all_shapes: bool) -> Plan:
@@ -139,10 +142,9 @@ def make_plan(fam, keys: list, idents: list[DeviceIdentity], output: str, all_sh
         if len(todo) < len(keys):
             plan.lines.append(f"gemmtune: {len(keys) - len(todo)} of {len(keys)} shapes already tuned in {output} "
                               f"for {ident.gfx}/{ident.cu_num} ({fam.name}; skipped, --all retunes them)")  # fmt: skip
-        ordered = by_cost(todo, {k: estimated_cost(fam, k) for k in todo})
-        for r in ranks:
-            plan.shares[r], plan.kind_of[r] = ordered, kind
-            plan.floors[r] = {k: floors[k] for k in todo}
+        plan.todo[kind] = by_cost(todo, {k: estimated_cost(fam, k) for k in todo})
+        plan.floors[kind] = {k: floors[k] for k in todo}
+        plan.kind_of.update(dict.fromkeys(ranks, kind))
         if todo:
             plan.lines.append(f"gemmtune: tuning {len(todo)} {fam.name} keys on {len(ranks)} rank(s) of "
                               f"{ident.gfx} ({ident.cu_num} units)")  # fmt: skip
@@ -172,10 +174,11 @@ def host_share(shares: dict[int, list], hosts: list[str], rank: int) -> tuple[li
 def _precompile_host(fleet: Fleet, plan, fam, dev: torch.device, opts: TuneOptions, workers: int,
                      log: Callable[[str], None]) -> None:  # fmt: skip
     """Compile the host's Triton kernels, split over its ranks; every rank waits until all hosts are done."""
-    keys, share = host_share(plan.shares, _gather(socket.gethostname(), fleet), fleet.rank)
+    shares = {r: plan.keys_of(r) for r in plan.kind_of}
+    keys, share = host_share(shares, _gather(socket.gethostname(), fleet), fleet.rank)
     floors: dict = {}
-    for r in sorted(plan.floors):  # a key's floor as the rank that tunes it gets it (one per GPU kind)
-        floors.update({k: f for k, f in plan.floors[r].items() if k not in floors})
+    for kind in sorted(plan.floors):  # a key's floor as its tune gets it (the first GPU kind's, if several)
+        floors.update({k: f for k, f in plan.floors[kind].items() if k not in floors})
     t0 = time.perf_counter()
     spent = PrecompileTimings()
     fails = precompile_all(keys, dev, opts, workers=workers, family=fam.name, share=share, timings=spent,
@@ -283,7 +286,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
         failed: list[str] = []
         receiver = threading.Thread(target=_receive, args=(fleet, sink, idents, failed), daemon=True)
         try:
-            items = tune_items(mine, plan.floors[0], fam, dev, opts, mp_workers, timeout, bar.say, verbose,
+            items = tune_items(mine, plan.floors_of(0), fam, dev, opts, mp_workers, timeout, bar.say, verbose,
                                False, log_here, compile_workers, prepare=host)  # fmt: skip
             receiver.start()  # after the precompile's collectives: the receiver's recv shares their group
             for item in items:
@@ -296,7 +299,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
         dist.barrier(group=fleet.control)
         return RunReport(sink.results, sink.failures, plan.skipped, time.perf_counter() - t0, fam.name)
     say = (lambda m: log(f"[rank {fleet.rank}] {m}")) if verbose else (lambda m: None)
-    for item in tune_items(mine, plan.floors[fleet.rank], fam, dev, opts, mp_workers, timeout, say, verbose,
+    for item in tune_items(mine, plan.floors_of(fleet.rank), fam, dev, opts, mp_workers, timeout, say, verbose,
                            False, log_here, compile_workers, prepare=host):  # fmt: skip
         _send_to_rank0(item, fleet)
     _send_to_rank0(None, fleet)
