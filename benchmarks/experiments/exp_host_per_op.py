@@ -20,6 +20,8 @@ import triton.language as tl
 import gemmtune
 from gemmtune.kernels.quant import quantize_per_token_triton
 from gemmtune.kernels.quant_producers import rmsnorm_quant
+from gemmtune.models.quantize import quantize_linears
+from gemmtune.models.report import OptimizeReport
 
 CALLS = 200
 
@@ -57,7 +59,7 @@ def main() -> None:
     norm_w = torch.ones(k, device=dev, dtype=torch.bfloat16)
     lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
     qlin = torch.nn.Sequential(lin)
-    gemmtune.optimize(qlin, quantize="fp8")
+    quantize_linears(qlin, "fp8", OptimizeReport("none", "none", "", {}))
     small = torch.zeros(4096, device=dev)
     ck = _touch[(4,)](small, 4096, BLOCK=1024)
     runner = ck[(4, 1, 1)]
