@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import empty_out as _empty  # tests swap in a NaN-filled allocation
+from .launch import Plans, cached_launch, tensor_signature
 
 
 @triton.jit
@@ -177,6 +178,7 @@ class TileConfig:
 
 
 _REDUCE_TILE = (32, 128)
+_PLANS = Plans()  # the GEMM kernel's launches, per signature
 
 
 def out_like(xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -225,7 +227,9 @@ def a8w8_launch(cfg: TileConfig, xq, wq, xs, ws, bias, y) -> torch.Tensor:
     if plan is None:
         return y
     m, n, k, split, per, grid, p = plan
-    _a8w8_kernel[grid](
+    signature = (cfg, *(tensor_signature(t) for t in (xq, wq, xs, ws, bias, y)))
+    cached_launch(
+        _PLANS, signature, _a8w8_kernel, grid,
         xq, wq, xs, ws, bias if bias is not None else y, y, p, m, n, k, per,
         xq.stride(0), wq.stride(0), y.stride(0),
         XS_ROWS=xs.numel() > 1, WS_COLS=ws.numel() > 1, HAS_BIAS=bias is not None, SPLIT=split > 1,

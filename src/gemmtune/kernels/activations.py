@@ -19,8 +19,10 @@ from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
 from ._common import pdl_kwargs as _pdl_kwargs
 from .compile_mode import compile_impl
+from .launch import Plans, cached_launch, tensor_signature
 
 _is_compiling = torch.compiler.is_compiling
+_PLANS = Plans()  # the kernel's launches, per signature
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -94,7 +96,11 @@ def _launch(gu: torch.Tensor, act: str) -> torch.Tensor:
         return y
     block = min(1024, triton.next_power_of_2(inter))
     grid = (n_rows, triton.cdiv(inter, block))
-    _act_mul_kernel[grid](
+    cached_launch(
+        _PLANS,
+        (tensor_signature(gu), act),
+        _act_mul_kernel,
+        grid,
         rows2d,
         y,
         inter,

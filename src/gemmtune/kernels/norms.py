@@ -27,8 +27,10 @@ from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
 from ._common import pdl_kwargs as _pdl_kwargs
 from .compile_mode import compile_impl
+from .launch import Plans, cached_launch, tensor_signature
 
 _is_compiling = torch.compiler.is_compiling
+_PLANS = Plans()  # the kernel's launches, per signature
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -178,7 +180,10 @@ def _launch(x, residual, weight, eps, offset, cast_before_weight):
     s = None if residual is None else _empty(rows.x.shape, rows.x)
     if rows.n_rows:
         block_r, block_c, warps = norm_blocks(C)
-        _rmsnorm_kernel[(triton.cdiv(rows.n_rows, block_r),)](
+        signature = (tensor_signature(x), tensor_signature(residual), tensor_signature(weight), eps, offset,
+                     cast_before_weight)  # fmt: skip
+        cached_launch(
+            _PLANS, signature, _rmsnorm_kernel, (triton.cdiv(rows.n_rows, block_r),),
             rows.x, rows.r, weight, y, y if s is None else s,
             rows.n_rows, rows.inner, *rows.strides, C, float(eps), float(offset),
             HAS_RES=residual is not None, CAST_BEFORE_W=cast_before_weight,

@@ -17,12 +17,14 @@ from ..device import triton_installed, triton_on_gpu
 from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import empty_out as _empty
 from ._common import pdl_kwargs as _pdl_kwargs
+from .launch import Plans, cached_launch, tensor_signature
 from .norms import kernel_dtypes_ok as norm_dtypes_ok
 from .norms import rmsnorm, rmsnorm_ref
 from .rope import kernel_fits as rope_fits
 from .rope import rope, rope_ref
 
 _is_compiling = torch.compiler.is_compiling
+_PLANS = Plans()  # the kernel's launches, per signature
 
 
 def qk_norm_rope_ref(q, k, wq, wk, cos, sin, eps_q: float, eps_k: float, *, offset=0.0, cast_before_weight=True):
@@ -154,6 +156,7 @@ def _unfused(q, k, wq, wk, cos, sin, eps_q, eps_k, kw):
 
 
 def _launch(q, k, wq, wk, cos, sin, eps_q, eps_k, offset, cast_before_weight):
+    signature = (*(tensor_signature(t) for t in (q, k, wq, wk, cos, sin)), eps_q, eps_k, offset, cast_before_weight)
     B, S, HQ, D = q.shape
     HKV = k.shape[2]
     R = cos.shape[-1]
@@ -168,7 +171,8 @@ def _launch(q, k, wq, wk, cos, sin, eps_q, eps_k, offset, cast_before_weight):
     block_h = max(1, min(16, triton.next_power_of_2(HQ + HKV), 4096 // block_d))
     grid = (B * S, triton.cdiv(HQ + HKV, block_h))
     sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
-    _qk_norm_rope_kernel[grid](
+    cached_launch(
+        _PLANS, signature, _qk_norm_rope_kernel, grid,
         q, k, wq, wk, cos, sin, qo, ko,
         S, HQ, HKV, D, R, float(eps_q), float(eps_k), float(offset),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),

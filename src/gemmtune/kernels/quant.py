@@ -16,6 +16,7 @@ import triton.language as tl
 from ..quant.formats import SCALE_DTYPE, is_fp8, qmax
 from ..quant.layouts import m_major as m_major_view
 from ..quant.quantize import quantize_1x128, quantize_per_token
+from .launch import Plans, cached_launch, tensor_signature
 
 
 @triton.jit
@@ -82,6 +83,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # twice: at M=1024, K=8192 on an H100 that quantizer ran at ~1 TB/s, slower than the fp8 GEMM it fed gained.
 ONE_PASS_MAX = 32768
 
+_PER_TOKEN, _GROUPS = Plans(), Plans()  # the launches of each kernel, per signature
+
 
 def row_launch(width: int, one_pass_max: int = ONE_PASS_MAX) -> dict:
     """BLOCK, ONE_PASS and num_warps of a per-token kernel over `width`-wide rows, one row a program: the
@@ -97,8 +100,9 @@ def launch_per_token(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, one_pas
     """Fill q [M, K] and s [M, 1] from x2 [M, K] (unit stride along K)."""
     m, k = x2.shape
     if m:
-        _per_token_kernel[(m,)](x2, q, s, k, x2.stride(0), QMAX=qmax(q.dtype), IS_INT=not is_fp8(q.dtype),
-                                **row_launch(k, one_pass_max))  # fmt: skip
+        signature = (tensor_signature(x2), q.dtype, one_pass_max)
+        cached_launch(_PER_TOKEN, signature, _per_token_kernel, (m,), x2, q, s, k, x2.stride(0), QMAX=qmax(q.dtype),
+               IS_INT=not is_fp8(q.dtype), **row_launch(k, one_pass_max))  # fmt: skip
 
 
 def launch_1x128(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -107,7 +111,9 @@ def launch_1x128(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     groups = s.shape[1]
     if m:
         per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program
-        _group_kernel[(m, triton.cdiv(groups, per))](
+        signature = (tensor_signature(x2), q.dtype, s.stride())
+        cached_launch(
+            _GROUPS, signature, _group_kernel, (m, triton.cdiv(groups, per)),
             x2, q, s, k, groups, x2.stride(0), s.stride(0), s.stride(1), QMAX=qmax(q.dtype),
             IS_INT=not is_fp8(q.dtype), GROUP=128, GROUPS=per, num_warps=4 if per >= 4 else 1,
         )  # fmt: skip

@@ -27,10 +27,12 @@ from . import activations, norms
 from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import pdl_kwargs as _pdl_kwargs
+from .launch import Plans, cached_launch, tensor_signature
 
 _is_compiling = torch.compiler.is_compiling
 
 SCALINGS = ("per_token", "1x128")
+_NORM_PLANS, _ACT_PLANS = Plans(), Plans()  # the kernels' launches, per signature
 
 
 # ---- outputs ------------------------------------------------------------------------------------
@@ -190,7 +192,10 @@ def _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, s
         group = 0 if scaling == "per_token" else BLOCK
         block_r, block_c, warps = norms.norm_blocks(max(C, group))  # a 1x128 tile holds whole groups
         s2 = s.view(-1, s.shape[-1])
-        _rmsnorm_quant_kernel[(triton.cdiv(rows.n_rows, block_r),)](
+        signature = (tensor_signature(x), tensor_signature(residual), tensor_signature(weight), eps, offset,
+                     cast_before_weight, qdtype, scaling)  # fmt: skip
+        cached_launch(
+            _NORM_PLANS, signature, _rmsnorm_quant_kernel, (triton.cdiv(rows.n_rows, block_r),),
             rows.x, rows.r, weight, q if total is None else total, q, s,
             rows.n_rows, rows.inner, *rows.strides, C, float(eps), float(offset), s2.stride(0), s2.stride(1),
             HAS_RES=residual is not None, CAST_BEFORE_W=cast_before_weight, GROUP=group,
@@ -209,13 +214,14 @@ def _launch_act(gu, act: str, qdtype, scaling):
     common = {"ACT": activations.ACTIVATIONS.index(act), **_format_args(qdtype), **_pdl_kwargs(gu.device)}
     if scaling == "per_token":
         # a row up to ONE_PASS_MAX wide is read once, kept on chip; wider ones read gate_up twice
-        _act_mul_quant_token_kernel[(m,)](rows2d, q, s, inter, rows2d.stride(0), **row_launch(inter, ONE_PASS_MAX),
-                                         **common)  # fmt: skip
+        cached_launch(_ACT_PLANS, (tensor_signature(gu), act, qdtype, scaling), _act_mul_quant_token_kernel, (m,),
+               rows2d, q, s, inter, rows2d.stride(0), **row_launch(inter, ONE_PASS_MAX), **common)  # fmt: skip
     else:
         groups = s.shape[1]
         per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program
-        _act_mul_quant_group_kernel[(m, triton.cdiv(groups, per))](
-            rows2d, q, s, inter, groups, rows2d.stride(0), s.stride(0), s.stride(1),
+        cached_launch(
+            _ACT_PLANS, (tensor_signature(gu), act, qdtype, scaling), _act_mul_quant_group_kernel,
+            (m, triton.cdiv(groups, per)), rows2d, q, s, inter, groups, rows2d.stride(0), s.stride(0), s.stride(1),
             GROUP=BLOCK, GROUPS=per, num_warps=4 if per >= 4 else 1, **common,
         )  # fmt: skip
     return q, s

@@ -17,8 +17,10 @@ from ._common import HAS_TRITON, tl, triton  # noqa: F401 - re-exported for call
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
 from .compile_mode import compile_impl
+from .launch import Plans, cached_launch, tensor_signature
 
 _is_compiling = torch.compiler.is_compiling
+_PLANS = Plans()  # the kernel's launches, per signature
 
 
 def _rotate_half(x):
@@ -131,6 +133,7 @@ def kernel_fits(q, k, cos, sin) -> bool:
 
 
 def _launch(q, k, cos, sin):
+    signature = tuple(tensor_signature(t) for t in (q, k, cos, sin))
     B, S, HQ, D = q.shape
     HKV = k.shape[2]
     R = cos.shape[-1]
@@ -148,7 +151,8 @@ def _launch(q, k, cos, sin):
     block_p = 0 if R == D else triton.next_power_of_2(D - R)
     grid = (B * S, triton.cdiv(HQ + HKV, block_h))
     sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
-    _rope_kernel[grid](
+    cached_launch(
+        _PLANS, signature, _rope_kernel, grid,
         q, k, cos, sin, qo, ko,
         S, HQ, HKV, D, R,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),

@@ -49,11 +49,13 @@ import triton.language as tl
 
 from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in kernels
 from .gemm_ref import gemm_ref
+from .launch import Plans, cached_launch, tensor_signature
 
 REDUCE_NONE, REDUCE_FIXUP, REDUCE_KERNEL, REDUCE_ATOMIC = 0, 1, 2, 3
 _REDUCE_SUFFIX = {REDUCE_FIXUP: "fx", REDUCE_KERNEL: "rk", REDUCE_ATOMIC: "at"}
 _SUFFIX_REDUCE = {v: k for k, v in _REDUCE_SUFFIX.items()}
 KINDS = ("dot", "gemv")
+_PLANS = Plans()  # the kernels' launches, per signature
 GEMV_MAX_ROWS = 4  # the gemv accumulator holds BLOCK_M * BLOCK_N * BLOCK_K fp32 values in registers
 DOT_MAX_BLOCK_M = 64
 _SUPPORTED_IN = (torch.float16, torch.bfloat16, torch.float32)
@@ -460,7 +462,12 @@ def launch(
     p = torch.empty((plan.split, m, n), dtype=torch.float32, device=y.device) if reduce in (1, 2) else out
     if reduce == REDUCE_FIXUP and (counters is None or counters.numel() < plan.grid[0] * plan.grid[2]):
         raise ValueError(f"skinny gemm {cfg.name}: counters for M={m} N={n} missing or too small")
-    _skinny_kernel[plan.grid](
+    signature = (cfg, block_scales, *(tensor_signature(t) for t in (x2, w, bias, y, counters, *(scales or ()))))
+    cached_launch(
+        _PLANS,
+        signature,
+        _skinny_kernel,
+        plan.grid,
         x2,
         w,
         bias if has_bias else out,
@@ -481,7 +488,11 @@ def launch(
         **plan.constexprs,
     )
     if reduce == REDUCE_KERNEL:
-        _splitk_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
+        cached_launch(
+            _PLANS,
+            ("reduce", signature),
+            _splitk_reduce_kernel,
+            (triton.cdiv(m * n, _REDUCE_BLOCK),),
             p,
             bias if has_bias else y,
             *(scales or (p, p)),

@@ -30,6 +30,7 @@ import triton.language as tl
 from ..device import facts
 from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in the kernel
 from .gemm_ref import epilogue_ref, gemm_ref
+from .launch import Plans, cached_launch, tensor_signature
 from .tile_config import GemmTileConfig
 
 try:  # host-side TMA descriptors (Triton >= 3.4); absent on older releases
@@ -409,6 +410,7 @@ class TGKernel:
         if cfg.pdl and not HAS_PDL:
             raise ValueError(f"{cfg.name}: this Triton has no programmatic dependent launch")
         self._pdl = {"PDL": cfg.pdl, "launch_pdl": True} if cfg.pdl else {}
+        self._plans = Plans()  # the GEMM kernel's launches, per signature
 
     def tiles(self, M: int, N: int) -> int:
         return triton.cdiv(M, self.cfg.bm) * triton.cdiv(N, self.cfg.bn)
@@ -434,6 +436,7 @@ class TGKernel:
         N = w.shape[0]
         if M == 0:
             return y
+        signature = (*(tensor_signature(t) for t in (x, w, bias, y, c, xs, ws)), alpha, beta, act)
         tiles = self.tiles(M, N)
         has_bias = bias is not None
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -468,7 +471,11 @@ class TGKernel:
             quant["FLATTEN"] = True
         xs, ws = (xs, ws) if xs is not None else (y, y)
         cv, scm, scn = (c, c.stride(0), c.stride(1)) if has_c else (y, 0, 0)
-        _tg_kernel[grid](
+        cached_launch(
+            self._plans,
+            signature,
+            _tg_kernel,
+            grid,
             xa,
             wa,
             b,
