@@ -238,8 +238,9 @@ def test_gpu_untuned_key_runs_its_default(gpu, q, m):
         assert lib == "skinny" and name.startswith("a8w8_skinny_dot_bn64_bk512_"), name
     elif q == "int8" and hopper and not rocm:
         assert (lib, name) == ("triton", "a8w8_tg_bm128_bn128_bk128_g8_w8_s3_sk1_tma")
-    elif q == "fp8" and hopper:
-        assert (lib, name) == ("torch", "scaled_mm")
+    elif q == "fp8" and hopper:  # cuBLASLt: directly where nvmath-python's bindings load (quantized/blaslt.py)
+        direct = backends.get("blaslt", "a8w8").default_solution(key, gpu)
+        assert (lib, name) == (("blaslt", direct.kernel_name) if direct else ("torch", "scaled_mm"))
     fam = families.get("a8w8")
     run = backend.make_runner(sol, key, gpu)
     inputs = fam.make_inputs(key, gpu, 1, seed=m)[0]

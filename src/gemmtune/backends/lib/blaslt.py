@@ -1,8 +1,8 @@
 """cuBLASLt machinery (through nvmath-python's bindings) shared by the `blaslt` backends of the a16w16,
-batched and epilogue families: the library and its version, matmul problem descriptors, algorithm
-enumeration (the heuristic's ranked list, neighbours of its best picks, the wide space), stable
-algorithm names, re-creation from attributes and the check, and `LtBackend`, the backend logic they
-share (each family describes its own problem and runner).
+batched, epilogue and a8w8 families: the library and its version, matmul problem descriptors (with
+per-operand scales for fp8), algorithm enumeration (the heuristic's ranked list, neighbours of its best
+picks, the wide space), stable algorithm names, re-creation from attributes and the check, and
+`LtBackend`, the backend logic they share (each family describes its own problem and runner).
 
 A solution is named by the algorithm's config attributes and the library version
 (`lt130200_a66_t20_s35_k1_r0_w0_c0_i0_cl2`: algo id, tile, stages, split-K, reduction scheme, CTA
@@ -51,6 +51,7 @@ ALIGN = 16  # bytes the runner requires of x, w, bias pointers (it copies inputs
 # cudaDataType_t values (library_types.h): stable ABI numbers.
 CUDA_TYPE = {torch.float16: 2, torch.bfloat16: 14, torch.float32: 0}
 CUDA_R_32F = 0
+CUDA_R_8F_E4M3 = 28  # torch.float8_e4m3fn
 OP_N, OP_T = 0, 1
 
 # Config attributes that identify an algorithm, in name order: (attribute, name tag).
@@ -161,15 +162,18 @@ class Problem:
         self.d = lt.matrix_layout_create(d_t, key.N, m, key.N)  # y [M, N] = y^T [N, M] col-major
         self.c = self.d
 
-    def describe_matmul(self, key, device_index: int, op_a: int, op_b: int, epilogue: str) -> None:
-        """The matmul descriptor: A/B in the key's dtype, C/D in its out dtype, fp32 compute and scale,
-        the two ops and the epilogue (a cublasLtEpilogue_t name). A *BIAS epilogue reads its bias in the
-        out dtype, from the pointer set_bias() sets before each call. Subclasses add the layouts."""
+    def describe_matmul(self, key, device_index: int, op_a: int, op_b: int, epilogue: str, types=None) -> None:
+        """The matmul descriptor: A/B in the key's dtype, C/D in its out dtype (or `types`: the A, B, C, D
+        cudaDataType_t codes), fp32 compute and scale, the two ops and the epilogue (a cublasLtEpilogue_t
+        name). A *BIAS epilogue reads its bias in D's type, from the pointer set_bias() sets before each
+        call. Subclasses add the layouts."""
         lt, cublas = bindings()
         self.lt, self.key = lt, key
         self.handle = handle(device_index)
-        a_t, d_t = CUDA_TYPE[key.dtype], CUDA_TYPE[key.outdtype]
-        self.types = (a_t, a_t, d_t, d_t)
+        if types is None:
+            a_t, d_t = CUDA_TYPE[key.dtype], CUDA_TYPE[key.outdtype]
+            types = (a_t, a_t, d_t, d_t)
+        self.types, d_t = tuple(types), types[3]
         self.compute = int(cublas.ComputeType.COMPUTE_32F)
         self.desc = lt.matmul_desc_create(self.compute, CUDA_R_32F)
         dset = functools.partial(set_attr, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
@@ -189,6 +193,34 @@ class Problem:
     def set_bias(self, ptr: int) -> None:
         self._bias_ptr[0] = ptr
         self.lt.matmul_desc_set_attribute(self.desc, self._bias_attr, self._bias_addr, 8)
+
+    def describe_scales(self, mode: str | None, fast_accum: bool, device_index: int) -> None:
+        """Per-operand scales of an fp8 matmul, D = scale_A * scale_B * op(A) @ op(B): A's and B's
+        cublasLtMatmulMatrixScale_t (`mode`, e.g. OUTER_VEC_32F: one fp32 per row of op(A) and per column
+        of op(B); None keeps the default SCALAR_32F, one fp32 each) and FAST_ACCUM. cuBLASLt refuses the
+        heuristic while the scale pointers are unset, so they point at the workspace until set_scales()
+        sets a call's own (neither the heuristic nor the check reads them)."""
+        lt = self.lt
+        dset = functools.partial(set_attr, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype)
+        A = lt.MatmulDescAttribute
+        if mode is not None:
+            code = int(getattr(lt.MatmulMatrixScale, mode))
+            dset(self.desc, A.A_SCALE_MODE, code)
+            dset(self.desc, A.B_SCALE_MODE, code)
+        dset(self.desc, A.FAST_ACCUM, int(fast_accum))
+        np = _np()
+        self._scale_ptrs = np.zeros(2, dtype=np.int64)
+        self._scale_addr = self._scale_ptrs.ctypes.data  # read once, as the bias pointer's
+        self._scale_attrs = (int(A.A_SCALE_POINTER), int(A.B_SCALE_POINTER))
+        placeholder = workspace(device_index).data_ptr()
+        self.set_scales(placeholder, placeholder)
+
+    def set_scales(self, a_ptr: int, b_ptr: int) -> None:
+        """The device pointers of A's and B's fp32 scales for the next call."""
+        ptrs, addr, (a_attr, b_attr) = self._scale_ptrs, self._scale_addr, self._scale_attrs
+        ptrs[0], ptrs[1] = a_ptr, b_ptr
+        self.lt.matmul_desc_set_attribute(self.desc, a_attr, addr, 8)
+        self.lt.matmul_desc_set_attribute(self.desc, b_attr, addr + 8, 8)
 
     def heuristic(self, limit: int, min_align: int = 256):
         """cuBLASLt's ranked algorithms for this problem: list of (algo bytes, workspace bytes)."""
@@ -450,7 +482,8 @@ class LtBackend(Backend):
     loading), candidates from enumerate_algos, names, table rows, the check. A family's subclass says
     which keys it takes (`key_ok`, `sizes_ok`), describes its problem (`problem`) and builds its runner
     (`runner`); a kernel name is the algorithm's name plus a tag (`name_tag`) for what the key alone
-    does not say (the epilogue backend's `_tanh`: a tanh GELU standing in for the erf one)."""
+    does not say (the epilogue backend's `_tanh`: a tanh GELU standing in for the erf one), or one of
+    several tags (`name_tags`, each its own problem: the a8w8 backend's `_fa`, fast accumulation)."""
 
     name = "blaslt"
     needs = Needs(vendors=frozenset({NVIDIA}), modules=("nvmath",))
@@ -484,6 +517,15 @@ class LtBackend(Backend):
     def name_tag(self, key) -> str:
         return ""
 
+    def name_tags(self, key) -> tuple[str, ...]:
+        """Every tag a kernel name for `key` may carry: each names a problem of its own (`problem_for`),
+        e.g. the a8w8 backend's fp8 fast accumulation (`_fa`) beside the plain one."""
+        return (self.name_tag(key),)
+
+    def problem_for(self, key, device: torch.device, tag: str) -> Problem:
+        """The problem the kernel names with `tag` solve; by default the key's one problem."""
+        return self.problem(key, device)
+
     # ---- shared -----------------------------------------------------------------------------------
     def solution(self, spec: AlgoSpec, tag: str = "") -> Solution:
         name = spec.name + tag
@@ -492,9 +534,13 @@ class LtBackend(Backend):
     def candidates(self, key, device: torch.device) -> list[Solution]:
         if not self.is_available(device) or not self.key_ok(key) or key.M < 1 or not self.sizes_ok(key):
             return []
-        prob = self.problem(key, device)
+        return [sol for tag in self.name_tags(key) for sol in self.tagged_candidates(key, device, tag)]
+
+    def tagged_candidates(self, key, device: torch.device, tag: str) -> list[Solution]:
+        """The checked algorithms of the problem `tag` names, as solutions."""
+        prob = self.problem_for(key, device, tag)
         algos = enumerate_algos(key, device_index(device), wide=search_mode() == "wide", prob=prob)
-        return [self.solution(spec, self.name_tag(key)) for spec, _ in algos]
+        return [self.solution(spec, tag) for spec, _ in algos]
 
     def solution_from_row(self, solidx: int, kernel_name: str, splitk: int) -> Solution | None:
         spec, tag = self.split_name(kernel_name)
@@ -513,14 +559,14 @@ class LtBackend(Backend):
 
     def supports(self, solution: Solution, key, device: torch.device) -> bool:
         spec, tag = self.split_name(solution.kernel_name)
-        if spec is None or tag != self.name_tag(key) or not self.is_available(device) or not self.key_ok(key):
+        if spec is None or tag not in self.name_tags(key) or not self.is_available(device) or not self.key_ok(key):
             return False
         if spec.version != lt_version() or not self.sizes_ok(key):
             return False
-        prob = self.problem(key, device)
         try:
+            prob = self.problem_for(key, device, tag)
             return prob.check(algo_from_spec(spec, prob)) is not None
-        except Exception:  # noqa: BLE001 - an id unknown to this library
+        except Exception:  # noqa: BLE001 - an id unknown to this library, a problem it cannot describe
             return False
 
     def make_runner(self, solution: Solution, key, device: torch.device) -> Runner:

@@ -5,7 +5,14 @@ a8w8 (and its bpreshuffle twin), measured on an H100 (benchmarks/results/h100/a8
 - on an NVIDIA GPU where Triton runs, M <= 16, fp8 and int8: the 8-bit skinny kernel's default tile
   (triton_skinny.DEFAULT_TILE: the skinny kernels won all 72 decode points, 1.6x over
   torch._scaled_mm, decode_fp8_int8.md);
-- fp8 above that: cuBLASLt through torch._scaled_mm where it applies;
+- fp8 above that (and at M <= 16 where no skinny kernel runs it) on an NVIDIA GPU: cuBLASLt's heuristic
+  algorithm for the key, called directly by the `blaslt` backend (quantized/blaslt.py; FAST_ACCUM off,
+  torch._scaled_mm's numerics; the row names the algorithm, `lt<version>_a.._cl..`) where nvmath-python's
+  cuBLASLt bindings load and the heuristic has an algorithm for the key; else cuBLASLt through
+  torch._scaled_mm where it applies. Both run cuBLASLt's fp8 kernels; the direct call spends less host
+  time per call. So far from a probe only (H100, cuBLASLt 13.1, per-token, bf16 out): 14-15 us of host
+  time per call against _scaled_mm's 21; GPU time 0.92-0.98x of _scaled_mm's on 4 shapes at M = 1000 /
+  2048, 0.53x at M = 16 (N = K = 4096);
 - on an NVIDIA GPU, int8 from M = 33: the Triton GEMM kernel's 8-bit config that won most prefill points
   (triton_tg.DEFAULT, 1.47x over bf16 at M >= 1024 tuned, prefill_int8.md; cuBLAS int8 via _int_mm ran
   at 0.5x of bf16), else the Triton tile kernel's heuristic config (lib/quant_tiles.default_config);
@@ -20,6 +27,8 @@ import torch
 
 from ... import device as device_facts
 from ..base import Solution
+from ..lib.quant_support import tensor_core_fp8
+from .blaslt import BlasLtA8W8Backend
 from .pytorch import DEQUANT, SCALED_MM, SCALED_MM_BLOCKWISE, TorchA8W8Backend, blockwise_ok, scaled_mm_ok
 
 SKINNY_MAX_M = 16  # the decode rows an untuned key runs on the 8-bit skinny kernels
@@ -38,6 +47,10 @@ def a8w8(key, device: torch.device) -> tuple[str, Solution]:
         sol = SkinnyA8W8Backend().default_solution(key, device)
         if sol is not None:
             return "skinny", sol
+    if device_facts.vendor(device) == device_facts.NVIDIA and tensor_core_fp8(key.q_dtype_w):
+        sol = BlasLtA8W8Backend().default_solution(key, device)
+        if sol is not None:
+            return "blaslt", sol
     if scaled_mm_ok(key, device):
         return "torch", SCALED_MM
     if nvidia:
