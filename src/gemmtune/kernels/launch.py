@@ -9,13 +9,13 @@ of host time a call on an H100 host, against 5.5 us for the compiled kernel's ow
 `bind(fn, grid, *args, **kwargs)` launches once through JITFunction (compiling when needed) and returns
 a BoundLaunch: the compiled kernel, the grid and every argument but the tensors (and TMA tensor
 descriptors, which hold a tensor). Calling it with new ones, in the order they appeared among the
-arguments, hands them straight to the kernel's launcher. Triton specializes a pointer on its 16-byte alignment and
-dtype (a descriptor on its dtype and block shape), so a BoundLaunch records those and goes through
-JITFunction again (rebinding) when a call's differ. The other arguments (ints, floats,
-constexprs, grid, launch options) are fixed at bind time: the caller keeps one BoundLaunch per signature
-that determines them (`Plans`; `cached_launch` finds or makes it). With launch hooks set (a profiler such as proton), under the
-interpreter, or on a Triton whose compiled kernels lack these attributes, every call goes through
-JITFunction.
+arguments, hands them straight to the kernel's launcher. Triton specializes a pointer on its 16-byte
+alignment and dtype (a descriptor on its dtype and block shape), so a BoundLaunch records those and goes
+through JITFunction again (rebinding) when a call's differ. The other arguments (ints, floats,
+constexprs, grid, launch options) are fixed at bind time: the caller keeps one BoundLaunch per
+signature that determines them (`Plans`; `cached_launch` finds or makes it). With launch hooks set (a
+profiler such as proton), under the interpreter, or on a Triton whose compiled kernels lack these
+attributes, every call goes through JITFunction.
 """
 
 from __future__ import annotations
