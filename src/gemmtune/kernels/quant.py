@@ -16,7 +16,7 @@ import triton.language as tl
 from ..quant.formats import SCALE_DTYPE, is_fp8, qmax
 from ..quant.layouts import m_major as m_major_view
 from ..quant.quantize import quantize_1x128, quantize_per_token
-from .launch import Plans, cached_launch, tensor_signature
+from .launch import Plans, bind, cached_launch, tensor_signature
 
 
 @triton.jit
@@ -99,10 +99,15 @@ def row_launch(width: int, one_pass_max: int = ONE_PASS_MAX) -> dict:
 def launch_per_token(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, one_pass_max: int = ONE_PASS_MAX) -> None:
     """Fill q [M, K] and s [M, 1] from x2 [M, K] (unit stride along K)."""
     m, k = x2.shape
-    if m:
-        signature = (tensor_signature(x2), q.dtype, one_pass_max)
-        cached_launch(_PER_TOKEN, signature, _per_token_kernel, (m,), x2, q, s, k, x2.stride(0), QMAX=qmax(q.dtype),
-               IS_INT=not is_fp8(q.dtype), **row_launch(k, one_pass_max))  # fmt: skip
+    if not m:
+        return
+    signature = (tensor_signature(x2), q.dtype, one_pass_max)
+    kept = _PER_TOKEN.get(signature)
+    if kept is not None:
+        kept(x2, q, s)
+    else:
+        _PER_TOKEN.put(signature, bind(_per_token_kernel, (m,), x2, q, s, k, x2.stride(0), QMAX=qmax(q.dtype),
+                                       IS_INT=not is_fp8(q.dtype), **row_launch(k, one_pass_max)))  # fmt: skip
 
 
 def launch_1x128(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from . import activations, norms
 from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import pdl_kwargs as _pdl_kwargs
-from .launch import Plans, cached_launch, tensor_signature
+from .launch import Plans, bind, tensor_signature
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -183,47 +183,62 @@ def _format_args(qdtype) -> dict:
     return {"QMAX": qmax(qdtype), "IS_INT": not is_fp8(qdtype)}
 
 
-def _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling):
+def _norm_signature(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling):
+    """What fixes a norm producer's launch (and its checks' verdict), or None for a non-tensor argument."""
+    try:
+        return (tensor_signature(x), tensor_signature(residual), tensor_signature(weight), eps, offset,
+                cast_before_weight, qdtype, scaling)  # fmt: skip
+    except AttributeError:
+        return None
+
+
+def _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature):
     C = x.shape[-1]
     rows = norms.norm_rows(x, residual)
     q, s = _outputs(x.shape[:-1], C, qdtype, scaling, x.device)
     total = None if residual is None else _alloc(rows.x.shape, x.dtype, x.device)
     if rows.n_rows:
+        tensors = (rows.x, rows.r, weight, q if total is None else total, q, s)
+        kept = _NORM_PLANS.get(signature)
+        if kept is not None:
+            kept(*tensors)
+            return (q, s) if residual is None else (q, s, total)
         group = 0 if scaling == "per_token" else BLOCK
         block_r, block_c, warps = norms.norm_blocks(max(C, group))  # a 1x128 tile holds whole groups
         s2 = s.view(-1, s.shape[-1])
-        signature = (tensor_signature(x), tensor_signature(residual), tensor_signature(weight), eps, offset,
-                     cast_before_weight, qdtype, scaling)  # fmt: skip
-        cached_launch(
-            _NORM_PLANS, signature, _rmsnorm_quant_kernel, (triton.cdiv(rows.n_rows, block_r),),
-            rows.x, rows.r, weight, q if total is None else total, q, s,
+        _NORM_PLANS.put(signature, bind(
+            _rmsnorm_quant_kernel, (triton.cdiv(rows.n_rows, block_r),), *tensors,
             rows.n_rows, rows.inner, *rows.strides, C, float(eps), float(offset), s2.stride(0), s2.stride(1),
             HAS_RES=residual is not None, CAST_BEFORE_W=cast_before_weight, GROUP=group,
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **_format_args(qdtype), **_pdl_kwargs(x.device),
-        )  # fmt: skip
+        ))  # fmt: skip
     return (q, s) if residual is None else (q, s, total)
 
 
-def _launch_act(gu, act: str, qdtype, scaling):
+def _launch_act(gu, act: str, qdtype, scaling, signature):
     inter = gu.shape[-1] // 2
     rows2d = activations.gate_up_rows(gu)
     m = rows2d.shape[0]
     q, s = _outputs(gu.shape[:-1], inter, qdtype, scaling, gu.device)
     if m == 0 or inter == 0:
         return q, s
+    kept = _ACT_PLANS.get(signature)
+    if kept is not None:
+        kept(rows2d, q, s)
+        return q, s
     common = {"ACT": activations.ACTIVATIONS.index(act), **_format_args(qdtype), **_pdl_kwargs(gu.device)}
     if scaling == "per_token":
         # a row up to ONE_PASS_MAX wide is read once, kept on chip; wider ones read gate_up twice
-        cached_launch(_ACT_PLANS, (tensor_signature(gu), act, qdtype, scaling), _act_mul_quant_token_kernel, (m,),
-               rows2d, q, s, inter, rows2d.stride(0), **row_launch(inter, ONE_PASS_MAX), **common)  # fmt: skip
+        _ACT_PLANS.put(signature, bind(_act_mul_quant_token_kernel, (m,), rows2d, q, s, inter, rows2d.stride(0),
+                                       **row_launch(inter, ONE_PASS_MAX), **common))  # fmt: skip
     else:
         groups = s.shape[1]
         per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program
-        cached_launch(
-            _ACT_PLANS, (tensor_signature(gu), act, qdtype, scaling), _act_mul_quant_group_kernel,
-            (m, triton.cdiv(groups, per)), rows2d, q, s, inter, groups, rows2d.stride(0), s.stride(0), s.stride(1),
-            GROUP=BLOCK, GROUPS=per, num_warps=4 if per >= 4 else 1, **common,
-        )  # fmt: skip
+        _ACT_PLANS.put(signature, bind(
+            _act_mul_quant_group_kernel, (m, triton.cdiv(groups, per)), rows2d, q, s, inter, groups,
+            rows2d.stride(0), s.stride(0), s.stride(1), GROUP=BLOCK, GROUPS=per, num_warps=4 if per >= 4 else 1,
+            **common,
+        ))  # fmt: skip
     return q, s
 
 
@@ -243,6 +258,10 @@ def _needs_grad(*ts) -> bool:
 
 
 def _norm_quant(x, residual, weight, eps, qdtype, scaling, offset, cast_before_weight, impl):
+    signature = _norm_signature(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling)
+    if signature in _NORM_PLANS and impl != "ref" and x.device.type != "cpu" and not _is_compiling():
+        # this signature passed the checks below and launched the kernel before
+        return _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature)
     who = "rmsnorm_quant" if residual is None else "add_rmsnorm_quant"
     _check_format(qdtype, scaling, who)
     norms._check(x, weight, residual)
@@ -254,7 +273,7 @@ def _norm_quant(x, residual, weight, eps, qdtype, scaling, offset, cast_before_w
                 return torch.ops.gemmtune.rmsnorm_quant(x, weight, *args)
             return torch.ops.gemmtune.add_rmsnorm_quant(x, residual, weight, *args)
     elif _use_kernel(ok, x.device, impl, who):
-        return _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling)
+        return _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature)
     kw = {"offset": offset, "cast_before_weight": cast_before_weight}
     if residual is None:
         return rmsnorm_quant_ref(x, weight, eps, qdtype, scaling, **kw)
@@ -275,6 +294,11 @@ def add_rmsnorm_quant(
 
 def act_mul_quant(gu, act: str, qdtype, scaling="per_token", *, impl="auto"):
     """(q, scale): act(gu[..., :I]) * gu[..., I:] quantized to `qdtype` per token or per 1x128 group."""
+    signature = (
+        (tensor_signature(gu), act, qdtype, scaling) if isinstance(gu, torch.Tensor) and isinstance(act, str) else None
+    )
+    if signature in _ACT_PLANS and impl != "ref" and gu.device.type != "cpu" and not _is_compiling():
+        return _launch_act(gu, act, qdtype, scaling, signature)  # this signature passed the checks below before
     _check_format(qdtype, scaling, "act_mul_quant")
     if act not in activations.ACTIVATIONS:
         raise ValueError(f"act_mul_quant: unknown activation {act!r} (expected one of {activations.ACTIVATIONS})")
@@ -284,7 +308,7 @@ def act_mul_quant(gu, act: str, qdtype, scaling="per_token", *, impl="auto"):
         if ok and not _needs_grad(gu):
             return torch.ops.gemmtune.act_mul_quant(gu, act, qdtype, scaling)
     elif _use_kernel(ok, gu.device, impl, "act_mul_quant"):
-        return _launch_act(gu, act, qdtype, scaling)
+        return _launch_act(gu, act, qdtype, scaling, signature)
     return act_mul_quant_ref(gu, act, qdtype, scaling)
 
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.quant import quantize_1x128_triton, quantize_per_token_triton
+from ..ops.quantized import gemm_a8w8, gemm_a8w8_blockscale
 from ..quant import formats, layouts, quantize
 
 MODES = {"fp8": ("a8w8", "fp8"), "int8": ("a8w8", "int8"), "fp8-block": ("blockscale", "fp8")}
@@ -84,8 +86,6 @@ def _out_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _blockscale_linear(xq, xs, wq, ws, bias, out: torch.dtype) -> torch.Tensor:
-    from ..ops.quantized import gemm_a8w8_blockscale
-
     y = gemm_a8w8_blockscale(xq, wq, xs, ws, out)
     return y if bias is None else y + bias.to(out)
 
@@ -93,15 +93,11 @@ def _blockscale_linear(xq, xs, wq, ws, bias, out: torch.dtype) -> torch.Tensor:
 def fp8_block_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None):
     """y = x @ dequant(wq, ws)^T (+ bias) through gemm_a8w8_blockscale, x quantized per 1x128 group at
     run time (M-major scales, no copy before cuBLASLt); ws in any layout (row-padded saves a copy)."""
-    from ..kernels.quant import quantize_1x128_triton
-
     xq, xs = quantize_1x128_triton(x, wq.dtype, m_major=True)
     return _blockscale_linear(xq, xs, wq, ws, bias, _out_dtype(x.dtype))
 
 
 def _gemm(st: QuantState, xq: torch.Tensor, xs: torch.Tensor, out: torch.dtype) -> torch.Tensor:
-    from ..ops.quantized import gemm_a8w8
-
     if st.mode == "fp8-block":
         return _blockscale_linear(xq, xs, st.wq, st.ws, st.bias, out)
     # 2-D operands are gemm_a8w8's canonical call (no per-call reshaping of the scales in the dispatcher:
@@ -112,8 +108,6 @@ def _gemm(st: QuantState, xq: torch.Tensor, xs: torch.Tensor, out: torch.dtype) 
 
 
 def _quant_forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-    from ..kernels.quant import quantize_1x128_triton, quantize_per_token_triton
-
     st: QuantState = self.__dict__[_STATE]
     if isinstance(x, QuantizedActivation):
         return _gemm(st, x.q, x.scale, _out_dtype(x.dtype))

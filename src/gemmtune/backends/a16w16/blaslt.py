@@ -30,6 +30,7 @@ from ..lib.blaslt import (
     algo_from_spec,
     bindings,
     cap_or,
+    current_stream,
     device_index,
     handle,
     workspace,
@@ -136,7 +137,7 @@ class LtRunner:
                 algo_addr,
                 self._ws_addr,
                 WORKSPACE_BYTES,
-                torch.cuda.current_stream().cuda_stream,
+                current_stream(self.dev),
             )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], key.N)
 

@@ -31,6 +31,7 @@ from ..lib.blaslt import (
     algo_from_spec,
     bindings,
     cap_or,
+    current_stream,
     device_index,
     handle,
     operand_layout,
@@ -172,7 +173,7 @@ class LtBatchedRunner:
         self.lt.matmul(
             self.handle, prob.desc, self._alpha_addr, b.data_ptr(), prob.a, a.data_ptr(), prob.b,
             self._beta_addr, cp, prob.d, cp, prob.d, algo_addr, self._ws_addr, WORKSPACE_BYTES,
-            torch.cuda.current_stream().cuda_stream,
+            current_stream(self.dev),
         )  # fmt: skip
         return c
 
