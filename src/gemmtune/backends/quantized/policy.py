@@ -9,10 +9,9 @@ a8w8 (and its bpreshuffle twin), measured on an H100 (benchmarks/results/h100/a8
   algorithm for the key, called directly by the `blaslt` backend (quantized/blaslt.py; FAST_ACCUM off,
   torch._scaled_mm's numerics; the row names the algorithm, `lt<version>_a.._cl..`) where nvmath-python's
   cuBLASLt bindings load and the heuristic has an algorithm for the key; else cuBLASLt through
-  torch._scaled_mm where it applies. Both run cuBLASLt's fp8 kernels; the direct call spends less host
-  time per call. So far from a probe only (H100, cuBLASLt 13.1, per-token, bf16 out): 14-15 us of host
-  time per call against _scaled_mm's 21; GPU time 0.92-0.98x of _scaled_mm's on 4 shapes at M = 1000 /
-  2048, 0.53x at M = 16 (N = K = 4096);
+  torch._scaled_mm where it applies. Both run the same cuBLASLt fp8 kernel: over the 170 points of
+  default_vs_torch.md run 6 above the skinny rows, GEMM only 1.000x of _scaled_mm geomean (worst 0.961x,
+  within that run's 4.6% noise), quantizer + GEMM against torch's quantizer + _scaled_mm worst 1.13x;
 - on an NVIDIA GPU, int8 from M = 33: the Triton GEMM kernel's 8-bit config that won most prefill points
   (triton_tg.DEFAULT, 1.47x over bf16 at M >= 1024 tuned, prefill_int8.md; cuBLAS int8 via _int_mm ran
   at 0.5x of bf16), else the Triton tile kernel's heuristic config (lib/quant_tiles.default_config);
