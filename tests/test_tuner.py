@@ -339,23 +339,41 @@ class _Calls:
         self.stopped = []
         monkeypatch.setattr(runner, "start_workers", self.start)
         monkeypatch.setattr(runner, "stop_workers", self.stopped.append)
-        monkeypatch.setattr(runner, "precompile_all", self.precompile)
+        monkeypatch.setattr(runner, "compile_ahead_keys", self.compile_ahead)
         monkeypatch.setattr(runner, "run_workers", self.run)
 
     def start(self, device, opts, n, verbose):
         self.order.append("start workers")
         return ["worker"]
 
-    def precompile(self, keys, device, opts, workers, family, timings, floors=None):
-        self.order.append("precompile")
-        return []
+    def compile_ahead(self, keys, fam, device, opts, workers, floors=None):
+        self.order.append("compile in the background")
+        return _Ahead(self.order)
 
     def run(self, keys, *args, workers, **kwargs):
         self.order.append(f"tune with {workers}")
         return iter(keys)
 
 
-def test_the_tuning_worker_starts_before_the_precompile_and_tunes_after_it(monkeypatch):
+class _Ahead:
+    """A background compile that records each key it hands on and its join."""
+
+    def __init__(self, order):
+        from gemmtune.tuner.search import PrecompileTimings
+
+        self.order, self.timings, self.error = order, PrecompileTimings(), None
+
+    def gated(self, keys, log):
+        for key in keys:
+            self.order.append(f"kernels of M={key.M} built")
+            yield key
+
+    def join(self):
+        self.order.append("compile joined")
+        return []
+
+
+def test_the_worker_starts_first_then_the_compile_and_each_key_waits_for_its_kernels(monkeypatch):
     from gemmtune import families
     from gemmtune.tuner.runner import tune_items
 
@@ -363,11 +381,13 @@ def test_the_tuning_worker_starts_before_the_precompile_and_tunes_after_it(monke
     logged = []
     items = tune_items(KEYS[:2], {}, families.get("a16w16"), torch.device("cuda"), FAST, 1, 60.0, print, False,
                        True, logged.append)  # fmt: skip
-    assert calls.order == ["start workers", "precompile", "tune with ['worker']"]
-    assert list(items) == KEYS[:2] and "precompiled kernels" in logged[0]
+    assert calls.order == ["start workers", "compile in the background", "tune with ['worker']"]
+    assert list(items) == KEYS[:2]
+    assert calls.order[3:] == [f"kernels of M={KEYS[0].M} built", f"kernels of M={KEYS[1].M} built", "compile joined"]
+    assert "precompiled kernels beside the tune" in logged[0]
 
 
-def test_a_fleets_host_precompile_runs_in_place_of_the_own_one(monkeypatch):
+def test_a_fleets_host_compile_runs_in_place_of_the_own_one(monkeypatch):
     from gemmtune import families
     from gemmtune.tuner.runner import tune_items
 
@@ -375,13 +395,15 @@ def test_a_fleets_host_precompile_runs_in_place_of_the_own_one(monkeypatch):
     fam = families.get("a16w16")
 
     def host():
-        calls.order.append("host precompile")
+        calls.order.append("host compile")
+        return _Ahead(calls.order)
 
-    tune_items(KEYS[:2], {}, fam, torch.device("cuda"), FAST, 1, 60.0, print, False, False, print, prepare=host)
-    assert calls.order == ["start workers", "host precompile", "tune with ['worker']"]
+    list(tune_items(KEYS[:2], {}, fam, torch.device("cuda"), FAST, 1, 60.0, print, False, False, print,
+                    prepare=host))  # fmt: skip
+    assert calls.order[:3] == ["start workers", "host compile", "tune with ['worker']"]
     calls.order.clear()
     assert list(tune_items([], {}, fam, CPU, FAST, 1, 60.0, print, False, False, print, prepare=host)) == []
-    assert calls.order == ["host precompile"]  # a rank without keys compiles its part, starts no worker
+    assert calls.order == ["host compile", "compile joined"]  # a rank without keys compiles its part, no worker
 
 
 def test_a_failed_precompile_stops_the_started_workers(monkeypatch):

@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 from .. import families
 from ..device import DeviceIdentity, identity
+from .compile_ahead import Board, CompileAhead
 from .output import done_keys
 from .runner import RowSink, RunReport, _Progress, estimated_cost, load_keys, range_floors, tune_items
-from .search import PrecompileTimings, TuneOptions, describe_timings, precompile_all, select_backends
+from .search import TuneOptions, select_backends
 from .workers import import_plugins
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -171,22 +172,19 @@ def host_share(shares: dict[int, list], hosts: list[str], rank: int) -> tuple[li
     return list(dict.fromkeys(k for r in here for k in shares.get(r, []))), (here.index(rank), len(here))
 
 
-def _precompile_host(fleet: Fleet, plan, fam, dev: torch.device, opts: TuneOptions, workers: int,
-                     log: Callable[[str], None]) -> None:  # fmt: skip
-    """Compile the host's Triton kernels, split over its ranks; every rank waits until all hosts are done."""
+def _compile_on_host(fleet: Fleet, plan, fam, dev: torch.device, opts: TuneOptions, workers: int,
+                     store) -> CompileAhead:  # fmt: skip
+    """Start compiling the host's Triton kernels in the background, split over its ranks: each rank builds
+    its part and publishes its progress on a board in the launch's store, and a key is tuned once every
+    part has built the kernels up to it."""
     shares = {r: plan.keys_of(r) for r in plan.kind_of}
-    keys, share = host_share(shares, _gather(socket.gethostname(), fleet), fleet.rank)
+    hosts = _gather(socket.gethostname(), fleet)
+    keys, share = host_share(shares, hosts, fleet.rank)
     floors: dict = {}
     for kind in sorted(plan.floors):  # a key's floor as its tune gets it (the first GPU kind's, if several)
         floors.update({k: f for k, f in plan.floors[kind].items() if k not in floors})
-    t0 = time.perf_counter()
-    spent = PrecompileTimings()
-    fails = precompile_all(keys, dev, opts, workers=workers, family=fam.name, share=share, timings=spent,
-                           floors=floors)  # fmt: skip
-    mine = time.perf_counter() - t0
-    dist.barrier(group=fleet.control)
-    log(f"gemmtune: precompiled kernels in {time.perf_counter() - t0:.1f}s, split over each host's ranks (rank "
-        f"{fleet.rank}: {mine:.1f} s, {describe_timings(spent)}; {len(fails)} did not compile)")  # fmt: skip
+    board = Board(store, f"gemmtune/compiled/{plan.run}/{hosts[fleet.rank]}", share[1])
+    return CompileAhead(keys, dev, opts, workers, fam.name, share=share, floors=floors, board=board).start()
 
 
 def _send_to_rank0(item, fleet: Fleet) -> None:
@@ -272,14 +270,15 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
     if fleet.rank == 0:
         for line in plan.lines:
             log(line)
-    mine = plan.claims(fleet.rank, dist.distributed_c10d._get_default_store())
+    store = dist.distributed_c10d._get_default_store()
+    mine = plan.claims(fleet.rank, store)
     compile_workers = max(1, min(16, (os.cpu_count() or 1) // max(1, fleet.local_world)))
     log_here = log if fleet.rank == 0 else (lambda m: None)  # rank 0 speaks for the launch
-    # tune_items starts this rank's worker, then runs `host` (the host's kernels, split over its ranks, and
-    # the barrier after them) in place of its own precompile, so the worker starts while they compile.
+    # tune_items starts this rank's worker, then `host` (the host's kernels compiling in the background,
+    # split over its ranks) in place of its own compile; each claimed key waits until its kernels are built.
     host = None
     if precompile and dev.type == "cuda":
-        host = functools.partial(_precompile_host, fleet, plan, fam, dev, opts, compile_workers, log_here)
+        host = functools.partial(_compile_on_host, fleet, plan, fam, dev, opts, compile_workers, store)
     if fleet.rank == 0:
         bar = _Progress(fam, plan.everything(), progress, log)
         sink = RowSink(output, fam, profile_file, bar, verbose)

@@ -22,13 +22,12 @@ import torch
 from ..capture import read_shape_list
 from ..device import DeviceIdentity, identity
 from ..families import Family
+from .compile_ahead import CompileAhead
 from .output import append_profile, done_keys, result_row, write_row
 from .search import (
-    PrecompileTimings,
     ShapeResult,
     TuneOptions,
     describe_timings,
-    precompile_all,
     select_backends,
     tune_shape,
 )
@@ -153,43 +152,63 @@ def stderr_is_tty() -> bool:
         return False
 
 
-def precompile_keys(todo: list, fam: Family, device: torch.device, opts: TuneOptions, compile_workers: int | None,
-                    log: Callable[[str], None], floors: dict | None = None) -> None:  # fmt: skip
-    """Compile the keys' Triton kernels ahead in one pool of processes (the tuning then loads them); `floors`:
-    each key's M floor, as its tune gets it."""
-    tp = time.perf_counter()
+def compile_ahead_keys(
+    todo: list,
+    fam: Family,
+    device: torch.device,
+    opts: TuneOptions,
+    compile_workers: int | None,
+    floors: dict | None = None,
+) -> CompileAhead:
+    """The keys' Triton kernels compiling in one pool of processes in the background, in `todo`'s order
+    (compile_ahead.py); `floors`: each key's M floor, as its tune gets it."""
     n = compile_workers or min(16, os.cpu_count() or 1)
-    spent = PrecompileTimings()
-    fails = precompile_all(todo, device, opts, workers=n, family=fam.name, timings=spent, floors=floors)
-    log(
-        f"gemmtune: precompiled kernels in {time.perf_counter() - tp:.1f}s ({describe_timings(spent)}; "
-        f"{len(fails)} did not compile)"
-    )
+    return CompileAhead(todo, device, opts, n, fam.name, floors=floors).start()
 
 
-def tune_items(todo: list, floors: dict, fam: Family, device: torch.device, opts: TuneOptions, mp_workers: int,
+def finish_compile(ahead: CompileAhead | None, log: Callable[[str], None], what: str = "") -> None:
+    """Wait for the background compile, then say what it took."""
+    if ahead is None:
+        return
+    fails = ahead.join()
+    failed = f"; the pool failed ({ahead.error}), the tune compiled what it needed" if ahead.error else ""
+    log(f"gemmtune: precompiled kernels beside the tune{what} ({describe_timings(ahead.timings)}; "
+        f"{len(fails)} did not compile{failed})")  # fmt: skip
+
+
+def _tuned_then_finish(items: Iterator, ahead: CompileAhead | None, log: Callable[[str], None]) -> Iterator:
+    try:
+        yield from items
+    finally:
+        finish_compile(ahead, log)
+
+
+def tune_items(todo, floors: dict, fam: Family, device: torch.device, opts: TuneOptions, mp_workers: int,
                timeout: float, say: Callable[[str], None], verbose: bool, precompile: bool,
                log: Callable[[str], None], compile_workers: int | None = None,
-               prepare: Callable[[], None] | None = None) -> Iterator:  # fmt: skip
-    """ShapeResult / ShapeFailure for each key of `todo` as it finishes, in worker processes (`mp_workers`)
-    or in this one. Before the returned iterator tunes anything, the Triton kernels are precompiled on a
-    GPU, or `prepare` runs in place of that (a fleet's host-wide precompile; it runs for an empty `todo`
-    too); worker processes are started first, so their start overlaps it."""
-    if prepare is None and precompile and device.type == "cuda" and todo:
-        prepare = functools.partial(precompile_keys, todo, fam, device, opts, compile_workers, log, floors)
-    if not (todo and mp_workers):  # a rank with no share starts no worker
-        if prepare is not None:
-            prepare()
-        return run_inprocess(todo, device, opts, say if verbose else (lambda m: None), fam, floors)
-    workers = start_workers(device, opts, mp_workers, verbose)  # they may not tune before the kernels compiled
+               prepare: Callable[[], CompileAhead | None] | None = None) -> Iterator:  # fmt: skip
+    """ShapeResult / ShapeFailure for each key of `todo` (a list, or a fleet's claims) as it finishes, in
+    worker processes (`mp_workers`) or in this one. On a GPU the Triton kernels compile in the background
+    (`prepare`, when given, starts that instead: a fleet's host-wide compile; it runs for an empty `todo`
+    too), and each key is tuned once its kernels are built; worker processes are started first, so their
+    start overlaps the compile's."""
+    if prepare is None and precompile and device.type == "cuda" and len(todo):
+        prepare = functools.partial(compile_ahead_keys, todo, fam, device, opts, compile_workers, floors)
+    if not (len(todo) and mp_workers):  # a rank with no share starts no worker
+        ahead = prepare() if prepare is not None else None
+        keys = ahead.gated(todo, log) if ahead is not None else todo
+        items = run_inprocess(keys, device, opts, say if verbose else (lambda m: None), fam, floors)
+        return _tuned_then_finish(items, ahead, log)
+    workers = start_workers(device, opts, mp_workers, verbose)
     try:
-        if prepare is not None:
-            prepare()
+        ahead = prepare() if prepare is not None else None
     except BaseException:
         stop_workers(workers)
         raise
-    return run_workers(todo, device, opts, mp_workers, timeout, say, verbose=verbose, family=fam.name,
-                       describe=lambda t: fam.describe(t.key), m_lo=floors, workers=workers)  # fmt: skip
+    keys = ahead.gated(todo, log) if ahead is not None else todo
+    items = run_workers(keys, device, opts, mp_workers, timeout, say, verbose=verbose, family=fam.name,
+                        describe=lambda t: fam.describe(t.key), m_lo=floors, workers=workers)  # fmt: skip
+    return _tuned_then_finish(items, ahead, log)
 
 
 class RowSink:

@@ -618,15 +618,18 @@ def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
     return jobs
 
 
-def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
-                   family: str = "a16w16", share: tuple[int, int] = (0, 1),
-                   timings: PrecompileTimings | None = None, floors: dict | None = None) -> list:  # fmt: skip
-    """Fill Triton's on-disk cache with every kernel the backends that can compile ahead of time (those
-    with `compile_items`) need for `keys`, in ONE pool of `workers` processes for all of them (each
-    process start costs seconds). `share` (i, n): this process compiles the i-th of n parts, the other
-    parts compiled by processes sharing its on-disk cache (a host's ranks). `floors`: each key's M floor
-    as the tune gets it (m_lo), for backends that also compile what the range verification runs
-    (CompileScope). Returns failures."""
+def ahead_items(
+    keys: list,
+    device: torch.device,
+    opts: TuneOptions,
+    family: str = "a16w16",
+    floors: dict | None = None,
+    timings: PrecompileTimings | None = None,
+) -> list:
+    """Every kernel the backends that can compile ahead of time (those with `compile_items`) need for
+    `keys`, as CompileItems, each once, ordered by the first of `keys` that needs it (then backend, name:
+    every rank listing the same keys lists the same items). `floors`: each key's M floor as the tune gets
+    it (m_lo), for backends that also compile what the range verification runs (CompileScope)."""
     timings = timings if timings is not None else PrecompileTimings()
     scope = CompileScope(families.get(family), device, opts, dict(floors or {}))
     per_backend = []
@@ -644,6 +647,24 @@ def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers:
     # an item is (name, key), built by its backend's class, or (name, key, the class that builds it)
     items = [triton_tiles.CompileItem(*it) if len(it) == 3 else triton_tiles.CompileItem(*it, cls)
              for cls, its in per_backend for it in its]  # fmt: skip
+    order = {k: i for i, k in enumerate(keys)}
+    return sorted(items, key=lambda it: (order.get(it.key, -1), it.backend.__name__, it.name, repr(it.key)))
+
+
+def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
+                   family: str = "a16w16", share: tuple[int, int] = (0, 1),
+                   timings: PrecompileTimings | None = None, floors: dict | None = None) -> list:  # fmt: skip
+    """Fill Triton's on-disk cache with every kernel of ahead_items(keys) in ONE pool of `workers`
+    processes for all of them (each process start costs seconds), and return when it is done (the
+    tuner's own overlaps it with the tune: compile_ahead.py). `share` (i, n): this process compiles the
+    i-th of n parts, the other parts compiled by processes sharing its on-disk cache (a host's ranks).
+    Returns failures."""
+    timings = timings if timings is not None else PrecompileTimings()
+    items = ahead_items(keys, device, opts, family, floors, timings)
+    if not items:
+        return []
+    from ..backends.lib import triton_tiles
+
     chunks = triton_tiles.compile_plan(items, workers, share)
     t0 = time.perf_counter()
     failures = triton_tiles.compile_chunks(chunks, device, timings.busy)

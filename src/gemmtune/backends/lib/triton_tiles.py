@@ -9,6 +9,7 @@ kernels/triton_gemm.py) with solidx its crc, so a table row means the same kerne
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -287,6 +288,29 @@ def _compile_chunk(args):
     for backend_cls, items in by_backend.items():
         failed += _precompile_worker((backend_cls, [i.name for i in items], [i.key for i in items], device_str))
     return failed, time.perf_counter() - t0
+
+
+def _compile_one(args):
+    """One item in a pool process: (its number, failures, seconds spent, the process id)."""
+    number, item, device_str = args
+    t0 = time.perf_counter()
+    failed = _precompile_worker((item.backend, [item.name], [item.key], device_str))
+    return number, failed, time.perf_counter() - t0, os.getpid()
+
+
+def compile_streaming(items: list[CompileItem], device: torch.device, workers: int,
+                      on_done: Callable[[int, list, float, int], None]) -> None:  # fmt: skip
+    """Build `items` in one spawned pool of `workers` processes, handed out one at a time in list order (so
+    the first items are done first, whatever each costs), calling on_done(number in the list, failures,
+    seconds, process id) as each finishes. Returns when all are done."""
+    import multiprocessing as mp
+
+    if not items:
+        return
+    with mp.get_context("spawn").Pool(max(1, min(workers, len(items)))) as pool:
+        args = [(i, item, str(device)) for i, item in enumerate(items)]
+        for number, failed, seconds, pid in pool.imap_unordered(_compile_one, args, chunksize=1):
+            on_done(number, failed, seconds, pid)
 
 
 def compile_plan(items: list[tuple], workers: int, share: tuple[int, int] = (0, 1)) -> list[list]:
