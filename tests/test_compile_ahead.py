@@ -20,7 +20,7 @@ from gemmtune.tuner.runner import finish_compile
 from gemmtune.tuner.search import TuneOptions
 
 CPU = torch.device("cpu")
-K0, K1, K2, OTHER = (GemmKey(m, 256, 512) for m in (1, 2, 4, 999))
+K0, K1, K2, OTHER = (GemmKey(16, n, 512) for n in (256, 512, 768, 1024))  # four shapes; OTHER is not listed
 
 
 class _Pools:
@@ -157,6 +157,16 @@ class _Touch:
     def build_item(self, name, key, device):
         path = pathlib.Path(name)
         path.write_text(f"{key.M}\n" + (path.read_text() if path.exists() else ""))
+
+
+def test_an_item_counts_toward_the_first_key_of_its_shape():
+    from gemmtune.tuner.search import first_needing
+
+    keys = [K1._replace(M=1024), K0, K1._replace(M=1)]
+    index = first_needing(keys, "a16w16")
+    assert index(K1._replace(M=16)) == 0  # a stand-in M: the first key of its shape, never a later one
+    assert index(K1._replace(M=1)) == 0 and index(K0) == 1
+    assert index(OTHER) == 0  # a shape no key has: before every key
 
 
 def test_the_real_pool_builds_every_item_once_in_spawned_processes(tmp_path):

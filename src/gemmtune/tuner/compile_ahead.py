@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from .search import PrecompileTimings, TuneOptions, ahead_items
+from .search import PrecompileTimings, TuneOptions, ahead_items, first_needing
 
 WAIT_MAX = 600.0  # a key waits at most this long for its kernels (a part that stopped publishing)
 POLL = 0.05
@@ -32,7 +32,10 @@ class Board:
 
     def __init__(self, store, prefix: str, parts: int):
         self.store, self.prefix, self.parts = store, prefix, parts
-        self._writer = store.clone() if hasattr(store, "clone") else store
+        try:
+            self._writer = store.clone()
+        except (AttributeError, NotImplementedError, RuntimeError):  # a store without clone(): share it
+            self._writer = store
 
     def publish(self, part: int, done: int) -> None:
         self._writer.set(f"{self.prefix}/{part}", str(done))
@@ -52,11 +55,12 @@ class CompileAhead:
         self.timings = timings if timings is not None else PrecompileTimings()
         self.order = {k: i for i, k in enumerate(self.keys)}
         items = ahead_items(self.keys, device, opts, family, floors, self.timings)
-        # each item counts toward the first key needing it; one built for no listed key, before the first
         self.items = items[share[0] :: share[1]]
+        index = first_needing(self.keys, family)  # each item counts toward the first key that may need it
+        self._index = [index(item.key) for item in self.items]
         self._left = [0] * (len(self.keys) + 1)
-        for item in self.items:
-            self._left[max(0, self.order.get(item.key, 0))] += 1
+        for i in self._index:
+            self._left[i] += 1
         self.done_keys = 0  # keys 0..done_keys-1 have all of this part's kernels built
         self.failures: list = []
         self.error: str | None = None
@@ -92,14 +96,13 @@ class CompileAhead:
         self._per_process[pid] = self._per_process.get(pid, 0.0) + seconds
         with self._cond:
             self.failures += failed
-            self._left[max(0, self.order.get(self.items[number].key, 0))] -= 1
+            self._left[self._index[number]] -= 1
             self._advance()
 
     def _advance(self) -> None:
         """Move done_keys past every key with nothing left to build, publish it and wake the waiters (the
         condition is held, or nothing runs yet)."""
         before = self.done_keys
-        # _left[i] counts the kernels of key i, the unlisted ones with key 0
         while self.done_keys < len(self.keys) and self._left[self.done_keys] == 0:
             self.done_keys += 1
         if self.done_keys != before or before == 0:

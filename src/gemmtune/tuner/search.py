@@ -618,6 +618,31 @@ def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
     return jobs
 
 
+def first_needing(keys: list, family: str) -> Callable[[object], int]:
+    """item key -> the index in `keys` of the first key that may need a kernel built for it: the first key
+    of its shape at any M (a backend's item names a stand-in M, or the first of the keys sharing a
+    binary), else its own index, else 0 (a stand-in of another shape: needed before any key). Never later
+    than the first key that needs the kernel, so a key waiting for its index's kernels waits for its own."""
+    fam = families.get(family)
+    exact = {k: i for i, k in enumerate(keys)}
+    shapes: dict = {}
+    for i, k in enumerate(keys):
+        shapes.setdefault(_shape_of(fam, k), i)
+
+    def index(key) -> int:
+        i = shapes.get(_shape_of(fam, key))
+        return i if i is not None else exact.get(key, 0)
+
+    return index
+
+
+def _shape_of(fam: Family, key):
+    try:
+        return fam.with_m(key, 1)
+    except Exception:  # noqa: BLE001 - a stand-in the family cannot re-M: no shape match
+        return None
+
+
 def ahead_items(
     keys: list,
     device: torch.device,
@@ -627,9 +652,10 @@ def ahead_items(
     timings: PrecompileTimings | None = None,
 ) -> list:
     """Every kernel the backends that can compile ahead of time (those with `compile_items`) need for
-    `keys`, as CompileItems, each once, ordered by the first of `keys` that needs it (then backend, name:
-    every rank listing the same keys lists the same items). `floors`: each key's M floor as the tune gets
-    it (m_lo), for backends that also compile what the range verification runs (CompileScope)."""
+    `keys`, as CompileItems, each once, ordered by the first of `keys` that may need it (first_needing;
+    then backend, name: every rank listing the same keys lists the same items). `floors`: each key's M
+    floor as the tune gets it (m_lo), for backends that also compile what the range verification runs
+    (CompileScope)."""
     timings = timings if timings is not None else PrecompileTimings()
     scope = CompileScope(families.get(family), device, opts, dict(floors or {}))
     per_backend = []
@@ -647,8 +673,8 @@ def ahead_items(
     # an item is (name, key), built by its backend's class, or (name, key, the class that builds it)
     items = [triton_tiles.CompileItem(*it) if len(it) == 3 else triton_tiles.CompileItem(*it, cls)
              for cls, its in per_backend for it in its]  # fmt: skip
-    order = {k: i for i, k in enumerate(keys)}
-    return sorted(items, key=lambda it: (order.get(it.key, -1), it.backend.__name__, it.name, repr(it.key)))
+    index = first_needing(keys, family)
+    return sorted(items, key=lambda it: (index(it.key), it.backend.__name__, it.name, repr(it.key)))
 
 
 def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
