@@ -60,7 +60,12 @@ def pools(monkeypatch):
 
 
 def _ahead(monkeypatch, items, **kw):
-    monkeypatch.setattr(C, "ahead_items", lambda keys, device, opts, family, floors, timings: items)
+    """A CompileAhead over K0..K2 whose items count toward the first key of their shape (OTHER: key 0)."""
+    from gemmtune.tuner.search import first_needing
+
+    index = first_needing([K0, K1, K2], "a16w16")
+    ranked = [(index(it.key), it) for it in items]
+    monkeypatch.setattr(C, "ahead_items", lambda keys, device, opts, family, floors, timings: ranked)
     return C.CompileAhead([K0, K1, K2], CPU, TuneOptions(), 2, "a16w16", **kw)
 
 

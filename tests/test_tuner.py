@@ -197,7 +197,10 @@ class _TileStub:
         return True
 
     def compile_items(self, jobs, scope=None):
-        return list({sol.kernel_name: (sol.kernel_name, key) for sol, key in jobs}.values())
+        first: dict = {}  # as the real backends: an item names the first job's key of its kernel
+        for sol, key in jobs:
+            first.setdefault(sol.kernel_name, (sol.kernel_name, key))
+        return list(first.values())
 
 
 class _SkinnyStub(_TileStub):
@@ -279,7 +282,8 @@ def test_a_backend_that_takes_the_scope_gets_it_and_may_name_each_items_builder(
                                                                                      "scoped": Scoped()})  # fmt: skip
     big = KEYS[0]._replace(M=64)
     search.precompile_all([KEYS[0], big], CPU, FAST, workers=2, floors={big: 2})
-    (scope,) = got
+    scope = got[0]  # once for every key's jobs, then once per key (which key needs each kernel first)
+    assert len(got) == 3 and all(s is scope for s in got)
     assert scope.opts is FAST and scope.family.name == "a16w16"
     assert [k.M for k in scope.range_keys(big)] == search.range_points(2, 64) == [62, 41, 27, 18, 12, 8, 5, 3, 2]
     assert scope.range_keys(KEYS[0]) == []  # no floor: its own M alone
@@ -288,6 +292,23 @@ def test_a_backend_that_takes_the_scope_gets_it_and_may_name_each_items_builder(
     assert scope.default(big) == backends.default("a16w16", big, CPU)[1]
     built = {item.name: item.backend for chunk in one_pool[0] for item in chunk}
     assert built["b0"] is Builder and built["plain"] is Scoped and built["t0"] is _TileStub  # the others: as before
+
+
+def test_each_kernel_is_ranked_by_the_first_key_whose_candidates_need_it(one_pool, monkeypatch):
+    from gemmtune.tuner import search
+
+    class PerM(_TileStub):
+        """Configs by M: t0 for every key, t<M> for that M only."""
+
+        def candidates(self, key, device):
+            from gemmtune.backends.base import Solution
+
+            return [Solution("tiles", "t0", 0), Solution("tiles", f"t{key.M}", key.M)]
+
+    monkeypatch.setattr(search, "select_backends", lambda device, libtypes, family: {"tiles": PerM()})
+    keys = [KEYS[0]._replace(M=64), KEYS[0], KEYS[0]._replace(M=16)]
+    ranked = search.ahead_items(keys, CPU, FAST)
+    assert [(i, it.name) for i, it in ranked] == [(0, "t0"), (0, "t64"), (1, "t1"), (2, "t16")]
 
 
 def test_describe_timings_gives_each_backends_jobs_and_the_pools_time():

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from .search import PrecompileTimings, TuneOptions, ahead_items, first_needing
+from .search import PrecompileTimings, TuneOptions, ahead_items
 
 WAIT_MAX = 600.0  # a key waits at most this long for its kernels (a part that stopped publishing)
 POLL = 0.05
@@ -54,10 +54,9 @@ class CompileAhead:
         self.keys, self.device, self.workers, self.share, self.board = list(keys), device, workers, share, board
         self.timings = timings if timings is not None else PrecompileTimings()
         self.order = {k: i for i, k in enumerate(self.keys)}
-        items = ahead_items(self.keys, device, opts, family, floors, self.timings)
-        self.items = items[share[0] :: share[1]]
-        index = first_needing(self.keys, family)  # each item counts toward the first key that may need it
-        self._index = [index(item.key) for item in self.items]
+        ranked = ahead_items(self.keys, device, opts, family, floors, self.timings)[share[0] :: share[1]]
+        self.items = [item for _, item in ranked]
+        self._index = [i for i, _ in ranked]  # each item counts toward the first key that needs it
         self._left = [0] * (len(self.keys) + 1)
         for i in self._index:
             self._left[i] += 1

@@ -600,7 +600,8 @@ class CompileScope:
 def _compile_items_of(backend: Backend) -> Callable | None:
     """A backend's `compile_items(jobs, scope=None) -> [(kernel name, key) or (name, key, builder class)]`
     (a method, or its module's function), if it can compile ahead of time; `scope` is the tune's
-    CompileScope, for backends that also compile what the range verification runs."""
+    CompileScope, for backends that also compile what the range verification runs. An item names the
+    key of the first job that needs its kernel (or that key at a stand-in M): ahead_items ranks it so."""
     fn = getattr(backend, "compile_items", None)
     if fn is None:
         fn = getattr(importlib.import_module(type(backend).__module__), "compile_items", None)
@@ -619,7 +620,8 @@ def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
 
 
 def first_needing(keys: list, family: str) -> Callable[[object], int]:
-    """item key -> the index in `keys` of the first key that may need a kernel built for it: the first key
+    """item key -> the index in `keys` of the first key that may need a kernel built for it, where no key's
+    own candidates name it (ahead_items): the first key
     of its shape at any M (a backend's item names a stand-in M, or the first of the keys sharing a
     binary), else its own index, else 0 (a stand-in of another shape: needed before any key). Never later
     than the first key that needs the kernel, so a key waiting for its index's kernels waits for its own."""
@@ -652,20 +654,30 @@ def ahead_items(
     timings: PrecompileTimings | None = None,
 ) -> list:
     """Every kernel the backends that can compile ahead of time (those with `compile_items`) need for
-    `keys`, as CompileItems, each once, ordered by the first of `keys` that may need it (first_needing;
-    then backend, name: every rank listing the same keys lists the same items). `floors`: each key's M
-    floor as the tune gets it (m_lo), for backends that also compile what the range verification runs
-    (CompileScope)."""
+    `keys`, each once, as (index of the first of `keys` that needs it, CompileItem), in that order (then
+    backend, name: every rank listing the same keys lists the same items). The index: the first key whose
+    own candidates list the item's kernel name at the item's shape, else first_needing's. `floors`: each
+    key's M floor as the tune gets it (m_lo), for backends that also compile what the range verification
+    runs (CompileScope)."""
     timings = timings if timings is not None else PrecompileTimings()
-    scope = CompileScope(families.get(family), device, opts, dict(floors or {}))
+    fam = families.get(family)
+    scope = CompileScope(fam, device, opts, dict(floors or {}))
     per_backend = []
+    needs: dict = {}  # (builder, kernel name, shape) -> the first key listing it
     for name, backend in select_backends(device, opts.libtypes, family).items():
         fn = _compile_items_of(backend)
-        jobs = _candidate_jobs(backend, keys, device) if fn is not None else []
-        if jobs:
-            items = fn(jobs, scope=scope)
-            per_backend.append((type(backend), items))
-            timings.jobs[name], timings.kernels[name] = len(jobs), len(items)
+        if fn is None:
+            continue
+        per_key = [_candidate_jobs(backend, [k], device) for k in keys]
+        jobs = [j for js in per_key for j in js]
+        if not jobs:
+            continue
+        items = fn(jobs, scope=scope)
+        per_backend.append((type(backend), items))
+        timings.jobs[name], timings.kernels[name] = len(jobs), len(items)
+        for i, own in enumerate(per_key):
+            for it in fn(own, scope=scope) if own else ():
+                needs.setdefault((it[2] if len(it) == 3 else type(backend), it[0], _shape_of(fam, it[1])), i)
     if not per_backend:
         return []
     from ..backends.lib import triton_tiles  # here: it imports Triton, which the CPU-only tuner may lack
@@ -673,8 +685,9 @@ def ahead_items(
     # an item is (name, key), built by its backend's class, or (name, key, the class that builds it)
     items = [triton_tiles.CompileItem(*it) if len(it) == 3 else triton_tiles.CompileItem(*it, cls)
              for cls, its in per_backend for it in its]  # fmt: skip
-    index = first_needing(keys, family)
-    return sorted(items, key=lambda it: (index(it.key), it.backend.__name__, it.name, repr(it.key)))
+    fallback = first_needing(keys, family)
+    ranked = [(needs.get((it.backend, it.name, _shape_of(fam, it.key)), fallback(it.key)), it) for it in items]
+    return sorted(ranked, key=lambda r: (r[0], r[1].backend.__name__, r[1].name, repr(r[1].key)))
 
 
 def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers: int = 8,
@@ -686,7 +699,7 @@ def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers:
     i-th of n parts, the other parts compiled by processes sharing its on-disk cache (a host's ranks).
     Returns failures."""
     timings = timings if timings is not None else PrecompileTimings()
-    items = ahead_items(keys, device, opts, family, floors, timings)
+    items = [item for _, item in ahead_items(keys, device, opts, family, floors, timings)]
     if not items:
         return []
     from ..backends.lib import triton_tiles
