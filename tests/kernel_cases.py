@@ -171,3 +171,11 @@ def skinny_candidate_kinds(be, key, prefix: str) -> set:
         assert be.supports(sol, key, cpu)
     assert be.candidates(key._replace(M=17), cpu) == []
     return {sol.kernel_name.split("_")[2] for sol in sols}
+
+
+def sample_candidates(sols, n=6):
+    """A blaslt backend's candidates to check on a GPU: the heuristic's first picks, split-K ones, and a
+    spread of the rest."""
+    split = [s for s in sols if s.splitk > 1][:2]
+    spread = sols[3 :: max(1, len(sols) // n)]
+    return list({s.kernel_name: s for s in sols[:3] + split + spread}.values())

@@ -16,6 +16,7 @@ import logging
 
 import pytest
 import torch
+from kernel_cases import sample_candidates
 from tiers import tiered
 
 from gemmtune.backends.lib import blaslt as bl
@@ -221,13 +222,6 @@ def lt(usable):
     return usable(qb.BlasLtA8W8Backend())
 
 
-def _sample(sols, n=6):
-    """The heuristic's first picks, split-K ones, and a spread of the rest."""
-    split = [s for s in sols if s.splitk > 1][:2]
-    spread = sols[3 :: max(1, len(sols) // n)]
-    return list({s.kernel_name: s for s in sols[:3] + split + spread}.values())
-
-
 def _rel(y, ref) -> float:
     return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -274,11 +268,11 @@ def test_gpu_candidates_match_the_dequantized_reference(lt, gpu, scale, bias, ou
         assert fast and len(plain) > 1, [s.kernel_name for s in sols]  # neighbours beside the heuristic's pick
     inputs = fam.make_inputs(key, gpu, 1, seed=m + int(bias))[0]
     ref = fam.reference(key, inputs)
-    for sol in _sample(plain):
+    for sol in sample_candidates(plain):
         run = lt.make_runner(sol, key, gpu)
         verdict = check_runner(run, key, inputs, ref, family=fam)  # poisoned, padded xq rows, graph
         assert verdict.ok, (sol.kernel_name, key.describe(), verdict.reason)
-    for sol in _sample(fast, 3):
+    for sol in sample_candidates(fast, 3):
         run = lt.make_runner(sol, key, gpu)
         _poison(m, key.N, gpu)
         y = run(*inputs)

@@ -17,6 +17,7 @@ import logging
 
 import pytest
 import torch
+from kernel_cases import sample_candidates
 
 from gemmtune.backends.epilogue import blaslt as be
 from gemmtune.backends.lib import blaslt as bl
@@ -130,13 +131,6 @@ def lt(usable):
     return usable(be.BlasLtEpilogueBackend())
 
 
-def _sample(sols, n=6):
-    """The heuristic's first picks, split-K ones, and a spread of the rest."""
-    split = [s for s in sols if s.splitk > 1][:2]
-    spread = sols[3 :: max(1, len(sols) // n)]
-    return list({s.kernel_name: s for s in sols[:3] + split + spread}.values())
-
-
 # (alpha, C kind): the alpha / beta forms of the key; act and bias are crossed with each.
 SCALINGS = [(False, "none"), (True, "none"), (True, "full"), (False, "row"), (True, "scalar")]
 
@@ -162,7 +156,7 @@ def test_gpu_every_epilogue_matches_fp32(lt, gpu, act, bias, alpha, c):
         assert all(s.kernel_name.endswith("_tanh") == (act == "gelu") for s in sols)
         inputs = fam.make_inputs(key, gpu, 1, seed=m + n)[0]
         ref = fam.reference(key, inputs)
-        for sol in _sample(sols):
+        for sol in sample_candidates(sols):
             run = lt.make_runner(sol, key, gpu)
             verdict = check_runner(run, key, inputs, ref, family=fam)
             assert verdict.ok, (sol.kernel_name, key.describe(), verdict.reason)
