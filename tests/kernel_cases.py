@@ -179,3 +179,26 @@ def sample_candidates(sols, n=6):
     split = [s for s in sols if s.splitk > 1][:2]
     spread = sols[3 :: max(1, len(sols) // n)]
     return list({s.kernel_name: s for s in sols[:3] + split + spread}.values())
+
+
+def assert_tagged_names_round_trip(lt, split_name, name: str, tag: str, bad: tuple, monkeypatch, caplog,
+                                   version: int = 130200) -> None:  # fmt: skip
+    """A blaslt backend's table names with and without its tag: each parses back to its solution (the tag
+    giving another solidx), `bad` names are refused, and a row of another cuBLASLt version falls back."""
+    import logging
+
+    from gemmtune.backends.lib import blaslt as bl
+
+    monkeypatch.setattr(bl, "lt_version", lambda: version)
+    for n in (name, name + tag):
+        sol = lt.solution_from_row(0, f" {n} ", 1)
+        assert sol is not None and (sol.libtype, sol.kernel_name) == ("blaslt", n)
+        assert sol.solidx == bl.stable_solidx(n) and sol.splitk == 1
+        assert split_name(n) == (bl.AlgoSpec.parse(name), n[len(name) :])
+    assert lt.solution_from_row(0, name + tag, 1).solidx != lt.solution_from_row(0, name, 1).solidx
+    for b in bad:
+        assert lt.solution_from_row(0, b, 0) is None, b
+    monkeypatch.setattr(bl, "lt_version", lambda: version + 100)
+    with caplog.at_level(logging.WARNING, logger=bl.__name__):
+        assert lt.solution_from_row(0, name + tag, 1) is None
+    assert str(version) in caplog.text and str(version + 100) in caplog.text and "falling back" in caplog.text

@@ -12,11 +12,9 @@ a tuned `_fa` row dispatched by gemm_a8w8; the untuned default picking blaslt.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
-from kernel_cases import sample_candidates
+from kernel_cases import assert_tagged_names_round_trip, sample_candidates
 from tiers import tiered
 
 from gemmtune.backends.lib import blaslt as bl
@@ -37,20 +35,9 @@ def _key(m=1000, n=1040, k=1152, scale="per_token", bias=False, out=BF16, q=FP8)
 # ---- CPU ----------------------------------------------------------------------------------------
 def test_names_round_trip_with_and_without_the_fast_accumulation_tag(monkeypatch, caplog):
     lt = qb.BlasLtA8W8Backend()
-    monkeypatch.setattr(bl, "lt_version", lambda: 130100)
-    for name in (NAME, NAME + "_fa"):
-        sol = lt.solution_from_row(0, f" {name} ", 1)
-        assert sol is not None and (sol.libtype, sol.kernel_name) == ("blaslt", name)
-        assert sol.solidx == bl.stable_solidx(name) and sol.splitk == 1
-        assert qb.split_name(name) == (bl.AlgoSpec.parse(NAME), name[len(NAME) :])
-    assert lt.solution_from_row(0, NAME + "_fa", 1).solidx != lt.solution_from_row(0, NAME, 1).solidx
+    bad = (NAME + "_tanh", NAME + "_fax", "_fa", "scaled_mm", "a8w8_tg_bm128_bn128_bk128_g8_w8_s3_sk1")
+    assert_tagged_names_round_trip(lt, qb.split_name, NAME, "_fa", bad, monkeypatch, caplog, version=130100)
     assert lt.name_tags(_key()) == ("", "_fa")
-    for bad in (NAME + "_tanh", NAME + "_fax", "_fa", "scaled_mm", "a8w8_tg_bm128_bn128_bk128_g8_w8_s3_sk1"):
-        assert lt.solution_from_row(0, bad, 0) is None, bad
-    monkeypatch.setattr(bl, "lt_version", lambda: 130200)
-    with caplog.at_level(logging.WARNING, logger=bl.__name__):
-        assert lt.solution_from_row(0, NAME + "_fa", 1) is None
-    assert "130100" in caplog.text and "130200" in caplog.text and "falling back" in caplog.text
 
 
 def test_which_keys_it_takes():

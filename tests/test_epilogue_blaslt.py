@@ -13,11 +13,9 @@ runs it for every epilogue backend.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
-from kernel_cases import sample_candidates
+from kernel_cases import assert_tagged_names_round_trip, sample_candidates
 
 from gemmtune.backends.epilogue import blaslt as be
 from gemmtune.backends.lib import blaslt as bl
@@ -66,20 +64,8 @@ def test_key_dtypes():
 
 
 def test_names_round_trip_with_and_without_the_tanh_tag(monkeypatch, caplog):
-    lt = be.BlasLtEpilogueBackend()
-    monkeypatch.setattr(bl, "lt_version", lambda: 130200)
-    for name in (NAME, NAME + "_tanh"):
-        sol = lt.solution_from_row(0, f" {name} ", 1)
-        assert sol is not None and (sol.libtype, sol.kernel_name) == ("blaslt", name)
-        assert sol.solidx == bl.stable_solidx(name) and sol.splitk == 1
-        assert be.split_name(name) == (bl.AlgoSpec.parse(NAME), name[len(NAME) :])
-    assert lt.solution_from_row(0, NAME + "_tanh", 1).solidx != lt.solution_from_row(0, NAME, 1).solidx
-    for bad in (NAME + "_tanhx", NAME + "_erf", "_tanh", "addmm_activation_tanh", "tg_bm64_bn64_bk64_g8_w4_s3_sk1"):
-        assert lt.solution_from_row(0, bad, 0) is None, bad
-    monkeypatch.setattr(bl, "lt_version", lambda: 130100)
-    with caplog.at_level(logging.WARNING, logger=bl.__name__):
-        assert lt.solution_from_row(0, NAME + "_tanh", 1) is None
-    assert "130200" in caplog.text and "130100" in caplog.text and "falling back" in caplog.text
+    bad = (NAME + "_tanhx", NAME + "_erf", "_tanh", "addmm_activation_tanh", "tg_bm64_bn64_bk64_g8_w4_s3_sk1")
+    assert_tagged_names_round_trip(be.BlasLtEpilogueBackend(), be.split_name, NAME, "_tanh", bad, monkeypatch, caplog)
 
 
 def test_a_name_answers_only_keys_with_its_tag(monkeypatch):
