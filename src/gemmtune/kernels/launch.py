@@ -99,9 +99,8 @@ class BoundLaunch:
         slots = [(i, which) for which, i in enumerate(self.slots)]  # (place among all arguments, tensor number)
         run = compiled.run  # loads the module and its function handle on first access
         grid = tuple(self.grid) + (1,) * (3 - len(self.grid))
-        first = tensors[0] if tensors else None
-        first = first if first is None or isinstance(first, torch.Tensor) else first.base
-        device = first.device.index if first is not None else torch.cuda.current_device()
+        # JITFunction launches on the current device's stream with the kernel loaded there: so does this
+        device = _driver.active.get_current_device()
         return (run, *grid, compiled.function, compiled.packed_metadata, full, slots, device)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
@@ -110,6 +109,9 @@ class BoundLaunch:
             self._through_jit(tensors)
             return
         run, gx, gy, gz, function, metadata, full, slots, device = direct
+        if _driver.active.get_current_device() != device:  # another current device: its own kernel and stream
+            self._through_jit(tensors)
+            return
         args = full.copy()
         for pos, which in slots:
             args[pos] = tensors[which]
