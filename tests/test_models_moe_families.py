@@ -100,16 +100,19 @@ def test_family_restore_gives_back_stock(name):
 
 
 # ---- what stays stock, per family ----------------------------------------------------------------
-def test_qwen2_moe_shared_expert_and_gate_stay_torch():
+def test_qwen2_moe_shared_expert_is_fused_and_its_gate_stays_torch():
     stock, opt, report = pair("qwen2-moe")
     dense, sparse = opt.model.layers  # mlp_only_layers=[0]
     assert hasattr(dense.mlp, "gate_up_proj")  # the dense MLP is fused like Qwen2's
     assert "forward" in opt.model.layers[0].self_attn.__dict__  # Qwen2 attention: fused q/k/v
     block = sparse.mlp
     assert "forward" not in block.__dict__  # the block's own forward: shared expert + sigmoid gate in torch
-    for mod in (block.shared_expert, block.shared_expert_gate, *block.shared_expert.children()):
-        assert not any(k.startswith("_gemmtune") or k == "forward" for k in mod.__dict__)
-    assert "gate_proj" in block.shared_expert._modules  # not fused either
+    shared = block.shared_expert  # every token runs it: fused gate/up and the act*mul kernel, as a dense MLP
+    assert "gate_proj" not in shared._modules and hasattr(shared, "gate_up_proj") and "forward" in shared.__dict__
+    assert "forward" in shared.down_proj.__dict__  # routed through gemmtune's GEMM
+    gate = block.shared_expert_gate  # the N=1 sigmoid gate stays a torch Linear
+    assert not any(k.startswith("_gemmtune") or k == "forward" for k in gate.__dict__)
+    assert report.counts()["moe"] == 1
 
 
 def test_deepseek_v3_keeps_mla_and_grouped_router_stock():
@@ -122,7 +125,7 @@ def test_deepseek_v3_keeps_mla_and_grouped_router_stock():
         assert "forward" in attn.kv_a_layernorm.__dict__ and "forward" in attn.q_a_layernorm.__dict__
     for block in moe_blocks(opt):
         assert "forward" not in block.gate.__dict__ and "forward" not in block.__dict__
-        assert not any(k.startswith("_gemmtune") for m in block.shared_experts.modules() for k in m.__dict__)
+        assert hasattr(block.shared_experts, "gate_up_proj") and "forward" in block.shared_experts.__dict__
     assert any("DeepseekV3TopkRouter is not a softmax top-k router" in w for w in skipped(report, "router"))
 
 

@@ -25,6 +25,7 @@ from .report import OptimizeReport
 from .version import check_transformers
 
 _REPORT = "_gemmtune_report"
+SHARED_EXPERTS = ("shared_expert", "shared_experts")  # an MoE block's always-on MLP: Qwen2-MoE's; DeepSeek's, GLM's
 
 
 @dataclass
@@ -131,7 +132,13 @@ class _Planner:
     def mlp(self, path: str, mlp: nn.Module) -> None:
         arch, fused_ops = self.arch, self.opts["fused_ops"]
         if architectures.is_moe_block(mlp):
-            self.no_route_prefixes.append(path + ".")
+            for name in mlp._modules:  # experts, router, shared-expert gate: left to the block
+                if name not in SHARED_EXPERTS:
+                    self.no_route.add(_join(path, name))
+                    self.no_route_prefixes.append(_join(path, name) + ".")
+            for name in SHARED_EXPERTS:  # a dense MLP every token runs: fused as the decoder MLPs are
+                if isinstance(getattr(mlp, name, None), nn.Module):
+                    self.mlp(_join(path, name), getattr(mlp, name))
             spec = moe_mod.plan_experts(mlp.experts)
             if isinstance(spec, str):
                 self.skip("moe", path, mlp, spec)

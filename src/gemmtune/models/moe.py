@@ -5,7 +5,8 @@ Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, GLM-4-MoE and DeepSeek-V3 bloc
 top_k_weights (T, k))`, whose weights are gate_up_proj (E, 2I, H) (gate rows first) and down_proj
 (E, H, I): fused_moe's own layout, so no weight is copied. The router's scaling (DeepSeek's
 routed_scaling_factor) is already in top_k_weights. Shared experts (Qwen2-MoE's, with its sigmoid
-gate; DeepSeek's and GLM's) and everything else in the block stay as they are.
+gate; DeepSeek's and GLM's) are dense MLPs to optimize() (api.py: fused gate/up, the act*mul kernel);
+everything else in the block stays as it is.
 
 The softmax top-k routers (Mixtral's, Qwen2/3-MoE's, OLMoE's: linear, softmax, top k, optional
 renormalization) keep their linear and do the rest in one Triton kernel (kernels/moe_route.py) where
