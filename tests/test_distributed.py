@@ -154,18 +154,19 @@ def test_a_hosts_ranks_split_its_compiles_and_list_the_same_keys():
     assert host_share(same_kind, ["h1", "h1"], 1) == (["a", "b"], (1, 2))
 
 
-def test_each_item_is_compiled_by_one_process_of_one_rank_and_every_process_gets_a_mix():
-    from gemmtune.backends.lib.triton_tiles import compile_plan
+def test_each_item_is_compiled_by_one_rank_of_the_host_whatever_order_it_lists_them(monkeypatch):
+    from gemmtune.backends.lib import triton_tiles
 
+    built = []
+    monkeypatch.setattr(triton_tiles, "compile_all", lambda items, device, workers: built.append(items) or [])
     items = [(name, (m,)) for m in (1, 16, 128) for name in ("k1", "k2", "k3", "k4", "k5")] + [("k1", (7,))]
-    parts = [compile_plan(items, 2, (i, 2)) for i in range(2)]
-    chunks = [c for part in parts for c in part]
-    assert sorted(it for c in chunks for it in c) == sorted(items)  # every item once, over both ranks
-    assert [sorted(map(len, p)) for p in parts] == [[4, 4], [4, 4]]  # balanced over ranks and processes
-    # a config's items are spread: one process walking k1's items for every key was the critical path
-    assert all(len({name for name, _ in c}) > 1 for c in chunks)
-    assert compile_plan([], 4) == [] and len(compile_plan(items, 32)) == 16  # no idle processes
-    assert compile_plan(items, 3) == compile_plan(list(reversed(items)), 3)  # every rank lists the same plan
+    for order in (items, list(reversed(items))):  # every rank lists the same items, maybe in another order
+        for i in range(2):
+            triton_tiles.compile_in_workers(object, order, torch.device("cpu"), 4, (i, 2))
+    parts = [[(it.name, it.key) for it in part] for part in built]
+    assert sorted(parts[0] + parts[1]) == sorted(items)  # every item once, over both ranks
+    assert list(map(len, parts[:2])) == [8, 8]  # balanced over the ranks
+    assert parts[:2] == parts[2:]  # the same split whatever the order
 
 
 def test_two_ranks_write_the_table_one_process_writes(tmp_path):

@@ -218,19 +218,19 @@ class _SkinnyStub(_TileStub):
 @pytest.fixture
 def one_pool(monkeypatch):
     """Two stub backends (and one that cannot compile ahead) for precompile_all; its pool runs no process,
-    it records the chunks of each pool it was asked to start."""
+    it records the items of each pool it was asked to start, and each of its processes' seconds."""
     from gemmtune.backends.lib import triton_tiles
     from gemmtune.tuner import search
 
     pools = []
 
-    def run_pool(chunks, device, seconds=None):
-        pools.append(chunks)
-        if seconds is not None:
-            seconds += [float(len(c)) for c in chunks]
-        return [("t0", KEYS[0], "did not compile")] if chunks else []
+    def run_pool(items, device, workers, busy=None):
+        pools.append(items)
+        if busy is not None:
+            busy += [float(len(items[i::workers])) for i in range(min(workers, len(items)))]
+        return [("t0", KEYS[0], "did not compile")] if items else []
 
-    monkeypatch.setattr(triton_tiles, "compile_chunks", run_pool)
+    monkeypatch.setattr(triton_tiles, "compile_all", run_pool)
     chosen = {"tiles": _TileStub(), "skinny": _SkinnyStub(), "none": object()}
     monkeypatch.setattr(search, "select_backends", lambda device, libtypes, family: chosen)
     return pools
@@ -242,14 +242,13 @@ def test_precompile_all_compiles_every_backends_kernels_in_one_pool(one_pool):
     timings = search.PrecompileTimings()
     fails = search.precompile_all(KEYS[:2], CPU, TuneOptions(), workers=3, timings=timings)
     assert len(one_pool) == 1 and len(fails) == 1  # one pool for both backends; "none" is passed over
-    chunks = one_pool[0]
-    assert len(chunks) == 3  # 5 kernel names over 3 processes
-    built = sorted((item.name, item.backend.__name__) for c in chunks for item in c)
+    items = one_pool[0]
+    built = sorted((item.name, item.backend.__name__) for item in items)
     assert built == [("s1", "_SkinnyStub"), ("s5", "_SkinnyStub"), ("t0", "_TileStub"), ("t1", "_TileStub"),
                      ("t2", "_TileStub")]  # fmt: skip
     assert timings.jobs == {"tiles": 6, "skinny": 2} and timings.kernels == {"tiles": 3, "skinny": 2}
-    assert timings.processes == 3 and timings.seconds >= 0
-    assert sorted(timings.busy) == sorted(float(len(c)) for c in chunks)  # each process's seconds, kept
+    assert timings.processes == 3 and timings.seconds >= 0  # 5 kernel names over 3 processes
+    assert sorted(timings.busy) == [1.0, 2.0, 2.0]  # each process's seconds, kept
 
 
 def test_a_hosts_ranks_share_one_plan_over_every_backend(one_pool):
@@ -257,7 +256,7 @@ def test_a_hosts_ranks_share_one_plan_over_every_backend(one_pool):
 
     for share in ((0, 2), (1, 2)):
         search.precompile_all(KEYS[:2], CPU, TuneOptions(), workers=4, share=share)
-    parts = [{item.name for c in chunks for item in c} for chunks in one_pool]
+    parts = [{item.name for item in items} for items in one_pool]
     assert len(one_pool) == 2 and not parts[0] & parts[1]  # each kernel compiled by one rank of the host
     assert parts[0] | parts[1] == {"s1", "s5", "t0", "t1", "t2"}
 
@@ -290,7 +289,7 @@ def test_a_backend_that_takes_the_scope_gets_it_and_may_name_each_items_builder(
     assert search.CompileScope(scope.family, CPU, TuneOptions(verify_range=False), {big: 2}).range_keys(big) == []
     assert search.CompileScope(scope.family, CPU, FAST, {big: 64}).range_keys(big) == []
     assert scope.default(big) == backends.default("a16w16", big, CPU)[1]
-    built = {item.name: item.backend for chunk in one_pool[0] for item in chunk}
+    built = {item.name: item.backend for item in one_pool[0]}
     assert built["b0"] is Builder and built["plain"] is Scoped and built["t0"] is _TileStub  # the others: as before
 
 
@@ -343,11 +342,12 @@ def test_a_pool_process_builds_each_item_with_its_own_backend():
         return Recorder
 
     a, b = recording("a"), recording("b")
-    chunk = [triton_tiles.CompileItem(n, KEYS[0], cls) for n, cls in (("x", a), ("y", b), ("bad", a))]
-    failed, seconds = triton_tiles._compile_chunk((chunk, "cpu"))
+    items = [triton_tiles.CompileItem(n, KEYS[0], cls) for n, cls in (("x", a), ("y", b), ("bad", a))]
+    done = [triton_tiles._compile_one((i, item, "cpu")) for i, item in enumerate(items)]
     assert sorted(built) == [("a", "bad"), ("a", "x"), ("b", "y")]
+    failed = [f for _, fails, _, _ in done for f in fails]
     assert [(name, err) for name, _, err in failed] == [("bad", "ValueError: no such config")]
-    assert seconds >= 0
+    assert [number for number, *_ in done] == [0, 1, 2] and all(seconds >= 0 for _, _, seconds, _ in done)
 
 
 class _Calls:

@@ -699,15 +699,14 @@ def precompile_all(keys: list, device: torch.device, opts: TuneOptions, workers:
     i-th of n parts, the other parts compiled by processes sharing its on-disk cache (a host's ranks).
     Returns failures."""
     timings = timings if timings is not None else PrecompileTimings()
-    items = [item for _, item in ahead_items(keys, device, opts, family, floors, timings)]
+    items = [item for _, item in ahead_items(keys, device, opts, family, floors, timings)][share[0] :: share[1]]
     if not items:
         return []
     from ..backends.lib import triton_tiles
 
-    chunks = triton_tiles.compile_plan(items, workers, share)
     t0 = time.perf_counter()
-    failures = triton_tiles.compile_chunks(chunks, device, timings.busy)
-    timings.processes, timings.seconds = len(chunks), time.perf_counter() - t0
+    failures = triton_tiles.compile_all(items, device, workers, timings.busy)
+    timings.processes, timings.seconds = min(workers, len(items)), time.perf_counter() - t0
     return failures
 
 

@@ -276,20 +276,6 @@ def _precompile_worker(args):
     return failed
 
 
-def _compile_chunk(args):
-    """One pool process's part: its CompileItems, backend by backend (each class builds its own runners).
-    Returns (failures, seconds spent)."""
-    chunk, device_str = args
-    t0 = time.perf_counter()
-    by_backend: dict[type, list[CompileItem]] = {}
-    for item in chunk:
-        by_backend.setdefault(item.backend, []).append(item)
-    failed = []
-    for backend_cls, items in by_backend.items():
-        failed += _precompile_worker((backend_cls, [i.name for i in items], [i.key for i in items], device_str))
-    return failed, time.perf_counter() - t0
-
-
 def _compile_one(args):
     """One item in a pool process: (its number, failures, seconds spent, the process id)."""
     number, item, device_str = args
@@ -313,40 +299,31 @@ def compile_streaming(items: list[CompileItem], device: torch.device, workers: i
             on_done(number, failed, seconds, pid)
 
 
-def compile_plan(items: list[tuple], workers: int, share: tuple[int, int] = (0, 1)) -> list[list]:
-    """The items (kernel name first: (name, key) or CompileItem, each building its own binaries: the
-    backends' compile_items dedupe) each of `workers` processes compiles: the share (i, n) first, the
-    i-th of n processes that share a cache (a host's ranks, each listing the same items), then dealt
-    over the workers in turn, so every process gets a like mix of configs (a process walking one
-    config's items for every key was the whole pool's critical path)."""
-    ordered = sorted(items, key=lambda it: (getattr(it, "backend", type(None)).__name__, it[0], repr(it[1])))
-    mine = ordered[share[0] :: share[1]]
-    n = max(1, min(workers, len(mine)))
-    return [c for c in (mine[i::n] for i in range(n)) if c]
+def compile_all(items: list[CompileItem], device: torch.device, workers: int,
+                busy: list[float] | None = None) -> list:  # fmt: skip
+    """Build `items` (compile_streaming) and return when all are done: [(name, key, error)] for those that
+    failed; each process's busy seconds are appended to `busy`."""
+    failures: list = []
+    per_process: dict[int, float] = {}
 
+    def done(number, failed, seconds, pid):
+        failures.extend(failed)
+        per_process[pid] = per_process.get(pid, 0.0) + seconds
 
-def compile_chunks(chunks: list[list[CompileItem]], device: torch.device, seconds: list[float] | None = None) -> list:
-    """Build each chunk's runners in one process of a single spawned pool (each process starts torch and
-    a device context, seconds apiece: one pool for all backends pays that once), which fills Triton's
-    on-disk cache. Returns [(name, key, error)] for those that failed; each process's busy seconds are
-    appended to `seconds`."""
-    import multiprocessing as mp
-
-    if not chunks:
-        return []
-    with mp.get_context("spawn").Pool(len(chunks)) as pool:
-        results = pool.map(_compile_chunk, [(c, str(device)) for c in chunks])
-    if seconds is not None:
-        seconds += [s for _, s in results]
-    return [f for r, _ in results for f in r]
+    compile_streaming(items, device, workers, done)
+    if busy is not None:
+        busy += list(per_process.values())
+    return failures
 
 
 def compile_in_workers(backend_cls: type[Backend], items: list[tuple[str, tuple]], device: torch.device,
                        workers: int, share: tuple[int, int] = (0, 1)) -> list:  # fmt: skip
-    """Build `backend_cls`'s runner for each (kernel name, key) of this process's part (compile_plan) in
-    a pool of `workers` spawned processes. Returns [(name, key, error)] for those that failed."""
-    own = [CompileItem(name, key, backend_cls) for name, key in items]
-    return compile_chunks(compile_plan(own, workers, share), device)
+    """Build `backend_cls`'s runner for each (kernel name, key) of this process's part in a pool of
+    `workers` spawned processes: the share (i, n) takes every n-th of the items in a fixed order, so the
+    n processes sharing a cache (a host's ranks, each listing the same items) build each once. Returns
+    [(name, key, error)] for those that failed."""
+    own = sorted((CompileItem(name, key, backend_cls) for name, key in items), key=lambda it: (it.name, repr(it.key)))
+    return compile_all(own[share[0] :: share[1]], device, workers)
 
 
 def tile_kernel(backend: Backend, solution: Solution, key, device: torch.device) -> TGKernel:
