@@ -67,7 +67,7 @@ class BoundLaunch:
         self.fn, self.grid, self.args, self.kwargs = fn, grid, list(args), kwargs
         self.slots = [i for i, a in enumerate(args) if _is_slot(a)]
         self.facts: tuple = ()
-        self.direct = None  # (launcher, grid x, y, z, function, packed metadata, full args, their tensor slots, device)
+        self.direct = None  # (launcher, grid x, y, z, function, packed metadata, every argument, device)
         self._through_jit([args[i] for i in self.slots])
 
     def _through_jit(self, tensors) -> None:
@@ -96,25 +96,24 @@ class BoundLaunch:
             else:
                 return None
             full.append(value)
-        slots = [(i, which) for which, i in enumerate(self.slots)]  # (place among all arguments, tensor number)
         run = compiled.run  # loads the module and its function handle on first access
         grid = tuple(self.grid) + (1,) * (3 - len(self.grid))
         # JITFunction launches on the current device's stream with the kernel loaded there: so does this
         device = _driver.active.get_current_device()
-        return (run, *grid, compiled.function, compiled.packed_metadata, full, slots, device)
+        return (run, *grid, compiled.function, compiled.packed_metadata, full, device)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         direct = self.direct
         if direct is None or _tensor_facts(tensors) != self.facts or _hooks_set():
             self._through_jit(tensors)
             return
-        run, gx, gy, gz, function, metadata, full, slots, device = direct
+        run, gx, gy, gz, function, metadata, full, device = direct
         if _driver.active.get_current_device() != device:  # another current device: its own kernel and stream
             self._through_jit(tensors)
             return
         args = full.copy()
-        for pos, which in slots:
-            args[pos] = tensors[which]
+        for i, t in zip(self.slots, tensors, strict=True):  # positional: a slot's place among all arguments
+            args[i] = t
         run(gx, gy, gz, _driver.active.get_current_stream(device), function, metadata, None, None, None, *args)
 
 

@@ -192,14 +192,13 @@ def _norm_signature(x, residual, weight, eps, offset, cast_before_weight, qdtype
         return None
 
 
-def _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature):
+def _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature, kept):
     C = x.shape[-1]
     rows = norms.norm_rows(x, residual)
     q, s = _outputs(x.shape[:-1], C, qdtype, scaling, x.device)
     total = None if residual is None else _alloc(rows.x.shape, x.dtype, x.device)
     if rows.n_rows:
         tensors = (rows.x, rows.r, weight, q if total is None else total, q, s)
-        kept = _NORM_PLANS.get(signature)
         if kept is not None:
             kept(*tensors)
             return (q, s) if residual is None else (q, s, total)
@@ -215,14 +214,13 @@ def _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, s
     return (q, s) if residual is None else (q, s, total)
 
 
-def _launch_act(gu, act: str, qdtype, scaling, signature):
+def _launch_act(gu, act: str, qdtype, scaling, signature, kept):
     inter = gu.shape[-1] // 2
     rows2d = activations.gate_up_rows(gu)
     m = rows2d.shape[0]
     q, s = _outputs(gu.shape[:-1], inter, qdtype, scaling, gu.device)
     if m == 0 or inter == 0:
         return q, s
-    kept = _ACT_PLANS.get(signature)
     if kept is not None:
         kept(rows2d, q, s)
         return q, s
@@ -259,9 +257,10 @@ def _needs_grad(*ts) -> bool:
 
 def _norm_quant(x, residual, weight, eps, qdtype, scaling, offset, cast_before_weight, impl):
     signature = _norm_signature(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling)
-    if signature in _NORM_PLANS and impl != "ref" and x.device.type != "cpu" and not _is_compiling():
+    kept = _NORM_PLANS.get(signature)
+    if kept is not None and impl != "ref" and x.device.type != "cpu" and not _is_compiling():
         # this signature passed the checks below and launched the kernel before
-        return _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature)
+        return _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature, kept)
     who = "rmsnorm_quant" if residual is None else "add_rmsnorm_quant"
     _check_format(qdtype, scaling, who)
     norms._check(x, weight, residual)
@@ -273,7 +272,7 @@ def _norm_quant(x, residual, weight, eps, qdtype, scaling, offset, cast_before_w
                 return torch.ops.gemmtune.rmsnorm_quant(x, weight, *args)
             return torch.ops.gemmtune.add_rmsnorm_quant(x, residual, weight, *args)
     elif _use_kernel(ok, x.device, impl, who):
-        return _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature)
+        return _launch_norm(x, residual, weight, eps, offset, cast_before_weight, qdtype, scaling, signature, kept)
     kw = {"offset": offset, "cast_before_weight": cast_before_weight}
     if residual is None:
         return rmsnorm_quant_ref(x, weight, eps, qdtype, scaling, **kw)
@@ -297,8 +296,9 @@ def act_mul_quant(gu, act: str, qdtype, scaling="per_token", *, impl="auto"):
     signature = (
         (tensor_signature(gu), act, qdtype, scaling) if isinstance(gu, torch.Tensor) and isinstance(act, str) else None
     )
-    if signature in _ACT_PLANS and impl != "ref" and gu.device.type != "cpu" and not _is_compiling():
-        return _launch_act(gu, act, qdtype, scaling, signature)  # this signature passed the checks below before
+    kept = _ACT_PLANS.get(signature)
+    if kept is not None and impl != "ref" and gu.device.type != "cpu" and not _is_compiling():
+        return _launch_act(gu, act, qdtype, scaling, signature, kept)  # it passed the checks below before
     _check_format(qdtype, scaling, "act_mul_quant")
     if act not in activations.ACTIVATIONS:
         raise ValueError(f"act_mul_quant: unknown activation {act!r} (expected one of {activations.ACTIVATIONS})")
@@ -308,7 +308,7 @@ def act_mul_quant(gu, act: str, qdtype, scaling="per_token", *, impl="auto"):
         if ok and not _needs_grad(gu):
             return torch.ops.gemmtune.act_mul_quant(gu, act, qdtype, scaling)
     elif _use_kernel(ok, gu.device, impl, "act_mul_quant"):
-        return _launch_act(gu, act, qdtype, scaling, signature)
+        return _launch_act(gu, act, qdtype, scaling, signature, kept)
     return act_mul_quant_ref(gu, act, qdtype, scaling)
 
 

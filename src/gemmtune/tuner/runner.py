@@ -166,13 +166,13 @@ def compile_ahead_keys(
     return CompileAhead(todo, device, opts, n, fam.name, floors=floors).start()
 
 
-def finish_compile(ahead: CompileAhead | None, log: Callable[[str], None], what: str = "") -> None:
+def finish_compile(ahead: CompileAhead | None, log: Callable[[str], None]) -> None:
     """Wait for the background compile, then say what it took."""
     if ahead is None:
         return
     fails = ahead.join()
     failed = f"; the pool failed ({ahead.error}), the tune compiled what it needed" if ahead.error else ""
-    log(f"gemmtune: precompiled kernels beside the tune{what} ({describe_timings(ahead.timings)}; "
+    log(f"gemmtune: precompiled kernels beside the tune ({describe_timings(ahead.timings)}; "
         f"{len(fails)} did not compile{failed})")  # fmt: skip
 
 
