@@ -8,7 +8,7 @@ noise" when they are less than --noise apart. Writes <out>/fleet.json and <out>/
 The 1-rank run also writes <out>/one_rank.json (its wall seconds); --reuse-one takes that and
 <out>/one_rank.csv instead of running it again, so the two sides can run in two calls (same GPU kind).
 
-    python benchmarks/bench_tune_fleet.py --models llama-3-8b,qwen3-32b --nsets 1,16,128,1024 --nproc 2 -o out
+    python benchmarks/bench_tune_fleet.py --models llama-3-8b,qwen3-32b --nsets 1..8192 --nproc 2 -o out
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def retime_differences(one: str, many: str, reps: int, device: str) -> list[dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama-3-8b,qwen3-32b", help="presets (or config paths), comma list")
-    ap.add_argument("--nsets", default="1,16,128,1024", help="token counts M")
+    ap.add_argument("--nsets", default="1..8192", help="token counts M (default: gemmtune shapes' own ladder)")
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (one GPU each)")
     ap.add_argument("--reps", type=int, default=50, help="graph replays when timing differing winners again")
     ap.add_argument("--noise", type=float, default=0.02, help="winners closer than this fraction agree")

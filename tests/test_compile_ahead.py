@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import queue
+import re
 import threading
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from gemmtune.backends.lib import triton_tiles
 from gemmtune.keys import GemmKey
 from gemmtune.tuner import compile_ahead as C
-from gemmtune.tuner.runner import finish_compile
+from gemmtune.tuner.runner import compile_processes, finish_compile
 from gemmtune.tuner.search import TuneOptions
 
 CPU = torch.device("cpu")
@@ -180,3 +181,18 @@ def test_the_real_pool_builds_every_item_once_in_spawned_processes(tmp_path):
     triton_tiles.compile_streaming(items, CPU, 2, lambda n, failed, s, pid: seen.append((n, failed)))
     assert sorted(seen) == [(i, []) for i in range(5)]
     assert all((tmp_path / f"k{i}").read_text() == f"{i + 1}\n" for i in range(5))
+
+
+def test_compile_processes_split_the_hosts_total_over_its_ranks(monkeypatch):
+    monkeypatch.delenv("GEMMTUNE_COMPILE_PROCESSES", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 32)
+    assert [compile_processes(n) for n in (1, 2, 4, 64)] == [16, 16, 8, 1]
+    monkeypatch.setenv("GEMMTUNE_COMPILE_PROCESSES", "28")
+    assert [compile_processes(n) for n in (1, 2, 3)] == [28, 14, 9]
+
+
+@pytest.mark.parametrize("value", ["many", "0", "-3", "2.5"])
+def test_a_bad_compile_process_count_is_named(monkeypatch, value):
+    monkeypatch.setenv("GEMMTUNE_COMPILE_PROCESSES", value)
+    with pytest.raises(ValueError, match=rf"GEMMTUNE_COMPILE_PROCESSES='{re.escape(value)}'"):
+        compile_processes(2)

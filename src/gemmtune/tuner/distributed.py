@@ -33,7 +33,16 @@ from .. import families
 from ..device import DeviceIdentity, identity
 from .compile_ahead import Board, CompileAhead
 from .output import done_keys
-from .runner import RowSink, RunReport, _Progress, estimated_cost, load_keys, range_floors, tune_items
+from .runner import (
+    RowSink,
+    RunReport,
+    _Progress,
+    compile_processes,
+    estimated_cost,
+    load_keys,
+    range_floors,
+    tune_items,
+)
 from .search import TuneOptions, select_backends
 from .workers import import_plugins
 
@@ -272,7 +281,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
             log(line)
     store = dist.distributed_c10d._get_default_store()
     mine = plan.claims(fleet.rank, store)
-    compile_workers = max(1, min(16, (os.cpu_count() or 1) // max(1, fleet.local_world)))
+    compile_workers = compile_processes(fleet.local_world)
     log_here = log if fleet.rank == 0 else (lambda m: None)  # rank 0 speaks for the launch
     # tune_items starts this rank's worker, then `host` (the host's kernels compiling in the background,
     # split over its ranks) in place of its own compile; each claimed key waits until its kernels are built.

@@ -152,6 +152,26 @@ def stderr_is_tty() -> bool:
         return False
 
 
+def compile_processes(local_ranks: int = 1) -> int:
+    """How many compile processes one rank starts when `local_ranks` ranks share its host: the host's
+    total (GEMMTUNE_COMPILE_PROCESSES, else 16 per rank up to one per CPU) split over them. 8, 14 and 16
+    per rank tuned two ranks' keys within 5% of each other on a 32-CPU host
+    (benchmarks/results/h100/fleet_tuning/)."""
+    local_ranks = max(1, local_ranks)
+    cpus = os.cpu_count() or 1
+    env = os.environ.get("GEMMTUNE_COMPILE_PROCESSES", "").strip()
+    if env:
+        try:
+            total = int(env)
+        except ValueError:
+            raise ValueError(f"GEMMTUNE_COMPILE_PROCESSES={env!r}: expected a whole number of processes") from None
+        if total < 1:
+            raise ValueError(f"GEMMTUNE_COMPILE_PROCESSES={env!r}: expected at least 1")
+    else:
+        total = min(16 * local_ranks, cpus)
+    return max(1, total // local_ranks)
+
+
 def compile_ahead_keys(
     todo: list,
     fam: Family,
@@ -162,7 +182,7 @@ def compile_ahead_keys(
 ) -> CompileAhead:
     """The keys' Triton kernels compiling in one pool of processes in the background, in `todo`'s order
     (compile_ahead.py); `floors`: each key's M floor, as its tune gets it."""
-    n = compile_workers or min(16, os.cpu_count() or 1)
+    n = compile_workers or compile_processes()
     return CompileAhead(todo, device, opts, n, fam.name, floors=floors).start()
 
 
