@@ -215,8 +215,12 @@ def test_moe_keys_for_models():
     assert got == [(1, 4096, 7168, 8, 2), (64, 4096, 7168, 8, 2)]
     (q,) = moe_keys(PRESETS["qwen3-30b-a3b"], tokens=[16])
     assert (q.inter_dim, q.expert, q.topk, q.global_expert) == (768, 128, 8, 0)
-    (d,) = moe_keys(PRESETS["deepseek-v3"], tp=1, ep=8, tokens=[4])
+    (d,) = moe_keys(PRESETS["deepseek-v3"], tp=1, ep=8, tokens=[4])  # its shared expert: a dense MLP
+    assert (d.expert, d.global_expert, d.shared_expert, d.local_routed, d.topk) == (32, 256, 0, 32, 8)
+    (d,) = moe_keys(PRESETS["deepseek-v3"], tp=1, ep=8, tokens=[4], fuse_shared=True)  # as aiter runs it
     assert (d.expert, d.global_expert, d.shared_expert, d.local_routed, d.topk) == (33, 256, 1, 32, 8)
+    (q,) = moe_keys(PRESETS["qwen2-moe"], tokens=[4], fuse_shared=True)  # another size: dense either way
+    assert q.shared_expert == 0
     assert moe_keys(PRESETS["llama-3-8b"], tokens=[1]) == []
     with pytest.raises(ValueError, match="do not split"):
         moe_keys(PRESETS["mixtral-8x7b"], ep=3)

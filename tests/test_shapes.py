@@ -174,6 +174,27 @@ def test_shapes_cli_dtype_override_and_stdout():
     assert len(lines) == 1 + 4
 
 
+def test_shapes_cli_fmoe_keys_shared_experts_dense_or_fused(tmp_path):
+    """DeepSeek-V3's shared expert: a dense MLP by default (optimize() runs it so: its GEMMs are in the
+    a16w16 list), an extra expert of the fused call with --fuse-shared-experts (aiter's, SGLang's way)."""
+
+    def expert_columns(*extra):
+        out = tmp_path / "moe.csv"
+        args = ["shapes", "-m", "deepseek-v3", "--family", "fmoe", "--nsets", "4", *extra, "-o", str(out)]
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 0, res.output
+        header, row = out.read_text().splitlines()
+        return {c: v for c, v in zip(header.split(","), row.split(",")) if c in ("expert", "topk")}
+
+    assert expert_columns() == {"expert": "256", "topk": "8"}
+    assert expert_columns("--fuse-shared-experts") == {"expert": "257", "topk": "8"}
+    dense = CliRunner().invoke(cli, ["shapes", "-m", "deepseek-v3", "--nsets", "4"])
+    # the shared expert's gate/up GEMM at every token (the routed experts' is keyed at ceil(4*8/256) = 1)
+    assert dense.exit_code == 0 and "\n4,4096,7168,False," in dense.output
+    bad = CliRunner().invoke(cli, ["shapes", "-m", "deepseek-v3", "--fuse-shared-experts"])
+    assert bad.exit_code != 0 and "--fuse-shared-experts applies to --family fmoe, not --family a16w16" in bad.output
+
+
 def test_shapes_cli_errors_are_clear(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"model_type": "t5"}))
     res = CliRunner().invoke(cli, ["shapes", "-m", str(tmp_path / "c.json"), "-o", str(tmp_path / "o.csv")])

@@ -16,6 +16,7 @@ from ..tuner.model_shapes import (
     load_model_config,
     model_gemms,
     model_keys,
+    moe_keys,
     named_keys,
 )
 from . import _validate as v
@@ -41,8 +42,12 @@ _OUT_HELP = "Untuned CSV to write (aiter's M,N,K,bias,dtype,outdtype,...); defau
 @click.option("--family", default="a16w16", show_default=True,
               help="GEMM family to emit: a16w16 (the linear layers) or another family the model runs "
               "(batched: DeepSeek MLA's per-head absorbed projections).")  # fmt: skip
+@click.option("--fuse-shared-experts", is_flag=True,
+              help="--family fmoe: key DeepSeek-V3's / GLM-4-MoE's shared experts as extra experts of the "
+              "fused MoE call, as aiter and SGLang run them (default: dense MLPs, as gemmtune.optimize runs "
+              "them).")  # fmt: skip
 @v.output_file_option("-o", "--output", default=None, help=_OUT_HELP)
-def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> None:
+def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, fuse_shared_experts, output) -> None:
     """The GEMM shapes a Hugging Face model runs (one TP rank), as aiter's untuned CSV.
 
     Fused QKV and gate+up as serving engines run them; column-parallel layers split along N,
@@ -61,8 +66,10 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, output) -> No
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(f"{source}: {exc}") from None
     odt = odt or dt
+    if fuse_shared_experts and family != "fmoe":
+        raise click.UsageError(f"--fuse-shared-experts applies to --family fmoe, not --family {family}")
     if family != "a16w16":
-        _other_family(family, config, source, tp, ms, dt, output)
+        _other_family(family, config, source, tp, ms, dt, output, fuse_shared_experts)
         return
     others = [name for name in OWN_GEMMS if _keys(name, config, tp, ms[:1], dt)]
     if others and output:
@@ -91,10 +98,14 @@ def _keys(family: str, config, tp, ms, dtype) -> list:
         return []
 
 
-def _other_family(name, config, source, tp, ms, dtype, output) -> None:
+def _other_family(name, config, source, tp, ms, dtype, output, fuse_shared: bool = False) -> None:
     try:
         fam = families.get(name)
-        keys = list(dict.fromkeys(model_keys(name, config, tp, ms, dtype)))
+        if fuse_shared:
+            found = moe_keys(config, tp, 1, ms, dtype, fuse_shared=True)
+        else:
+            found = model_keys(name, config, tp, ms, dtype)
+        keys = list(dict.fromkeys(found))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     if not keys:

@@ -455,13 +455,15 @@ def named_keys(shapes: Iterable[LinearShape], ms: Iterable[int], dtype=torch.bfl
 
 # ---- keys of each GEMM family ---------------------------------------------------------------------
 def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.dtype = torch.bfloat16,
-             activation: str | None = None) -> list[MoeKey]:  # fmt: skip
+             activation: str | None = None, fuse_shared: bool = False) -> list[MoeKey]:  # fmt: skip
     """The fmoe keys one rank of an MoE model runs at each token count (empty for a dense model).
 
     tp splits every expert's intermediate size; ep splits the routed experts (each rank holds
-    experts / ep of them and keys global_expert = experts). DeepSeek-V3's and GLM-4-MoE's shared experts
-    of the routed experts' size are fused in as extra experts (shared_expert = n_shared_experts), as
-    serving engines run them; shared experts of another size (Qwen2-MoE) are a dense MLP, not an fmoe key.
+    experts / ep of them and keys global_expert = experts). Shared experts are dense MLPs, as optimize()
+    runs them (their GEMMs are in model_gemms); `fuse_shared` keys DeepSeek-V3's and GLM-4-MoE's shared
+    experts of the routed experts' size as extra experts of the fmoe call (shared_expert =
+    n_shared_experts), as aiter and SGLang run them. Qwen2-MoE's shared expert, of another size, is dense
+    either way.
     """
     cfg = text_config(config)
     mt = cfg.get("model_type", "")
@@ -478,7 +480,8 @@ def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.d
     else:
         return []
     topk = _req(cfg, "num_experts_per_tok")
-    shared = _opt(cfg, "n_shared_experts", 0) if mt.startswith("deepseek") or mt == "glm4_moe" else 0
+    fusable = mt.startswith("deepseek") or mt == "glm4_moe"
+    shared = _opt(cfg, "n_shared_experts", 0) if fuse_shared and fusable else 0
     for what, total, parts in (("experts", experts, ep), ("intermediate size", inter, tp)):
         if total % parts:
             raise ValueError(f"{mt}: {what} {total} do not split over {parts} ranks")
