@@ -27,6 +27,30 @@ def kernel_results(test_file: str, run_cases, cases, gpu_cases):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def interpreter_gap() -> str | None:
+    """Why this Triton's interpreter cannot run the GEMM kernels' loops here, else None; call it where
+    TRITON_INTERPRET is set. Triton 3.6's interpreter turns a loop bound computed from tl.program_id into
+    an int through a one-element numpy array, which numpy 2.4 refuses; later Triton runs it."""
+    import numpy
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _loop_from_program_id(out, n):
+        count = 0
+        for _ in range(tl.program_id(0), n):
+            count += 1
+        tl.store(out, count)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        _loop_from_program_id[(1,)](out, 3)
+    except Exception as exc:  # noqa: BLE001 - any failure of the probe is the interpreter's gap
+        return (f"Triton {triton.__version__}'s interpreter cannot loop from a program id with numpy "
+                f"{numpy.__version__} ({type(exc).__name__}); on a GPU the kernels run natively")  # fmt: skip
+    return None if out.item() == 3 else f"the interpreter's probe loop ran {out.item()} times, not 3"
+
+
 def compare(y, y_ref, y32, shape, dtype, scale: float) -> dict:
     """A kernel output against its same-dtype reference and an fp32 one, errors relative to `scale`."""
     return {
