@@ -547,3 +547,27 @@ def test_a_gemm_custom_op_without_readable_shapes_gives_way_to_the_gemm_inside()
     outer = Node("gemmtune::fused_moe", 0, 1, 0, 0, ((8, 64),), ("float",))
     assert _outer_gemm([inner, outer]) is inner  # innermost first, as launch chains are
     assert _outer_gemm([outer]) is outer  # nothing readable: still attributed to the GEMM op
+
+
+@pytest.mark.parametrize(("layers", "dense"), [(None, 3), (61, 3), (8, 1), (4, 1), (2, 1), (1, 1)])
+def test_a_cut_deepseek_keeps_its_share_of_dense_layers(layers, dense):
+    """DeepSeek-V3 (3 dense, 58 MoE layers) cut to a few layers stays mostly MoE: its first 4 layers alone
+    would be 3 dense and 1 MoE."""
+    from gemmtune.profiling.build import architecture
+
+    cfg, _ = architecture("deepseek-v3", layers)
+    assert (cfg["num_hidden_layers"], cfg["first_k_dense_replace"]) == (layers or 61, dense)
+
+
+def test_a_cut_model_names_its_dense_and_moe_layers():
+    from gemmtune.profiling.build import architecture
+
+    cfg, _ = architecture("deepseek-v3", 4)
+    small = {**cfg, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 8,
+             "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "num_attention_heads": 4,
+             "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+             "qk_nope_head_dim": 8, "v_head_dim": 8, "vocab_size": 128}  # fmt: skip
+    model, desc = build_model(small)
+    assert "4 layers (1 dense, 3 MoE)" in desc, desc
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds == ["DeepseekV3MLP", "DeepseekV3MoE", "DeepseekV3MoE", "DeepseekV3MoE"], kinds

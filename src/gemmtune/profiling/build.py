@@ -21,10 +21,26 @@ def architecture(model: str | dict, layers: int | None = None) -> tuple[dict, st
     if layers is not None:
         if layers < 1:
             raise ValueError(f"layers must be >= 1, got {layers}")
+        full = cfg.get("num_hidden_layers")
         cfg["num_hidden_layers"] = layers
         if isinstance(cfg.get("layer_types"), list):  # per-layer attention kinds (Gemma 2/3, Qwen 3 ...)
             cfg["layer_types"] = cfg["layer_types"][:layers]
+        _keep_dense_share(cfg, full, layers)
     return cfg, source
+
+
+def _keep_dense_share(cfg: dict, full_layers, layers: int) -> None:
+    """A model whose first first_k_dense_replace layers are dense and the rest MoE (DeepSeek-V3: 3 of 61)
+    keeps its share of dense layers when cut to `layers` (at least one of each kind from 2 layers on): its
+    first 4 layers alone would be 3 dense and 1 MoE, a model that is mostly dense GEMMs where the real one
+    is mostly experts."""
+    dense = cfg.get("first_k_dense_replace")
+    if not (isinstance(dense, int) and isinstance(full_layers, int) and 0 < dense < full_layers > layers):
+        return
+    if layers < 2:
+        cfg["first_k_dense_replace"] = min(dense, layers)
+        return
+    cfg["first_k_dense_replace"] = max(1, min(layers - 1, round(dense * layers / full_layers)))
 
 
 def build_model(
@@ -58,6 +74,8 @@ def build_model(
         torch.set_default_dtype(prev)
     net = net.to(dtype=dtype).eval()
     n_params = sum(p.numel() for p in net.parameters())
-    desc = (f"{source}: {mt}, {config.num_hidden_layers} layers, {n_params / 1e9:.2f} B parameters, "
+    dense = cfg.get("first_k_dense_replace")
+    mix = f" ({dense} dense, {config.num_hidden_layers - dense} MoE)" if isinstance(dense, int) else ""
+    desc = (f"{source}: {mt}, {config.num_hidden_layers} layers{mix}, {n_params / 1e9:.2f} B parameters, "
             f"random weights, {str(dtype).replace('torch.', '')}")  # fmt: skip
     return net, desc
