@@ -1,6 +1,6 @@
-"""Routing glue in Triton (kernels/moe_route.py): the sort of slots by expert and the top-k router,
-against their torch references, plus the host work of the grouped_mm path (aten ops, Triton launches)
-and optimize() swapping the Qwen3-MoE / Mixtral routers.
+"""Routing glue in Triton (kernels/moe_route.py): the sort of slots by expert, the top-k router and the
+grouped sigmoid router (DeepSeek-V3, GLM-4-MoE), against their torch references, plus the host work of
+the grouped_mm path (aten ops, Triton launches) and optimize() swapping the Qwen3-MoE / Mixtral routers.
 
 Without a GPU the kernels run under Triton's interpreter (fp32/fp16) in a subprocess (kernel_cases.py);
 with one, in-process, bf16 included, plus CUDA-graph replay equal to eager and torch.topk's own order
@@ -52,6 +52,16 @@ ROUTER_CASES = [
     (19, 4, 4, False, "float16", "float16"),
 ]
 GPU_ROUTER_CASES = [(2048, 128, 8, True, "bfloat16", "bfloat16"), (77, 8, 2, True, "bfloat16", "float32")]
+# grouped sigmoid routers: (T, E, k, n_group, topk_group, renorm, scale); DeepSeek-V3 is E=256 8 groups top 4,
+# GLM-4.5 one group; a group size that is not a power of two; T over several programs
+GROUPED_CASES = [
+    (1, 16, 2, 4, 2, True, 1.0),
+    (7, 64, 6, 8, 3, False, 2.5),
+    (37, 256, 8, 8, 4, True, 2.5),
+    (19, 24, 4, 3, 2, True, 1.5),
+    (5, 128, 8, 1, 1, True, 1.0),
+]
+GPU_GROUPED_CASES = [(2048, 256, 8, 8, 4, True, 2.5), (300, 160, 6, 8, 3, True, 16.0)]
 
 
 @contextlib.contextmanager
@@ -105,6 +115,35 @@ def router_logits(case, device):
     x = torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).float() / 16 - E / 32
     x = x + torch.rand(T, E, generator=g) / 64
     return x.to(device=device, dtype=getattr(torch, dt))
+
+
+def grouped_inputs(case, device):
+    """fp32 logits whose values (and so sigmoid scores) are 1/16 apart plus jitter, and a correction bias."""
+    T, E = case[:2]
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    x = torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).float() / 16 - E / 32
+    x = x + torch.rand(T, E, generator=g) / 64
+    bias = torch.randn(E, generator=g) / 8
+    return x.to(device), bias.to(device)
+
+
+def run_grouped(cases, device) -> dict:
+    out = {}
+    for case in cases:
+        _, _, k, n_group, topk_group, renorm, scale = case
+        x, bias = grouped_inputs(case, device)
+        with poisoned():
+            w, ids = moe_route.grouped_router_topk(x, bias, k, n_group, topk_group, renorm, scale)
+        w_ref, ids_ref = moe_route.grouped_router_topk_ref(x, bias, k, n_group, topk_group, renorm, scale)
+        mine, order = ids.sort(1)
+        theirs, their_order = ids_ref.sort(1)
+        out[repr(case)] = {
+            "ids": bool(torch.equal(mine, theirs)),
+            "largest_first": bool((lambda c: (c[:, :-1] >= c[:, 1:]).all())((x.sigmoid() + bias).gather(1, ids))),
+            "dtype": str(w.dtype) == "torch.float32" and str(ids.dtype) == "torch.int64",
+            "err": ((w.gather(1, order) - w_ref.gather(1, their_order)).abs().max() / scale).item(),
+        }
+    return out
 
 
 def run_cases(sort_cases, router_cases, device) -> dict:
@@ -185,6 +224,7 @@ def _all(device) -> dict:
     gpu = device == "cuda"
     res = run_cases(SORT_CASES + (GPU_SORT_CASES if gpu else []), ROUTER_CASES + (GPU_ROUTER_CASES if gpu else []),
                     device)  # fmt: skip
+    res["grouped"] = run_grouped(GROUPED_CASES + (GPU_GROUPED_CASES if gpu else []), device)
     res["host"] = host_counts()
     res["parity"] = optimize_parity()
     return res
@@ -207,6 +247,23 @@ def test_router_topk_matches_reference(case, results):
     assert r["ids"] and r["dtype"], r
     wdt = case[5]
     assert r["err"] <= {"float32": 2e-7, "float16": 1e-3, "bfloat16": 8e-3}[wdt], r
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES + (GPU_GROUPED_CASES if HAS_GPU else []), ids=repr)
+def test_grouped_router_topk_matches_reference(case, results):
+    r = results["grouped"][repr(case)]
+    assert r["ids"] and r["dtype"] and r["largest_first"], r
+    assert r["err"] <= 1e-6, r  # fp32 throughout: the sigmoid's and the sum's last bits
+
+
+def test_grouped_router_topk_rejects_bad_arguments():
+    x, bias = torch.randn(3, 16), torch.zeros(16)
+    with pytest.raises(ValueError, match=r"bias \(8,\) \(experts,\)"):
+        moe_route.grouped_router_topk(x, torch.zeros(8), 2, 4, 2, True, 1.0)
+    with pytest.raises(ValueError, match=r"n_group=5 groups"):
+        moe_route.grouped_router_topk(x, bias, 2, 5, 2, True, 1.0)
+    with pytest.raises(ValueError, match=r"top_k=9 must be 1..8"):
+        moe_route.grouped_router_topk(x, bias, 9, 4, 2, True, 1.0)
 
 
 def test_grouped_mm_path_host_work_is_bounded(results):
@@ -291,10 +348,12 @@ def test_router_left_alone_where_triton_does_not_run():
 def test_gpu_graph_replay_equals_eager(gpu):
     r, E = sort_inputs(GPU_SORT_CASES[0], gpu)
     x = router_logits(GPU_ROUTER_CASES[0], gpu)
+    gx, bias = grouped_inputs(GPU_GROUPED_CASES[0], gpu)
 
     def run():
         w, ids = moe_route.router_topk(x, 8, True, torch.bfloat16)
-        return (w, ids, *moe_route.expert_sort(r, E))
+        gw, gids = moe_route.grouped_router_topk(gx, bias, 8, 8, 4, True, 2.5)
+        return (w, ids, *moe_route.expert_sort(r, E), gw, gids)
 
     eager = [t.clone() for t in run()]  # (compiles both kernels: the capture launches only)
     torch.cuda.synchronize()
@@ -311,7 +370,7 @@ def test_gpu_graph_replay_equals_eager(gpu):
     r.topk_ids.copy_(torch.randint(0, E, r.topk_ids.shape, device=gpu, dtype=r.topk_ids.dtype))
     g.replay()
     want = _sort_ref(r, E)
-    assert all(torch.equal(a, b) for a, b in zip(outs[2:], want))
+    assert all(torch.equal(a, b) for a, b in zip(outs[2:6], want))
 
 
 @pytest.mark.gpu

@@ -16,6 +16,12 @@ softmax in fp32, the top k (largest first; among equal values the lower expert i
 torch.topk picks them, and listed lowest first, where CUDA's topk lists them highest first: the block
 sums its slots, so only which experts are picked matters), optionally renormalized to sum 1, cast to
 out_dtype; ids int64.
+
+grouped_router_topk: what DeepSeek-V3's and GLM-4-MoE's routers compute from their fp32 logits: sigmoid
+scores; for choosing, the scores plus the correction bias; each of n_group groups scored by the sum of
+its two best; the topk_group best groups kept, the other experts masked; the top k of what is left; the
+weights are the chosen experts' scores without the bias, optionally divided by their sum (+1e-20), times
+the routed scaling factor; fp32 weights, int64 ids, largest first (ties: the lower index).
 """
 
 from __future__ import annotations
@@ -69,6 +75,24 @@ def router_topk_ref(logits: torch.Tensor, top_k: int, renorm: bool, out_dtype: t
     if renorm:
         w = w / w.sum(dim=-1, keepdim=True)
     return w.to(out_dtype), ids
+
+
+def grouped_router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                            renorm: bool, scale: float):  # fmt: skip
+    """(weights (T, k) fp32, ids (T, k) int64): the DeepSeek-V3 / GLM-4-MoE router after its linear, in
+    the order torch.topk lists them (largest first)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias
+    T, E = choice.shape
+    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=topk_group, dim=-1)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+    ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=top_k, dim=-1)[1]
+    w = scores.gather(1, ids)
+    if renorm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, ids
 
 
 # ---- kernels --------------------------------------------------------------------------------------
@@ -153,6 +177,61 @@ if HAS_TRITON:
         tl.store(w_ptr + out, vals.to(w_ptr.dtype.element_ty), mask=ok)
         tl.store(ids_ptr + out, picks.to(tl.int64), mask=ok)
 
+    @triton.jit
+    def _grouped_router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, GS, stride_lt, stride_le, scale,
+                               K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, NG: tl.constexpr,
+                               NG_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+                               RENORM: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, E_P2)
+        row_ok = rows < T
+        col_ok = cols < E
+        rows64 = rows.to(tl.int64)
+        x = tl.load(logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        scores = 1.0 / (1.0 + tl.exp(-x))
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
+        group = cols // GS
+        gcols = tl.arange(0, NG_P2)
+        # each group's score: the sum of its two best choices
+        gscore = tl.full((BLOCK_T, NG_P2), float("-inf"), tl.float32)
+        for g in tl.static_range(NG):
+            v = tl.where((group == g)[None, :], choice, float("-inf"))
+            m1 = tl.max(v, axis=1)
+            i1 = tl.min(tl.where(v == m1[:, None], cols[None, :], E_P2), axis=1)
+            m2 = tl.max(tl.where(cols[None, :] == i1[:, None], float("-inf"), v), axis=1)
+            gscore = tl.where(gcols[None, :] == g, (m1 + m2)[:, None], gscore)
+        # the topk_group best groups; the experts of the others are out of the choice
+        chosen = tl.zeros((BLOCK_T, NG_P2), dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(gscore, axis=1)
+            pick = tl.min(tl.where(gscore == best[:, None], gcols[None, :], NG_P2), axis=1)
+            chosen = tl.where(gcols[None, :] == pick[:, None], 1, chosen)
+            gscore = tl.where(gcols[None, :] == pick[:, None], float("-inf"), gscore)
+        keep = tl.zeros((BLOCK_T, E_P2), dtype=tl.int32)
+        for g in tl.static_range(NG):
+            on = tl.sum(tl.where(gcols[None, :] == g, chosen, 0), axis=1)
+            keep = tl.where((group == g)[None, :] & (on[:, None] > 0), 1, keep)
+        q = tl.where(keep > 0, choice, float("-inf"))
+        kcol = tl.arange(0, K_P2)
+        vals = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
+        picks = tl.zeros((BLOCK_T, K_P2), dtype=tl.int32)
+        for i in tl.static_range(K):
+            best = tl.max(q, axis=1)
+            pick = tl.min(tl.where(q == best[:, None], cols[None, :], E_P2), axis=1)
+            score = tl.sum(tl.where(cols[None, :] == pick[:, None], scores, 0.0), axis=1)  # without the bias
+            vals = tl.where(kcol[None, :] == i, score[:, None], vals)
+            picks = tl.where(kcol[None, :] == i, pick[:, None], picks)
+            q = tl.where(cols[None, :] == pick[:, None], float("-inf"), q)
+        if RENORM:
+            vals = vals / (tl.sum(vals, axis=1)[:, None] + 1e-20)
+        vals = vals * scale
+        out = rows64[:, None] * K + kcol[None, :]
+        ok = row_ok[:, None] & (kcol[None, :] < K)
+        tl.store(w_ptr + out, vals, mask=ok)
+        tl.store(ids_ptr + out, picks.to(tl.int64), mask=ok)
+
 
 # ---- launchers ------------------------------------------------------------------------------------
 _SORT_PROGRAMS = 64  # chunks per sort: each program histograms all S keys, so not many more
@@ -202,4 +281,31 @@ def router_topk(logits: torch.Tensor, top_k: int, renorm: bool, out_dtype: torch
                                                         K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2,
                                                         BLOCK_T=block_t, RENORM=bool(renorm),
                                                         num_warps=4)  # fmt: skip
+    return w, ids
+
+
+def grouped_router_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                        renorm: bool, scale: float):  # fmt: skip
+    """grouped_router_topk_ref in one Triton launch: logits (T, E) any float dtype and strides, bias (E,)."""
+    T, E = logits.shape if logits.dim() == 2 else (0, 0)
+    if logits.dim() != 2 or tuple(bias.shape) != (E,):
+        raise ValueError(f"grouped_router_topk: logits {tuple(logits.shape)} must be (tokens, experts) and "
+                         f"bias {tuple(bias.shape)} (experts,)")  # fmt: skip
+    if not (n_group >= 1 and E % n_group == 0 and E // n_group >= 2 and 1 <= topk_group <= n_group):
+        raise ValueError(f"grouped_router_topk: {E} experts must split into n_group={n_group} groups of at "
+                         f"least 2, and 1 <= topk_group={topk_group} <= n_group")  # fmt: skip
+    if not 1 <= top_k <= topk_group * (E // n_group):
+        raise ValueError(f"grouped_router_topk: top_k={top_k} must be 1..{topk_group * (E // n_group)} "
+                         f"(the experts of topk_group={topk_group} groups)")  # fmt: skip
+    w = _alloc((T, top_k), torch.float32, logits.device)
+    ids = _alloc((T, top_k), torch.int64, logits.device)
+    if T:
+        e_p2 = triton.next_power_of_2(E)
+        block_t = max(1, min(32, 2048 // e_p2))
+        _grouped_router_kernel[(triton.cdiv(T, block_t),)](
+            logits, bias, w, ids, T, E, E // n_group, logits.stride(0), logits.stride(1), float(scale),
+            K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2, NG=n_group,
+            NG_P2=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, BLOCK_T=block_t, RENORM=bool(renorm),
+            num_warps=4,
+        )  # fmt: skip
     return w, ids

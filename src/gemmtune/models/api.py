@@ -152,8 +152,7 @@ class _Planner:
                 if isinstance(rspec, str):
                     self.skip("router", _join(path, name), router, rspec)
                 else:
-                    detail = f"softmax/top-k in one kernel ({rspec.describe()})"
-                    self.add("router", _join(path, name), router, detail, spec=rspec)
+                    self.add("router", _join(path, name), router, rspec.summary(), spec=rspec)
             return
         act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"
         act_fn = getattr(mlp, act_attr, None)

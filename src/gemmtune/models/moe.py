@@ -11,8 +11,9 @@ everything else in the block stays as it is.
 The softmax top-k routers (Mixtral's, Qwen2/3-MoE's, OLMoE's: linear, softmax, top k, optional
 renormalization) keep their linear and do the rest in one Triton kernel (kernels/moe_route.py) where
 Triton runs; whether one renormalizes and the dtype of its weights are read off a probe of its own
-forward. Other routers (DeepSeek's / GLM's grouped sigmoid top-k with e_score_correction_bias,
-GraniteMoE's top-k-then-softmax) stay stock.
+forward. DeepSeek-V3's and GLM-4-MoE's grouped sigmoid routers (e_score_correction_bias, group-limited
+top k, routed_scaling_factor) keep their fp32 linear and do the rest in another (about 15 small ops
+stock). GraniteMoE's top-k-then-softmax router stays stock.
 
 An experts module is taken only if its layout is the one above (checked per instance), its
 activation is one fused_moe computes (probed), and fused_moe matches the module's own forward on a
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import triton_reason
-from ..kernels.moe_route import router_topk
+from ..kernels.moe_route import grouped_router_topk, router_topk
 from ..ops.moe import fused_moe
 from .architectures import detect_act
 
@@ -121,6 +122,8 @@ def undo(experts: nn.Module) -> None:
 # ---- the top-k router -----------------------------------------------------------------------------
 # linear -> softmax -> top k (-> renorm) routers
 ROUTERS = ("Qwen3MoeTopKRouter", "MixtralTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter")
+# fp32 linear -> sigmoid (+ correction bias) -> top groups -> top k -> (renorm) * scaling routers
+GROUPED_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
 
 
 def router_name(block: nn.Module) -> str | None:
@@ -141,19 +144,44 @@ class RouterSpec:
     def describe(self) -> str:
         return f"top {self.top_k}{' renormalized' if self.renorm else ''} -> {str(self.out_dtype).split('.')[-1]}"
 
+    def summary(self) -> str:
+        return f"softmax/top-k in one kernel ({self.describe()})"
+
+
+@dataclass(frozen=True)
+class GroupedRouterSpec:
+    hidden: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    renorm: bool
+    scale: float
+
+    def describe(self) -> str:
+        return (f"top {self.top_k} of the best {self.topk_group} of {self.n_group} groups"
+                f"{', renormalized' if self.renorm else ''}, x{self.scale:g}")  # fmt: skip
+
+    def summary(self) -> str:
+        return f"sigmoid/grouped top-k in one kernel ({self.describe()})"
+
 
 def _router_forward(self, hidden_states: torch.Tensor):
     spec = self._gemmtune_router
     if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
         return type(self).forward(self, hidden_states)  # the kernel has no backward
+    if isinstance(spec, GroupedRouterSpec):  # its linear in fp32, as the module computes it
+        logits = F.linear(hidden_states.reshape(-1, spec.hidden).float(), self.weight.float())
+        scores, ids = grouped_router_topk(logits, self.e_score_correction_bias, spec.top_k, spec.n_group,
+                                          spec.topk_group, spec.renorm, spec.scale)  # fmt: skip
+        return logits, scores, ids
     logits = F.linear(hidden_states.reshape(-1, spec.hidden), self.weight)
     scores, ids = router_topk(logits, spec.top_k, spec.renorm, spec.out_dtype)
     return logits, scores, ids
 
 
 def _router_reason(router: nn.Module) -> str | None:
-    if type(router).__name__ not in ROUTERS:
-        return f"{type(router).__name__} is not a softmax top-k router ({', '.join(ROUTERS)})"
+    if type(router).__name__ not in ROUTERS + GROUPED_ROUTERS:
+        return f"{type(router).__name__} is not a router the kernels compute ({', '.join(ROUTERS + GROUPED_ROUTERS)})"
     w = getattr(router, "weight", None)
     k = getattr(router, "top_k", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not isinstance(k, int) or not 1 <= k <= w.shape[0]:
@@ -176,12 +204,15 @@ def _distinct_rows(logits: torch.Tensor, k: int) -> torch.Tensor:
     return (top[:, :-1] > top[:, 1:]).all(1)
 
 
-def plan_router(router: nn.Module) -> RouterSpec | str:
-    """A RouterSpec when the top-k kernel reproduces `router` (probed: same ids and dtypes, weights
-    within the dtype's tolerance, on the probe tokens without ties), else the reason it cannot."""
+def plan_router(router: nn.Module) -> RouterSpec | GroupedRouterSpec | str:
+    """A RouterSpec (GroupedRouterSpec) when the top-k kernel reproduces `router` (probed: same ids and
+    dtypes, weights within the dtype's tolerance, on the probe tokens without ties), else the reason it
+    cannot."""
     why = _router_reason(router)
     if why is not None:
         return why
+    if type(router).__name__ in GROUPED_ROUTERS:
+        return _plan_grouped_router(router)
     w = router.weight
     g = torch.Generator(device="cpu").manual_seed(4321)
     x = torch.randn(4, 16, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
@@ -211,3 +242,68 @@ def plan_router(router: nn.Module) -> RouterSpec | str:
 def apply_router(router: nn.Module, spec: RouterSpec) -> None:
     router._gemmtune_router = spec
     router.forward = _router_forward.__get__(router)
+
+
+def _grouped_attrs(router: nn.Module) -> tuple | str:
+    names = ("top_k", "n_group" if hasattr(router, "n_group") else "num_group", "topk_group", "norm_topk_prob",
+             "routed_scaling_factor", "e_score_correction_bias")  # fmt: skip
+    vals = [getattr(router, n, None) for n in names]
+    k, groups, topk_group, renorm, scale, bias = vals
+    E = router.weight.shape[0]
+    if not all(isinstance(v, int) for v in (k, groups, topk_group)) or not isinstance(renorm, bool):
+        return "no top_k / group counts / norm_topk_prob"
+    if not isinstance(scale, (int, float)) or not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (E,):
+        return "no routed_scaling_factor / (experts,) e_score_correction_bias"
+    if not (groups >= 1 and E % groups == 0 and E // groups >= 2 and 1 <= topk_group <= groups):
+        return f"{E} experts in {groups} groups (top {topk_group}) is not a grouping the kernel takes"
+    if not 1 <= k <= topk_group * (E // groups):
+        return f"top_k={k} is more than the experts of {topk_group} groups"
+    return k, groups, topk_group, renorm, float(scale)
+
+
+def _tie_free(choice: torch.Tensor, n_group: int, k: int, gap: float = 1e-5) -> torch.Tensor:
+    """Rows whose expert choices, and the group scores built from them, are all apart by more than
+    `gap`: their picks do not depend on rounding or on tie order."""
+
+    def apart(v: torch.Tensor) -> torch.Tensor:
+        s = v.sort(dim=-1, descending=True).values
+        return ((s[:, :-1] - s[:, 1:]) > gap * s[:, :-1].abs().clamp_min(1)).all(1)
+
+    T, E = choice.shape
+    groups = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)
+    return apart(choice) & apart(groups)
+
+
+def _plan_grouped_router(router: nn.Module) -> GroupedRouterSpec | str:
+    attrs = _grouped_attrs(router)
+    if isinstance(attrs, str):
+        return attrs
+    k, groups, topk_group, renorm, scale = attrs
+    w = router.weight
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    x = torch.randn(4, 16, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    spec = GroupedRouterSpec(w.shape[1], k, groups, topk_group, renorm, scale)
+    with torch.no_grad():
+        try:
+            want = type(router).forward(router, x)
+            logits = F.linear(x.reshape(-1, spec.hidden).float(), w.float())
+            scores, ids = grouped_router_topk(logits, router.e_score_correction_bias, k, groups, topk_group, renorm,
+                                              scale)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a router the probe cannot run is left alone
+            return f"probe failed: {type(exc).__name__}: {exc}"
+        T, E = 64, w.shape[0]
+        ok = isinstance(want, tuple) and len(want) == 3 and want[0].shape == (T, E) and want[1].shape == (T, k)
+        if not ok or want[2].shape != (T, k) or want[2].dtype != torch.int64 or want[1].dtype != torch.float32:
+            return "its forward does not return (logits (T, E), fp32 weights (T, k), ids (T, k) int64)"
+        choice = logits.sigmoid() + router.e_score_correction_bias.float()
+        rows = _tie_free(choice, groups, k)
+        if not bool(rows.any()):
+            return "every probe token has near-tied router scores"
+        mine, order = ids[rows].sort(dim=1)
+        theirs, their_order = want[2][rows].sort(dim=1)
+        if not torch.equal(mine, theirs):
+            return "the grouped top-k kernel picks other experts than its forward on a probe"
+        if not torch.allclose(scores[rows].gather(1, order), want[1][rows].gather(1, their_order), rtol=1e-5,
+                              atol=1e-7):  # fmt: skip
+            return "the grouped top-k kernel's weights differ from its forward on a probe"
+    return spec
