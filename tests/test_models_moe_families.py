@@ -175,32 +175,27 @@ def test_granitemoe_scaled_layer_and_router_name():
     assert any("GraniteMoeTopKRouter is not a router the kernels compute" in w for w in skipped(report, "router"))
 
 
-# ---- the softmax top-k routers of Qwen2-MoE and OLMoE ---------------------------------------------
-@pytest.mark.parametrize("name", ["qwen2-moe", "olmoe"])
-def test_softmax_routers_swap_with_parity(name, monkeypatch):
-    """Where Triton runs, these routers take the top-k kernel: here its reference stands in for it, so the
-    probe and the patched forward are what is tested (the kernel itself: test_moe_route.py)."""
+# ---- the routers: softmax top-k (Qwen2-MoE, OLMoE), grouped sigmoid (DeepSeek-V3, GLM-4-MoE) --------
+@pytest.mark.parametrize(
+    ("name", "kernel", "reference", "summary"),
+    [
+        ("qwen2-moe", "router_topk", moe_route.router_topk_ref, "softmax/top-k in one kernel"),
+        ("olmoe", "router_topk", moe_route.router_topk_ref, "softmax/top-k in one kernel"),
+        ("deepseek-v3", "grouped_router_topk", moe_route.grouped_router_topk_ref, "sigmoid/grouped top-k"),
+        ("glm4-moe", "grouped_router_topk", moe_route.grouped_router_topk_ref, "sigmoid/grouped top-k"),
+    ],
+)
+def test_routers_swap_with_parity(name, kernel, reference, summary, monkeypatch):
+    """Where Triton runs, these routers take their kernel: here its reference stands in for it, so the probe
+    (against the module's own forward) and the patched forward are what is tested (the kernels
+    themselves: test_moe_route.py)."""
     monkeypatch.setattr(moe_mod, "triton_reason", lambda device: None)
-    monkeypatch.setattr(moe_mod, "router_topk", moe_route.router_topk_ref)
+    monkeypatch.setattr(moe_mod, kernel, reference)
     stock, opt, report = pair(name)
     blocks = moe_blocks(opt)
     assert report.counts().get("router") == len(blocks), report.summary()
     assert all("forward" in b.gate.__dict__ for b in blocks)
-    check_parity(stock, opt)
-
-
-# ---- the grouped sigmoid routers of DeepSeek-V3 and GLM-4-MoE -------------------------------------
-@pytest.mark.parametrize("name", ["deepseek-v3", "glm4-moe"])
-def test_grouped_routers_swap_with_parity(name, monkeypatch):
-    """Where Triton runs, these routers take the grouped top-k kernel: its reference stands in for it here
-    (the kernel itself: test_moe_route.py), and the probe compares it with the module's own forward."""
-    monkeypatch.setattr(moe_mod, "triton_reason", lambda device: None)
-    monkeypatch.setattr(moe_mod, "grouped_router_topk", moe_route.grouped_router_topk_ref)
-    stock, opt, report = pair(name)
-    blocks = moe_blocks(opt)
-    assert report.counts().get("router") == len(blocks), report.summary()
-    assert all("forward" in b.gate.__dict__ for b in blocks)
-    assert "sigmoid/grouped top-k in one kernel" in str(report)
+    assert summary in str(report)
     check_parity(stock, opt)
 
 

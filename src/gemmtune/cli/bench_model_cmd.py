@@ -50,13 +50,8 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
 @click.command("bench-model")
 @click.option("--model", "-m", required=True,
               help=f"config.json, a folder holding one, or a preset: {', '.join(sorted(PRESETS))}.")  # fmt: skip
-@click.option(
-    "--layers",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="Decoder layers to build (a model with a dense prefix keeps its share of dense layers).",
-)
+@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Decoder layers to build (a dense prefix keeps its share of the layers).")  # fmt: skip
 @click.option("--table", default=None, help="Tuned table(s) for optimize() (a CSV; several joined by ':').")
 @click.option("--device", default=None, callback=_device, help="cuda or cpu (default: cuda when available).")
 @click.option(

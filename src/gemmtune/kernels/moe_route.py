@@ -146,9 +146,8 @@ if HAS_TRITON:
             tl.store(out_ptr + 2 * n_slots + slots64, row, mask=ok)  # inv
 
     @triton.jit
-    def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, stride_le, K: tl.constexpr,
-                            K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
-                            RENORM: tl.constexpr):  # fmt: skip
+    def _logit_rows(logits_ptr, T, E, stride_lt, stride_le, E_P2: tl.constexpr, BLOCK_T: tl.constexpr):
+        """This program's BLOCK_T rows of logits in fp32 (0 past T and E), with their row / column indices."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, E_P2)
         row_ok = rows < T
@@ -156,6 +155,13 @@ if HAS_TRITON:
         rows64 = rows.to(tl.int64)
         x = tl.load(logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le,
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        return x, rows64, cols, row_ok, col_ok
+
+    @triton.jit
+    def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, stride_le, K: tl.constexpr,
+                            K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+                            RENORM: tl.constexpr):  # fmt: skip
+        x, rows64, cols, row_ok, col_ok = _logit_rows(logits_ptr, T, E, stride_lt, stride_le, E_P2, BLOCK_T)
         x = tl.where(col_ok[None, :], x, float("-inf"))  # (rows past T stay finite: never stored)
         m = tl.max(x, axis=1)
         p = tl.exp(x - m[:, None])
@@ -182,13 +188,7 @@ if HAS_TRITON:
                                K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, NG: tl.constexpr,
                                NG_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
                                RENORM: tl.constexpr):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.arange(0, E_P2)
-        row_ok = rows < T
-        col_ok = cols < E
-        rows64 = rows.to(tl.int64)
-        x = tl.load(logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le,
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        x, rows64, cols, row_ok, col_ok = _logit_rows(logits_ptr, T, E, stride_lt, stride_le, E_P2, BLOCK_T)
         scores = 1.0 / (1.0 + tl.exp(-x))
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
