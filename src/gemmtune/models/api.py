@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..device import triton_installed
-from . import architectures, epilogue_mlp, fusion
+from . import architectures, epilogue_mlp, fusion, mask_positions
 from . import attention as attn_mod
 from . import moe as moe_mod
 from . import verify as verify_mod
@@ -268,6 +268,12 @@ class _Planner:
             final = getattr(smod, "norm", None)
             if self.opts["fused_ops"] and isinstance(final, nn.Module):
                 self.norm(_join(spath, "norm"), final)
+            index = mask_positions.plan(smod)
+            if isinstance(index, str):
+                self.skip("positions", spath, smod, index)
+            else:
+                self.add("positions", spath, smod, "causal mask without transformers' packed-sequence check (a "
+                         "host sync) when the model makes its own position ids", index=index)  # fmt: skip
             if tier is not None:
                 self.actions.insert(0, Action("config", "", {"tier": tier}))
                 self.report.change("attention", "", type(self.model).__name__,
@@ -337,6 +343,8 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
         moe_mod.apply_router(mod, a.data["spec"])
     elif a.kind == "epilogue_mlp":
         epilogue_mlp.apply(mod, a.data["spec"])
+    elif a.kind == "positions":
+        mask_positions.apply(mod, a.data["index"])
     else:
         raise AssertionError(a.kind)
 
@@ -349,6 +357,7 @@ _ATTRS = {
     "moe": ("forward", "_gemmtune_moe"),
     "router": ("forward", "_gemmtune_router"),
     "epilogue_mlp": epilogue_mlp.UNDO_ATTRS,
+    "positions": mask_positions.UNDO_ATTRS,
 }
 
 
