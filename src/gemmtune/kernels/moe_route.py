@@ -299,6 +299,7 @@ def grouped_router_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_
                          f"(the experts of topk_group={topk_group} groups)")  # fmt: skip
     w = _alloc((T, top_k), torch.float32, logits.device)
     ids = _alloc((T, top_k), torch.int64, logits.device)
+    bias = bias.contiguous()  # the kernel reads it with unit stride
     if T:
         e_p2 = triton.next_power_of_2(E)
         block_t = max(1, min(32, 2048 // e_p2))
