@@ -78,7 +78,9 @@ if HAS_TRITON:
         else:  # Gemma: product in fp32, rounded once
             y = (xh * w).to(dt).to(tl.float32)
             yp = (xhp * wp).to(dt).to(tl.float32)
-        # rope: (y * cos) + (rotate_half(y) * sin), each op rounded to the model dtype like torch does
+        # rope: (y * cos) + (rotate_half(y) * sin), each op rounded to the model dtype like torch does. The
+        # launch turns FP contraction off: with it, LLVM fuses one product into the add (fma.rn.f16 / .bf16
+        # in the PTX), a rounding torch and the rope kernel do not skip.
         cs = tl.load(COS + b * sc_b + s * sc_s + c, mask=rot, other=0.0).to(tl.float32)
         sn = tl.load(SIN + b * sc_b + s * sc_s + c, mask=rot, other=0.0).to(tl.float32)
         yp = tl.where((c < half)[None, :], -yp, yp)
@@ -177,6 +179,6 @@ def _launch(q, k, wq, wk, cos, sin, eps_q, eps_k, offset, cast_before_weight):
         S, HQ, HKV, D, R, float(eps_q), float(eps_k), float(offset),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),
         CAST_BEFORE_W=bool(cast_before_weight), BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d >= 1024 else 2, **_pdl_kwargs(q.device),
+        num_warps=4 if block_h * block_d >= 1024 else 2, enable_fp_fusion=False, **_pdl_kwargs(q.device),
     )  # fmt: skip
     return qo, ko

@@ -157,6 +157,7 @@ def _launch(q, k, cos, sin):
         S, HQ, HKV, D, R,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),
         BLOCK_H=block_h, HALF=half, BLOCK_P=block_p, num_warps=4 if block_h * half >= 512 else 2,
+        enable_fp_fusion=False,  # every product rounded, as torch rounds it (qk_norm_rope.py)
     )  # fmt: skip
     return qo, ko
 
