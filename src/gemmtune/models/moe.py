@@ -261,7 +261,7 @@ def _grouped_attrs(router: nn.Module) -> tuple | str:
     return k, groups, topk_group, renorm, float(scale)
 
 
-def _tie_free(choice: torch.Tensor, n_group: int, k: int, gap: float = 1e-5) -> torch.Tensor:
+def _tie_free(choice: torch.Tensor, n_group: int, gap: float = 1e-5) -> torch.Tensor:
     """Rows whose expert choices, and the group scores built from them, are all apart by more than
     `gap`: their picks do not depend on rounding or on tie order."""
 
@@ -296,7 +296,7 @@ def _plan_grouped_router(router: nn.Module) -> GroupedRouterSpec | str:
         if not ok or want[2].shape != (T, k) or want[2].dtype != torch.int64 or want[1].dtype != torch.float32:
             return "its forward does not return (logits (T, E), fp32 weights (T, k), ids (T, k) int64)"
         choice = logits.sigmoid() + router.e_score_correction_bias.float()
-        rows = _tie_free(choice, groups, k)
+        rows = _tie_free(choice, groups)
         if not bool(rows.any()):
             return "every probe token has near-tied router scores"
         mine, order = ids[rows].sort(dim=1)
