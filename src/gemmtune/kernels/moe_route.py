@@ -84,7 +84,7 @@ def grouped_router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int
     scores = logits.float().sigmoid()
     choice = scores + bias
     T, E = choice.shape
-    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_scores = choice.reshape(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
     groups = torch.topk(group_scores, k=topk_group, dim=-1)[1]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
     keep = keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)

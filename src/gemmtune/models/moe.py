@@ -270,7 +270,7 @@ def _tie_free(choice: torch.Tensor, n_group: int, gap: float = 1e-5) -> torch.Te
         return ((s[:, :-1] - s[:, 1:]) > gap * s[:, :-1].abs().clamp_min(1)).all(1)
 
     T, E = choice.shape
-    groups = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)
+    groups = choice.reshape(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)
     return apart(choice) & apart(groups)
 
 
