@@ -303,3 +303,31 @@ def test_optimized_model_compiles_fullgraph_and_matches(arch):
         out = compiled(ids, attention_mask=mask, use_cache=False).logits
     valid = mask.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-5)
+
+
+def test_optimize_runs_without_triton(tmp_path):
+    """Triton is an optional extra: optimize(), plain and quantized, runs its PyTorch references without it
+    (a fresh process where importing triton fails)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # import triton raises ImportError
+        import torch
+        import gemmtune
+        from gemmtune.profiling.build import build_model
+        ids = torch.randint(3, 200, (1, 5), generator=torch.Generator().manual_seed(0))
+        for quantize in (None, "fp8"):
+            model, _ = build_model("tiny-llama", layers=1)
+            want = model(ids).logits
+            report = gemmtune.optimize(model, quantize=quantize)
+            got = model(ids).logits
+            print(quantize, dict(report.counts()).get("quantize", 0), float((got - want).abs().max()))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, quantized = (line.split() for line in proc.stdout.strip().splitlines()[-2:])
+    assert plain[0] == "None" and float(plain[2]) < 1e-4, proc.stdout
+    assert quantized[0] == "fp8" and int(quantized[1]) > 0 and float(quantized[2]) < 0.5, proc.stdout

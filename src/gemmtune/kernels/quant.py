@@ -10,68 +10,65 @@ even, so an exact tie may differ by one step).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ..quant.formats import SCALE_DTYPE, is_fp8, qmax
 from ..quant.layouts import m_major as m_major_view
 from ..quant.quantize import quantize_1x128, quantize_per_token
+from ._common import HAS_TRITON, tl, triton
 from .launch import Plans, bind, cached_launch, tensor_signature
 
+if HAS_TRITON:  # the kernels; the quantizers below run their references where Triton cannot
 
-@triton.jit
-def _to_q(y, QMAX: tl.constexpr, IS_INT: tl.constexpr, q_ty: tl.constexpr):
-    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    if IS_INT:
-        y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
-    return y.to(q_ty)
+    @triton.jit
+    def _to_q(y, QMAX: tl.constexpr, IS_INT: tl.constexpr, q_ty: tl.constexpr):
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if IS_INT:
+            y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
+        return y.to(q_ty)
 
+    @triton.jit
+    def quantize_rows(y, QMAX: tl.constexpr, IS_INT: tl.constexpr, q_ty: tl.constexpr):
+        """(q, scale [R]) of the fp32 tile y [R, C], one scale per tile row (zeros past the data change nothing)."""
+        scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / QMAX
+        return _to_q(y / scale[:, None], QMAX, IS_INT, q_ty), scale
 
-@triton.jit
-def quantize_rows(y, QMAX: tl.constexpr, IS_INT: tl.constexpr, q_ty: tl.constexpr):
-    """(q, scale [R]) of the fp32 tile y [R, C], one scale per tile row (zeros past the data change nothing)."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / QMAX
-    return _to_q(y / scale[:, None], QMAX, IS_INT, q_ty), scale
+    @triton.jit(do_not_specialize=["K"])
+    def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, IS_INT: tl.constexpr,
+                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):  # fmt: skip
+        """One row a program. ONE_PASS (the row fits BLOCK): read once and kept in registers for the amax and
+        the values; else two passes over it."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        x_row = x_ptr + row * stride_xm
+        if ONE_PASS:
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
+            tl.store(s_ptr + row, scale)
+            tl.store(q_ptr + row * K + offs, _to_q(x / scale, QMAX, IS_INT, q_ptr.dtype.element_ty), mask=offs < K)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k in range(0, K, BLOCK):
+                x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / QMAX
+            tl.store(s_ptr + row, scale)
+            for k in range(0, K, BLOCK):
+                x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+                q = _to_q(x / scale, QMAX, IS_INT, q_ptr.dtype.element_ty)
+                tl.store(q_ptr + row * K + k + offs, q, mask=k + offs < K)
 
-
-@triton.jit(do_not_specialize=["K"])
-def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, IS_INT: tl.constexpr,
-                      BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):  # fmt: skip
-    """One row a program. ONE_PASS (the row fits BLOCK): read once and kept in registers for the amax and
-    the values; else two passes over it."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    x_row = x_ptr + row * stride_xm
-    if ONE_PASS:
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
-        tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + row * K + offs, _to_q(x / scale, QMAX, IS_INT, q_ptr.dtype.element_ty), mask=offs < K)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(0, K, BLOCK):
-            x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / QMAX
-        tl.store(s_ptr + row, scale)
-        for k in range(0, K, BLOCK):
-            x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-            q = _to_q(x / scale, QMAX, IS_INT, q_ptr.dtype.element_ty)
-            tl.store(q_ptr + row * K + k + offs, q, mask=k + offs < K)
-
-
-@triton.jit
-def _group_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm, stride_sm, stride_sg, QMAX: tl.constexpr,
-                  IS_INT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
-    """GROUPS consecutive 128-wide groups of one row: a [GROUPS, GROUP] tile, one scale per tile row."""
-    row = tl.program_id(0)
-    gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    offs = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    ok = offs < K  # also masks groups past the last one
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    q, scale = quantize_rows(x, QMAX, IS_INT, q_ptr.dtype.element_ty)
-    tl.store(s_ptr + row * stride_sm + gs * stride_sg, scale, mask=gs < n_groups)
-    tl.store(q_ptr + row * K + offs, q, mask=ok)
+    @triton.jit
+    def _group_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm, stride_sm, stride_sg, QMAX: tl.constexpr,
+                      IS_INT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
+        """GROUPS consecutive 128-wide groups of one row: a [GROUPS, GROUP] tile, one scale per tile row."""
+        row = tl.program_id(0)
+        gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        offs = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        ok = offs < K  # also masks groups past the last one
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+        q, scale = quantize_rows(x, QMAX, IS_INT, q_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_sm + gs * stride_sg, scale, mask=gs < n_groups)
+        tl.store(q_ptr + row * K + offs, q, mask=ok)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
