@@ -125,12 +125,15 @@ def run_case(case, device: str) -> dict:
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     t = _inputs(kind, dtype, m, k, device, gen)
     one_pass_max = P.ONE_PASS_MAX
-    P.ONE_PASS_MAX = 4096 if name.endswith("-twopass") else one_pass_max
+    P.ONE_PASS_MAX = used = 4096 if name.endswith("-twopass") else one_pass_max
     try:
         with poisoned_outputs():
             q, s, total, y, y32 = run_producer(kind, t, qdtype, scaling, "triton")
     finally:
         P.ONE_PASS_MAX = one_pass_max
+    # the per-token act launch kept for this case's gate_up and threshold: two passes for a "-twopass" case
+    one_pass = [plan.kwargs.get("ONE_PASS") for sig, plan in P._ACT_PLANS.items()
+                if sig[0][0] == (m, 2 * k) and sig[1:4] == (kind, qdtype, scaling) and sig[-1] == used]  # fmt: skip
     _, s_ref = P.quantize_ref(y, qdtype, scaling)
     deq = q.float() * _expand(s, scaling, k)
     scale_layout = s.shape == (m, 1) if scaling == "per_token" else s.shape == (m, -(-k // 128)) and is_m_major(s)
@@ -140,6 +143,7 @@ def run_case(case, device: str) -> dict:
         "scale_err": ((s - s_ref).abs().max() / s_ref.abs().max()).item(),
         "sum_equal": total is None or torch.equal(total, t["r"] + t["x"]),
         "vs_fp32": ((deq - y32).norm() / y32.norm()).item(),
+        "one_pass": one_pass,
     }
     if qdtype == torch.int8:
         out["q_steps"] = (q.float() - P.quantize_ref(y, qdtype, scaling)[0].float()).abs().max().item()
@@ -170,6 +174,8 @@ def test_kernel_matches_the_unfused_reference(case, results):
     r = results[case[0]]
     dt, qd = case[2], case[3]
     assert r["poisoned"] == 0 and r["layout_ok"] and r["sum_equal"], r
+    if case[0].endswith("-twopass") and case[4] == "per_token":
+        assert r["one_pass"] == [False], r  # the two-pass kernel ran, not the one-pass twin's kept launch
     assert r["scale_err"] <= SCALE_TOL[dt], r
     if qd == "int8":
         assert r["q_steps"] <= 1, r  # a value one ulp off, or a tie rounded away from zero

@@ -293,8 +293,11 @@ def add_rmsnorm_quant(
 
 def act_mul_quant(gu, act: str, qdtype, scaling="per_token", *, impl="auto"):
     """(q, scale): act(gu[..., :I]) * gu[..., I:] quantized to `qdtype` per token or per 1x128 group."""
+    # ONE_PASS_MAX too: it picks the per-token launch (tests lower it to reach the two-pass kernel)
     signature = (
-        (tensor_signature(gu), act, qdtype, scaling) if isinstance(gu, torch.Tensor) and isinstance(act, str) else None
+        (tensor_signature(gu), act, qdtype, scaling, ONE_PASS_MAX)
+        if isinstance(gu, torch.Tensor) and isinstance(act, str)
+        else None
     )
     kept = _ACT_PLANS.get(signature)
     if kept is not None and impl != "ref" and gu.device.type != "cpu" and not _is_compiling():
