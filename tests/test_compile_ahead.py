@@ -153,8 +153,51 @@ def test_a_key_stops_waiting_after_the_limit(monkeypatch, pools):
     logged = []
     ahead.wait_for(K0, logged.append)
     assert not ahead.ready(K0) and "still compiling" in logged[0]
+    monkeypatch.setattr(C, "WAIT_MAX", 3600.0)
+    ahead.wait_for(K1, logged.append)  # after one key gave up, none waits (a stuck part holds no key again)
+    assert len(logged) == 1
     pools.release("a", 0)
     ahead.join()
+
+
+def test_a_cancelled_compile_stops_after_the_item_it_is_on(monkeypatch, pools):
+    ahead = _ahead(monkeypatch, [_item("a", K0), _item("b", K1), _item("c", K2)]).start()
+    pools.release("a", 0)
+    ahead.wait_for(K0)
+    ahead.cancel()
+    pools.release("a", 1)  # the item the pool was on finishes; the third is never asked for (unreleased,
+    assert ahead.join() == [] and ahead.error is None  # it would hold the stub pool for its 60 s timeout)
+    assert ahead.ready(K2)  # the thread's end releases every key: the tune compiles what is missing
+
+
+def test_a_tune_that_fails_cancels_the_compile(monkeypatch):
+    from gemmtune.tuner import runner
+
+    class Ahead:
+        cancelled = joined = False
+
+        def cancel(self):
+            self.cancelled = True
+
+        def join(self):
+            self.joined = True
+            return []
+
+        error, timings = None, C.PrecompileTimings()
+
+    def failing():
+        yield 1
+        raise KeyboardInterrupt
+
+    ahead = Ahead()
+    items = runner._tuned_then_finish(failing(), ahead, lambda m: None)
+    assert next(items) == 1
+    with pytest.raises(KeyboardInterrupt):
+        next(items)
+    assert ahead.cancelled and ahead.joined
+    finished = Ahead()
+    assert list(runner._tuned_then_finish(iter([1, 2]), finished, lambda m: None)) == [1, 2]
+    assert finished.joined and not finished.cancelled
 
 
 class _Touch:

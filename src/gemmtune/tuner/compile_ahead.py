@@ -5,7 +5,8 @@ Compiling is CPU work (a pool of spawned processes filling Triton's on-disk cach
 models' 110 keys on an H100 host, during which the GPU sat idle (benchmarks/results/h100/fleet_tuning/).
 Here the pool takes the kernels one at a time, first key's first (an item goes with the first key in
 the list that needs it), and `gated(keys)` hands each key on once every kernel up to it is built;
-`wait_for` gives up after WAIT_MAX seconds and lets the tune compile what is missing itself.
+`wait_for` gives up after WAIT_MAX seconds, and from then on no key waits: the tune compiles what is
+missing itself. A tune that stops early (an error, Ctrl-C) cancels the compile instead of waiting for it.
 
 A host's ranks (a fleet) list the same kernels and each compiles every n-th (`share`); each publishes how
 far its part has come (the number of keys whose kernels it has all built) on a board in the launch's
@@ -23,6 +24,12 @@ import torch
 from .search import PrecompileTimings, TuneOptions, ahead_items
 
 WAIT_MAX = 600.0  # a key waits at most this long for its kernels (a part that stopped publishing)
+
+
+class _Cancelled(Exception):
+    """Raised in the compile thread to leave the pool (which then terminates its processes)."""
+
+
 POLL = 0.05
 
 
@@ -66,6 +73,8 @@ class CompileAhead:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._per_process: dict[int, float] = {}
+        self._cancelled = threading.Event()
+        self._gave_up = False  # a key waited WAIT_MAX: the rest go on without waiting
         with self._cond:
             self._advance()
 
@@ -81,6 +90,8 @@ class CompileAhead:
         t0 = time.perf_counter()
         try:
             triton_tiles.compile_streaming(self.items, self.device, self.workers, self._item_done)
+        except _Cancelled:
+            pass
         except Exception as exc:  # noqa: BLE001 - the tune compiles what is missing itself
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -92,6 +103,8 @@ class CompileAhead:
                 self._advance()
 
     def _item_done(self, number: int, failed: list, seconds: float, pid: int) -> None:
+        if self._cancelled.is_set():
+            raise _Cancelled
         self._per_process[pid] = self._per_process.get(pid, 0.0) + seconds
         with self._cond:
             self.failures += failed
@@ -124,9 +137,11 @@ class CompileAhead:
     def wait_for(self, key, log: Callable[[str], None] = lambda m: None) -> None:
         deadline = time.monotonic() + WAIT_MAX
         with self._cond:
-            while not self.ready(key):
+            while not self._gave_up and not self.ready(key):
                 if time.monotonic() > deadline:
-                    log(f"gemmtune: kernels for a key still compiling after {WAIT_MAX:.0f}s; tuning it anyway")
+                    self._gave_up = True
+                    log(f"gemmtune: kernels for a key still compiling after {WAIT_MAX:.0f}s; no key waits for "
+                        f"them from now on")  # fmt: skip
                     return
                 self._cond.wait(POLL)
 
@@ -135,6 +150,10 @@ class CompileAhead:
         for key in keys:
             self.wait_for(key, log)
             yield key
+
+    def cancel(self) -> None:
+        """Stop the pool after the item it is on (the tune ended early)."""
+        self._cancelled.set()
 
     def join(self) -> list:
         """Wait for the pool; its failures."""

@@ -199,6 +199,10 @@ def finish_compile(ahead: CompileAhead | None, log: Callable[[str], None]) -> No
 def _tuned_then_finish(items: Iterator, ahead: CompileAhead | None, log: Callable[[str], None]) -> Iterator:
     try:
         yield from items
+    except BaseException:  # an error, Ctrl-C or a closed generator: the compile is not waited for
+        if ahead is not None:
+            ahead.cancel()
+        raise
     finally:
         finish_compile(ahead, log)
 
