@@ -97,3 +97,9 @@ def test_a_stack_without_mask_builders_is_left_alone_with_the_reason():
             return x
 
     assert "builds no causal mask by name" in mask_positions.plan(Stack())
+
+
+def test_fused_ops_off_leaves_the_stack_alone():
+    _, opt, report = pair("llama", fused_ops=False)
+    assert "positions" not in report.counts() and "forward" not in opt.model.__dict__
+    assert any(why == "fused_ops=False" for what, why in report.skipped if what.startswith("positions"))

@@ -268,7 +268,7 @@ class _Planner:
             final = getattr(smod, "norm", None)
             if self.opts["fused_ops"] and isinstance(final, nn.Module):
                 self.norm(_join(spath, "norm"), final)
-            index = mask_positions.plan(smod)
+            index = mask_positions.plan(smod) if self.opts["fused_ops"] else "fused_ops=False"
             if isinstance(index, str):
                 self.skip("positions", spath, smod, index)
             else:
@@ -477,8 +477,10 @@ def optimize(
 
     config: a tuned table (path, list of paths or ConfigTable) to put in effect for gemmtune.gemm.
     fuse_qkv / fuse_gate_up: one GEMM for q/k/v and for gate/up. fused_ops: Triton RMSNorm,
-    residual-add + RMSNorm and act*mul. attention: "auto", "flash", "triton", "flex", "sdpa", "eager"
-    or None (leave as is; models/attention.py describes the tiers); GEMMTUNE_ATTENTION forces a tier.
+    residual-add + RMSNorm and act*mul, and the causal mask built without transformers' packed-sequence
+    sync on the model's own positions (models/mask_positions.py). attention: "auto", "flash", "triton",
+    "flex", "sdpa", "eager" or None (leave as is; models/attention.py describes the tiers);
+    GEMMTUNE_ATTENTION forces a tier.
     m_threshold: calls with fewer rows keep F.linear.
     split_bias: bias-free GEMM plus a separate add. route_linears: other nn.Linear via gemmtune.gemm,
     and fp8 block-scaled checkpoint Linears (transformers' FP8Linear) via gemm_a8w8_blockscale.

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
 import sys
 import types
 
 import torch
 from torch import nn
+
+from .architectures import _named_params
 
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 _OWN_POSITIONS = contextvars.ContextVar("gemmtune_own_positions", default=False)
@@ -55,10 +56,12 @@ def plan(stack: nn.Module) -> int | str:
         return f"{type(stack).__module__} builds no causal mask by name ({', '.join(MASK_BUILDERS)})"
     if "forward" in stack.__dict__:
         return "its forward is already overridden on the instance"
-    params = list(inspect.signature(type(stack).forward).parameters)
-    if "position_ids" not in params:
+    params = _named_params(type(stack).forward)
+    if isinstance(params, str):
+        return params
+    if "position_ids" not in params[0]:
         return "its forward takes no position_ids"
-    return params.index("position_ids") - 1  # less self
+    return params[0].index("position_ids")
 
 
 def _forward(self, *args, **kwargs):
