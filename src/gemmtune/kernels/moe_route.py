@@ -77,6 +77,23 @@ def router_topk_ref(logits: torch.Tensor, top_k: int, renorm: bool, out_dtype: t
     return w.to(out_dtype), ids
 
 
+def group_scores(choice: torch.Tensor, n_group: int) -> torch.Tensor:
+    """(T, n_group): each group of a (T, E) choice scored by the sum of its two best, as the routers do."""
+    T, E = choice.shape
+    return choice.reshape(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+
+
+def grouping_reason(experts: int, n_group: int, topk_group: int, top_k: int) -> str | None:
+    """Why the grouped router cannot pick `top_k` of `experts` from its best `topk_group` of `n_group`
+    groups (each of at least two experts), or None."""
+    if not (n_group >= 1 and experts % n_group == 0 and experts // n_group >= 2 and 1 <= topk_group <= n_group):
+        return (f"{experts} experts must split into n_group={n_group} groups of at least 2, and "
+                f"1 <= topk_group={topk_group} <= n_group")  # fmt: skip
+    if not 1 <= top_k <= topk_group * (experts // n_group):
+        return f"top_k={top_k} must be 1..{topk_group * (experts // n_group)} (the experts of {topk_group} groups)"
+    return None
+
+
 def grouped_router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                             renorm: bool, scale: float):  # fmt: skip
     """(weights (T, k) fp32, ids (T, k) int64): the DeepSeek-V3 / GLM-4-MoE router after its linear, in
@@ -84,9 +101,9 @@ def grouped_router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int
     scores = logits.float().sigmoid()
     choice = scores + bias
     T, E = choice.shape
-    group_scores = choice.reshape(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-    groups = torch.topk(group_scores, k=topk_group, dim=-1)[1]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    best = group_scores(choice, n_group)
+    groups = torch.topk(best, k=topk_group, dim=-1)[1]
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, groups, True)
     keep = keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
     ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=top_k, dim=-1)[1]
     w = scores.gather(1, ids)
@@ -203,16 +220,12 @@ if HAS_TRITON:
             m2 = tl.max(tl.where(cols[None, :] == i1[:, None], float("-inf"), v), axis=1)
             gscore = tl.where(gcols[None, :] == g, (m1 + m2)[:, None], gscore)
         # the topk_group best groups; the experts of the others are out of the choice
-        chosen = tl.zeros((BLOCK_T, NG_P2), dtype=tl.int32)
+        keep = tl.zeros((BLOCK_T, E_P2), dtype=tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
             best = tl.max(gscore, axis=1)
             pick = tl.min(tl.where(gscore == best[:, None], gcols[None, :], NG_P2), axis=1)
-            chosen = tl.where(gcols[None, :] == pick[:, None], 1, chosen)
+            keep = tl.where(group[None, :] == pick[:, None], 1, keep)
             gscore = tl.where(gcols[None, :] == pick[:, None], float("-inf"), gscore)
-        keep = tl.zeros((BLOCK_T, E_P2), dtype=tl.int32)
-        for g in tl.static_range(NG):
-            on = tl.sum(tl.where(gcols[None, :] == g, chosen, 0), axis=1)
-            keep = tl.where((group == g)[None, :] & (on[:, None] > 0), 1, keep)
         q = tl.where(keep > 0, choice, float("-inf"))
         kcol = tl.arange(0, K_P2)
         vals = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
@@ -291,12 +304,9 @@ def grouped_router_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_
     if logits.dim() != 2 or tuple(bias.shape) != (E,):
         raise ValueError(f"grouped_router_topk: logits {tuple(logits.shape)} must be (tokens, experts) and "
                          f"bias {tuple(bias.shape)} (experts,)")  # fmt: skip
-    if not (n_group >= 1 and E % n_group == 0 and E // n_group >= 2 and 1 <= topk_group <= n_group):
-        raise ValueError(f"grouped_router_topk: {E} experts must split into n_group={n_group} groups of at "
-                         f"least 2, and 1 <= topk_group={topk_group} <= n_group")  # fmt: skip
-    if not 1 <= top_k <= topk_group * (E // n_group):
-        raise ValueError(f"grouped_router_topk: top_k={top_k} must be 1..{topk_group * (E // n_group)} "
-                         f"(the experts of topk_group={topk_group} groups)")  # fmt: skip
+    why = grouping_reason(E, n_group, topk_group, top_k)
+    if why:
+        raise ValueError(f"grouped_router_topk: {why}")
     w = _alloc((T, top_k), torch.float32, logits.device)
     ids = _alloc((T, top_k), torch.int64, logits.device)
     bias = bias.contiguous()  # the kernel reads it with unit stride

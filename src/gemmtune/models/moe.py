@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import triton_reason
-from ..kernels.moe_route import grouped_router_topk, router_topk
+from ..kernels.moe_route import group_scores, grouped_router_topk, grouping_reason, router_topk
 from ..ops.moe import fused_moe
 from .architectures import detect_act
 
@@ -169,13 +169,18 @@ def _router_forward(self, hidden_states: torch.Tensor):
     spec = self._gemmtune_router
     if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
         return type(self).forward(self, hidden_states)  # the kernel has no backward
-    if isinstance(spec, GroupedRouterSpec):  # its linear in fp32, as the module computes it
-        logits = F.linear(hidden_states.reshape(-1, spec.hidden).float(), self.weight.float())
-        scores, ids = grouped_router_topk(logits, self.e_score_correction_bias, spec.top_k, spec.n_group,
-                                          spec.topk_group, spec.renorm, spec.scale)  # fmt: skip
-        return logits, scores, ids
     logits = F.linear(hidden_states.reshape(-1, spec.hidden), self.weight)
     scores, ids = router_topk(logits, spec.top_k, spec.renorm, spec.out_dtype)
+    return logits, scores, ids
+
+
+def _grouped_router_forward(self, hidden_states: torch.Tensor):
+    spec = self._gemmtune_router
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
+        return type(self).forward(self, hidden_states)  # the kernel has no backward
+    logits = F.linear(hidden_states.reshape(-1, spec.hidden).float(), self.weight.float())  # fp32, as the module
+    scores, ids = grouped_router_topk(logits, self.e_score_correction_bias, spec.top_k, spec.n_group,
+                                      spec.topk_group, spec.renorm, spec.scale)  # fmt: skip
     return logits, scores, ids
 
 
@@ -213,18 +218,11 @@ def plan_router(router: nn.Module) -> RouterSpec | GroupedRouterSpec | str:
         return why
     if type(router).__name__ in GROUPED_ROUTERS:
         return _plan_grouped_router(router)
-    w = router.weight
-    g = torch.Generator(device="cpu").manual_seed(4321)
-    x = torch.randn(4, 16, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    w, k = router.weight, router.top_k
+    want = _probe(router)
+    if isinstance(want, str):
+        return want
     with torch.no_grad():
-        try:
-            want = type(router).forward(router, x)
-        except Exception as exc:  # noqa: BLE001 - a router the probe cannot run is left alone
-            return f"probe failed: {type(exc).__name__}: {exc}"
-        T, E, k = 64, w.shape[0], router.top_k
-        ok = isinstance(want, tuple) and len(want) == 3 and want[0].shape == (T, E) and want[1].shape == (T, k)
-        if not ok or want[2].shape != (T, k) or want[2].dtype != torch.int64:
-            return "its forward does not return (logits (T, E), weights (T, k), ids (T, k) int64)"
         rows = _distinct_rows(want[0], k)
         if not bool(rows.any()):
             return "every probe token has tied router probabilities"
@@ -239,25 +237,42 @@ def plan_router(router: nn.Module) -> RouterSpec | GroupedRouterSpec | str:
     return "the top-k kernel differs from its forward on a probe"
 
 
-def apply_router(router: nn.Module, spec: RouterSpec) -> None:
+def _probe(router: nn.Module) -> tuple | str:
+    """(logits, weights, ids) of the router's own forward on 64 seeded probe tokens, or why it cannot give
+    them as (T, E), (T, k), (T, k) int64."""
+    w, k = router.weight, router.top_k
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    x = torch.randn(4, 16, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            want = type(router).forward(router, x)
+        except Exception as exc:  # noqa: BLE001 - a router the probe cannot run is left alone
+            return f"probe failed: {type(exc).__name__}: {exc}"
+    T, E = 64, w.shape[0]
+    ok = isinstance(want, tuple) and len(want) == 3 and want[0].shape == (T, E) and want[1].shape == (T, k)
+    if not ok or want[2].shape != (T, k) or want[2].dtype != torch.int64:
+        return "its forward does not return (logits (T, E), weights (T, k), ids (T, k) int64)"
+    return want
+
+
+def apply_router(router: nn.Module, spec: RouterSpec | GroupedRouterSpec) -> None:
     router._gemmtune_router = spec
-    router.forward = _router_forward.__get__(router)
+    forward = _grouped_router_forward if isinstance(spec, GroupedRouterSpec) else _router_forward
+    router.forward = forward.__get__(router)
 
 
 def _grouped_attrs(router: nn.Module) -> tuple | str:
     names = ("top_k", "n_group" if hasattr(router, "n_group") else "num_group", "topk_group", "norm_topk_prob",
              "routed_scaling_factor", "e_score_correction_bias")  # fmt: skip
-    vals = [getattr(router, n, None) for n in names]
-    k, groups, topk_group, renorm, scale, bias = vals
+    k, groups, topk_group, renorm, scale, bias = (getattr(router, n, None) for n in names)
     E = router.weight.shape[0]
     if not all(isinstance(v, int) for v in (k, groups, topk_group)) or not isinstance(renorm, bool):
         return "no top_k / group counts / norm_topk_prob"
     if not isinstance(scale, (int, float)) or not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (E,):
         return "no routed_scaling_factor / (experts,) e_score_correction_bias"
-    if not (groups >= 1 and E % groups == 0 and E // groups >= 2 and 1 <= topk_group <= groups):
-        return f"{E} experts in {groups} groups (top {topk_group}) is not a grouping the kernel takes"
-    if not 1 <= k <= topk_group * (E // groups):
-        return f"top_k={k} is more than the experts of {topk_group} groups"
+    why = grouping_reason(E, groups, topk_group, k)
+    if why:
+        return f"its grouping is not a grouping the kernel takes ({why})"
     return k, groups, topk_group, renorm, float(scale)
 
 
@@ -269,9 +284,7 @@ def _tie_free(choice: torch.Tensor, n_group: int, gap: float = 1e-5) -> torch.Te
         s = v.sort(dim=-1, descending=True).values
         return ((s[:, :-1] - s[:, 1:]) > gap * s[:, :-1].abs().clamp_min(1)).all(1)
 
-    T, E = choice.shape
-    groups = choice.reshape(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)
-    return apart(choice) & apart(groups)
+    return apart(choice) & apart(group_scores(choice, n_group))
 
 
 def _plan_grouped_router(router: nn.Module) -> GroupedRouterSpec | str:
@@ -279,24 +292,19 @@ def _plan_grouped_router(router: nn.Module) -> GroupedRouterSpec | str:
     if isinstance(attrs, str):
         return attrs
     k, groups, topk_group, renorm, scale = attrs
-    w = router.weight
-    g = torch.Generator(device="cpu").manual_seed(4321)
-    x = torch.randn(4, 16, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
-    spec = GroupedRouterSpec(w.shape[1], k, groups, topk_group, renorm, scale)
+    want = _probe(router)
+    if isinstance(want, str):
+        return want
+    if want[0].dtype != torch.float32 or want[1].dtype != torch.float32:
+        return "its forward does not return fp32 logits and weights"
+    spec = GroupedRouterSpec(router.weight.shape[1], k, groups, topk_group, renorm, scale)
+    bias = router.e_score_correction_bias
     with torch.no_grad():
         try:
-            want = type(router).forward(router, x)
-            logits = F.linear(x.reshape(-1, spec.hidden).float(), w.float())
-            scores, ids = grouped_router_topk(logits, router.e_score_correction_bias, k, groups, topk_group, renorm,
-                                              scale)  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - a router the probe cannot run is left alone
+            scores, ids = grouped_router_topk(want[0], bias, k, groups, topk_group, renorm, scale)
+        except Exception as exc:  # noqa: BLE001 - a kernel the probe cannot run leaves the router alone
             return f"probe failed: {type(exc).__name__}: {exc}"
-        T, E = 64, w.shape[0]
-        ok = isinstance(want, tuple) and len(want) == 3 and want[0].shape == (T, E) and want[1].shape == (T, k)
-        if not ok or want[2].shape != (T, k) or want[2].dtype != torch.int64 or want[1].dtype != torch.float32:
-            return "its forward does not return (logits (T, E), fp32 weights (T, k), ids (T, k) int64)"
-        choice = logits.sigmoid() + router.e_score_correction_bias.float()
-        rows = _tie_free(choice, groups)
+        rows = _tie_free(want[0].sigmoid() + bias.float(), groups)
         if not bool(rows.any()):
             return "every probe token has near-tied router scores"
         mine, order = ids[rows].sort(dim=1)
