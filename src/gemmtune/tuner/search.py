@@ -621,19 +621,20 @@ def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
 
 def first_needing(keys: list, family: str) -> Callable[[object], int]:
     """item key -> the index in `keys` of the first key that may need a kernel built for it, where no key's
-    own candidates name it (ahead_items): the first key
-    of its shape at any M (a backend's item names a stand-in M, or the first of the keys sharing a
-    binary), else its own index, else 0 (a stand-in of another shape: needed before any key). Never later
-    than the first key that needs the kernel, so a key waiting for its index's kernels waits for its own."""
+    own candidates name it (ahead_items): the first key of its shape at any M (a backend's item names a
+    stand-in M, or the first of the keys sharing a binary), else 0 (a stand-in of another shape, or one the
+    family cannot re-M: needed before any key). Never later than the first key that needs the kernel, so a
+    key waiting for its index's kernels waits for its own."""
     fam = families.get(family)
-    exact = {k: i for i, k in enumerate(keys)}
     shapes: dict = {}
     for i, k in enumerate(keys):
-        shapes.setdefault(_shape_of(fam, k), i)
+        shape = _shape_of(fam, k)
+        if shape is not None:
+            shapes.setdefault(shape, i)
 
     def index(key) -> int:
-        i = shapes.get(_shape_of(fam, key))
-        return i if i is not None else exact.get(key, 0)
+        shape = _shape_of(fam, key)
+        return 0 if shape is None else shapes.get(shape, 0)
 
     return index
 
