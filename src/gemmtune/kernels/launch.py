@@ -78,9 +78,9 @@ class BoundLaunch:
         for i in self.slots:
             args[i] = None  # hold no tensor between calls
         self.facts = _tensor_facts(tensors)
-        self.direct = self._direct_form(compiled, tensors)
+        self.direct = self._direct_form(compiled)
 
-    def _direct_form(self, compiled, tensors):
+    def _direct_form(self, compiled):
         if _JITFunction is None or not isinstance(self.fn, _JITFunction) or _hooks_set():
             return None
         if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):

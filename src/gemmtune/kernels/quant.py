@@ -107,17 +107,24 @@ def launch_per_token(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, one_pas
                                        IS_INT=not is_fp8(q.dtype), **row_launch(k, one_pass_max)))  # fmt: skip
 
 
+def group_launch(m: int, groups: int) -> tuple[tuple[int, int], dict]:
+    """(grid, GROUPS and num_warps) of a 1x128 kernel over m rows of `groups` groups: up to 8 groups (1024
+    elements) a program."""
+    per = min(8, triton.next_power_of_2(groups))
+    return (m, triton.cdiv(groups, per)), {"GROUPS": per, "num_warps": 4 if per >= 4 else 1}
+
+
 def launch_1x128(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     """Fill q [M, K] and s [M, ceil(K/128)] (any strides: M-major or row-major) from x2 [M, K]."""
     m, k = x2.shape
     groups = s.shape[1]
     if m:
-        per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program
+        grid, per = group_launch(m, groups)
         signature = (tensor_signature(x2), q.dtype, s.stride())
         cached_launch(
-            _GROUPS, signature, _group_kernel, (m, triton.cdiv(groups, per)),
+            _GROUPS, signature, _group_kernel, grid,
             x2, q, s, k, groups, x2.stride(0), s.stride(0), s.stride(1), QMAX=qmax(q.dtype),
-            IS_INT=not is_fp8(q.dtype), GROUP=128, GROUPS=per, num_warps=4 if per >= 4 else 1,
+            IS_INT=not is_fp8(q.dtype), GROUP=128, **per,
         )  # fmt: skip
 
 

@@ -96,7 +96,7 @@ def act_mul_quant_ref(gu, act: str, qdtype, scaling):
 if HAS_TRITON:
     from .activations import act_mul_values
     from .norms import rmsnorm_tile
-    from .quant import ONE_PASS_MAX, _to_q, quantize_rows, row_launch
+    from .quant import ONE_PASS_MAX, _to_q, group_launch, quantize_rows, row_launch
 
     @triton.jit
     def _store_rows(y, rows, cols, mask, Q, QS, n_rows, C, stride_sm, stride_sg,
@@ -231,11 +231,10 @@ def _launch_act(gu, act: str, qdtype, scaling, signature, kept):
                                        **row_launch(inter, ONE_PASS_MAX), **common))  # fmt: skip
     else:
         groups = s.shape[1]
-        per = min(8, triton.next_power_of_2(groups))  # 8 groups = 1024 elements a program
+        grid, per = group_launch(m, groups)
         _ACT_PLANS.put(signature, bind(
-            _act_mul_quant_group_kernel, (m, triton.cdiv(groups, per)), rows2d, q, s, inter, groups,
-            rows2d.stride(0), s.stride(0), s.stride(1), GROUP=BLOCK, GROUPS=per, num_warps=4 if per >= 4 else 1,
-            **common,
+            _act_mul_quant_group_kernel, grid, rows2d, q, s, inter, groups,
+            rows2d.stride(0), s.stride(0), s.stride(1), GROUP=BLOCK, **per, **common,
         ))  # fmt: skip
     return q, s
 
