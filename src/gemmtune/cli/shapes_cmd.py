@@ -16,7 +16,6 @@ from ..tuner.model_shapes import (
     load_model_config,
     model_gemms,
     model_keys,
-    moe_keys,
     named_keys,
 )
 from . import _validate as v
@@ -101,11 +100,8 @@ def _keys(family: str, config, tp, ms, dtype) -> list:
 def _other_family(name, config, source, tp, ms, dtype, output, fuse_shared: bool = False) -> None:
     try:
         fam = families.get(name)
-        if fuse_shared:
-            found = moe_keys(config, tp, 1, ms, dtype, fuse_shared=True)
-        else:
-            found = model_keys(name, config, tp, ms, dtype)
-        keys = list(dict.fromkeys(found))
+        options = {"fuse_shared": True} if fuse_shared else {}
+        keys = list(dict.fromkeys(model_keys(name, config, tp, ms, dtype, **options)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     if not keys:

@@ -558,6 +558,10 @@ def _batched_keys(config, tp, ms, dtype) -> list[BatchedKey]:
             for m in ms]  # fmt: skip
 
 
+def _fmoe_keys(config, tp, ms, dtype, fuse_shared: bool = False) -> list[MoeKey]:
+    return moe_keys(config, tp, 1, ms, dtype, fuse_shared=fuse_shared)
+
+
 # family name -> (config, tp, token counts, dtype) -> the family's keys the model runs
 FAMILY_KEYS: dict[str, Callable[[dict, int, Sequence[int], torch.dtype], list]] = {
     "a16w16": lambda config, tp, ms, dtype: gemm_keys(model_gemms(config, tp), ms, dtype),
@@ -566,7 +570,7 @@ FAMILY_KEYS: dict[str, Callable[[dict, int, Sequence[int], torch.dtype], list]] 
     "a8w8_bpreshuffle": _a8w8_keys,
     "a8w8_blockscale": _blockscale_keys,
     "a8w8_blockscale_bpreshuffle": _blockscale_keys,
-    "fmoe": lambda config, tp, ms, dtype: moe_keys(config, tp, 1, ms, dtype),
+    "fmoe": _fmoe_keys,
     "epilogue": epilogue_keys,
 }
 # Families a model runs besides its linear layers (the others run the same linear layers another way:
@@ -574,11 +578,11 @@ FAMILY_KEYS: dict[str, Callable[[dict, int, Sequence[int], torch.dtype], list]] 
 OWN_GEMMS = ("batched", "fmoe")
 
 
-def model_keys(family: str, config: dict, tp: int, ms: Sequence[int], dtype: torch.dtype) -> list:
+def model_keys(family: str, config: dict, tp: int, ms: Sequence[int], dtype: torch.dtype, **options) -> list:
     """The keys of `family` one TP rank of the model runs at token counts `ms` (empty when it runs none,
-    or gemmtune derives none for that family)."""
+    or gemmtune derives none for that family); `options` go to the family's deriver (fmoe: fuse_shared)."""
     derive = FAMILY_KEYS.get(family)
-    return derive(config, tp, list(ms), dtype) if derive else []
+    return derive(config, tp, list(ms), dtype, **options) if derive else []
 
 
 # ---- presets -------------------------------------------------------------------------------------
