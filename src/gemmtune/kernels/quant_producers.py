@@ -28,6 +28,7 @@ from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # 
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import pdl_kwargs as _pdl_kwargs
 from .launch import Plans, bind, tensor_signature
+from .quant import ONE_PASS_MAX
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -96,7 +97,7 @@ def act_mul_quant_ref(gu, act: str, qdtype, scaling):
 if HAS_TRITON:
     from .activations import act_mul_values
     from .norms import rmsnorm_tile
-    from .quant import ONE_PASS_MAX, _to_q, group_launch, quantize_rows, row_launch
+    from .quant import _to_q, group_launch, quantize_rows, row_launch
 
     @triton.jit
     def _store_rows(y, rows, cols, mask, Q, QS, n_rows, C, stride_sm, stride_sg,
