@@ -115,7 +115,9 @@ def test_kernel_matches_reference_and_unfused_kernels(case, results):
     r, dt = results[case[0]], case[-1]
     assert r["shape_ok"] and not r["nan"], r
     assert r["err"] <= TOL[dt], r
-    assert r["no_w"] > 20 * TOL[dt] and r["no_eps"] > 20 * TOL[dt], r  # the case can see a dropped weight / eps
+    # the case can see a dropped weight / eps: those references lie >= 5 tolerances away (bf16 Qwen3 shapes:
+    # a dropped k eps moves the outputs by 11-28% of the largest, against a tolerance of 1.6%)
+    assert r["no_w"] > 5 * TOL[dt] and r["no_eps"] > 5 * TOL[dt], r
     if HAS_GPU:  # same arithmetic; only the row sum's order (and fp32 FMA contraction) may differ
         assert r["vs_unfused"] <= TOL[dt], r
         assert dt == "float32" or r["mismatch_unfused"] <= 1e-3, r  # a rare flip of one rounding

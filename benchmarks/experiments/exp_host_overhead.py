@@ -3,14 +3,15 @@
 against the GPU's busy time (the sum of its kernels' durations, torch.profiler), then torch.profiler's
 host-side table of the fp8 model's forwards.
 
-    python benchmarks/experiments/exp_host_overhead.py llama-3-8b
+    python benchmarks/experiments/exp_host_overhead.py llama-3-8b [--table a8w8.csv:lm_head.csv]
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import copy
 import statistics
-import sys
 import time
 
 import torch
@@ -21,13 +22,16 @@ from gemmtune.profiling.build import build_model
 
 
 def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default="llama-3-8b")
+    ap.add_argument("--table", default=None, help="tuned table(s) for optimize(), ':'-joined")
+    a = ap.parse_args()
     dev = torch.device("cuda")
-    stock, _ = build_model(name, 4, dev, torch.bfloat16, 0)
+    stock, _ = build_model(a.model, 4, dev, torch.bfloat16, 0)
     opt = copy.deepcopy(stock)
-    optimize(opt)
+    optimize(opt, config=a.table)
     q = copy.deepcopy(stock)
-    optimize(q, quantize="fp8")
+    optimize(q, config=a.table, quantize="fp8")
     ids = torch.randint(0, stock.config.vocab_size, (1, 2048), device=dev)
     for label, m in (("stock", stock), ("optimize", opt), ("quantize=fp8", q)):
         host, wall = [], []
@@ -52,6 +56,11 @@ def main() -> None:
             f"{label}: host issue {statistics.median(host) * 1e3:.2f} ms, wall {statistics.median(wall) * 1e3:.2f} ms, "
             f"GPU busy {busy:.2f} ms ({len(kernels) / 3:.0f} kernels a forward)"
         )
+        per_kernel = collections.Counter()
+        for e in kernels:
+            per_kernel[e.name[:70]] += e.device_time / 3 / 1e3
+        for kname, ms in per_kernel.most_common(6):
+            print(f"    {ms:.3f} ms  {kname}")
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             q(input_ids=ids, use_cache=False, logits_to_keep=1)

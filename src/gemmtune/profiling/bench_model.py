@@ -3,8 +3,9 @@
 Contenders share one set of random weights: "stock" (the model as built), "optimize" (a deep copy
 after gemmtune.optimize), "compile" (torch.compile of stock) and "compile+optimize" (torch.compile of
 the optimized copy; one contender per compile-ops mode asked for, see kernels/compile_mode.py); with
-`quantize` also "quantize" (a deep copy after optimize(quantize=...)) and "compile+quantize". For the
-quantized copy the report also says what was quantized, each 8-bit GEMM's relative error against
+`quantize` also "quantize" (a deep copy after optimize(quantize=...)) and "compile+quantize". A model
+too large to copy once per contender has copies that share stock's parameters (shared_weights.py). For
+the quantized copy the report also says what was quantized, each 8-bit GEMM's relative error against
 the 16-bit GEMM it replaced (on the parity prefill's activations) and the logits' relative error
 against the stock model.
 Scenarios: prefill (batch x seq, last-token logits as generate() asks) and decode (one token per
@@ -32,6 +33,7 @@ from ..models.hf_cache import CACHE_ARGS, with_cache
 from ..tuner.timing import round_order
 from .collect import profile
 from .report import Profile
+from .shared_weights import check_unchanged, copy_model, fingerprint, must_share
 from .stock_attention import ignored_features
 
 CONTENDERS = ("stock", "optimize", "compile", "compile+optimize", "quantize", "compile+quantize")
@@ -467,14 +469,24 @@ def run(s: Settings) -> Result:
     notes = ignored_features(stock)
     for n in notes:
         log(f"note: {n}")
-    opt = copy.deepcopy(stock) if any(c in s.contenders for c in ("optimize", "compile+optimize")) else None
+    want_opt = any(c in s.contenders for c in ("optimize", "compile+optimize"))
+    want_quant = any(c in s.contenders for c in _QUANT)
+    why = must_share(stock, int(want_opt) + int(want_quant))
+    share = bool(why)
+    if share:
+        notes.append(why)
+        log(f"note: {why}")
+    marks = fingerprint(stock) if share else None
+    opt = copy_model(stock, share) if want_opt else None
     summary = str(optimize(opt, config=s.table)) if opt is not None else "optimize() not run"
     log(summary)
     quant, qreport = None, None
-    if any(c in s.contenders for c in _QUANT):
-        quant = copy.deepcopy(stock)
+    if want_quant:
+        quant = copy_model(stock, share)
         qreport = optimize(quant, config=s.table, quantize=s.quantize, quantize_producers=s.quantize_producers)
         log(str(qreport))
+    if marks is not None:
+        check_unchanged(marks, stock)
     contenders = make_contenders(stock, opt, s, backend, quant)
     if s.break_contender is not None:  # on a copy: the contenders sharing its module stay intact
         i = [c.name for c in contenders].index(s.break_contender)
