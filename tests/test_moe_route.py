@@ -191,10 +191,12 @@ def host_counts() -> dict:
     with count_triton(counter) as launches, counter:
         run(*inputs)
     res = {"pair_ops": counter.launching(), "pair_triton": sum(launches.values())}
-    model = tiny_block(dev, torch.float32, 8, 2, 64, 32)
+    # bf16 on the GPU, where fp32 experts run torch's bmm path (torch._grouped_mm takes no fp32)
+    model = tiny_block(dev, torch.bfloat16 if HAS_GPU else torch.float32, 8, 2, 64, 32)
     report = gemmtune.optimize(model)
     res["router_swapped"] = report.counts().get("router", 0)
-    counter, launches = count_block(model.model.layers[0].mlp, torch.randn(1, 40, 64, device=dev))
+    x = torch.randn(1, 40, 64, device=dev, dtype=model.dtype)
+    counter, launches = count_block(model.model.layers[0].mlp, x)
     res.update(block_ops=counter.launching(), block_triton=sum(launches.values()))
     return res
 

@@ -15,6 +15,7 @@ import copy
 import torch
 
 FIT_FRACTION = 0.85  # of the device's memory the weights of every copy may take; the rest: activations, graphs
+_SLICE = 1 << 26  # elements summed at a time (512 MiB as int64)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -51,8 +52,10 @@ def fingerprint(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """name -> (address, sum of the parameter's bit patterns as integers): changes with any write."""
     out = {}
     for name, p in model.named_parameters():
-        bits = p.detach().contiguous().view(_INT_VIEW[p.element_size()])
-        out[name] = (p.data_ptr(), int(bits.sum(dtype=torch.int64)))
+        bits = p.detach().contiguous().view(_INT_VIEW[p.element_size()]).reshape(-1)
+        # in slices: the int64 copy of a whole 14 GiB expert tensor would need 56 GiB
+        total = sum(int(bits[i : i + _SLICE].sum(dtype=torch.int64)) for i in range(0, bits.numel(), _SLICE))
+        out[name] = (p.data_ptr(), total)
     return out
 
 
