@@ -115,14 +115,29 @@ def test_qwen2_moe_shared_expert_is_fused_and_its_gate_stays_torch():
     assert report.counts()["moe"] == 1
 
 
-def test_deepseek_v3_keeps_mla_stock():
+def test_deepseek_v3_mla_decodes_on_the_latent_cache(monkeypatch):
+    """MLA's forward is swapped (models/mla.py): forwards of <= 16 new tokens run the absorbed attention,
+    a longer prefill the stock forward; parity on the cached decode path holds either way."""
+    from gemmtune.models import mla
+
     stock, opt, report = pair("deepseek-v3")
     layers = opt.model.layers
     assert hasattr(layers[0].mlp, "gate_up_proj") and not hasattr(layers[0].mlp, "experts")  # first_k_dense
     for layer in layers:
         attn = layer.self_attn
-        assert "forward" not in attn.__dict__  # MLA: the stock forward
+        assert "forward" in attn.__dict__ and attn._gemmtune_mla.rank == attn.kv_lora_rank
         assert "forward" in attn.kv_a_layernorm.__dict__ and "forward" in attn.q_a_layernorm.__dict__
+    assert report.counts().get("mla") == len(layers), report.summary()
+    seen = []
+    real = mla.absorbed_attention
+    monkeypatch.setattr(mla, "absorbed_attention", lambda *a: seen.append(tuple(a[0].shape)) or real(*a))
+    check_parity(stock, opt)  # padded prefill of 11 tokens (absorbed: <= 16), then one token a step
+    assert {L for _, _, L, _ in seen} >= {1, 11}, seen
+    seen.clear()
+    ids = torch.randint(3, 256, (1, mla.ABSORB_MAX_Q + 1), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-5)
+    assert not seen  # 17 new tokens: the stock forward
     for block in moe_blocks(opt):
         assert "forward" not in block.__dict__  # the block's own forward: router, experts, shared experts
         assert ("forward" in block.gate.__dict__) == (moe_mod.triton_reason(block.gate.weight.device) is None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..device import triton_installed
-from . import architectures, epilogue_mlp, fusion, mask_positions
+from . import architectures, epilogue_mlp, fusion, mask_positions, mla
 from . import attention as attn_mod
 from . import moe as moe_mod
 from . import verify as verify_mod
@@ -79,6 +79,13 @@ class _Planner:
 
     def attention(self, path: str, attn: nn.Module, qk_specs: dict) -> None:
         arch = self.arch
+        if arch.mla and self.opts["fused_ops"]:
+            spec = mla.plan(attn)
+            if isinstance(spec, str):
+                self.skip("mla", path, attn, spec)
+            else:
+                self.add("mla", path, attn, spec.describe(), spec=spec)
+            return
         if not (self.opts["fuse_qkv"] and arch.qkv):
             return
         why = fusion.fuse_skip_reason(attn, arch.qkv, "qkv_proj")
@@ -341,6 +348,8 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
         moe_mod.apply(mod, a.data["spec"])
     elif a.kind == "router":
         moe_mod.apply_router(mod, a.data["spec"])
+    elif a.kind == "mla":
+        mla.apply(mod, a.data["spec"])
     elif a.kind == "epilogue_mlp":
         epilogue_mlp.apply(mod, a.data["spec"])
     elif a.kind == "positions":
@@ -356,6 +365,7 @@ _ATTRS = {
     "layer": ("forward",),
     "moe": ("forward", "_gemmtune_moe"),
     "router": ("forward", "_gemmtune_router"),
+    "mla": mla.UNDO_ATTRS,
     "epilogue_mlp": epilogue_mlp.UNDO_ATTRS,
     "positions": mask_positions.UNDO_ATTRS,
 }

@@ -41,10 +41,11 @@ class Architecture:
     softcap_kwarg: bool = False  # the stock forward passes attn_logit_softcapping to attention
     moe: bool = False
     mlp: str = "mlp"  # the layer's MLP / MoE block attribute
+    mla: bool = False  # multi-head latent attention: decode on the latent cache (models/mla.py)
 
 
-# MLA attention (DeepSeek-V3) and OLMoE's full-width q/k norms (with clip_qkv) have no fused attention
-# forward: they keep their own and only their norms and linears change.
+# MLA attention (DeepSeek-V3: its decode swapped by models/mla.py) and OLMoE's full-width q/k norms (with
+# clip_qkv) have no fused-qkv attention forward: their norms and linears change.
 ARCHITECTURES = {
     "llama": Architecture("llama", "Llama"),
     "mistral": Architecture("mistral", "Mistral"),
@@ -58,7 +59,7 @@ ARCHITECTURES = {
     "qwen3_moe": Architecture("qwen3_moe", "Qwen3Moe", qk_norm=True, moe=True),
     "qwen2_moe": Architecture("qwen2_moe", "Qwen2Moe", moe=True),
     "deepseek_v3": Architecture(
-        "deepseek_v3", "DeepseekV3", qkv=None, attn_norms=("q_a_layernorm", "kv_a_layernorm"), moe=True
+        "deepseek_v3", "DeepseekV3", qkv=None, attn_norms=("q_a_layernorm", "kv_a_layernorm"), moe=True, mla=True
     ),
     "olmoe": Architecture("olmoe", "Olmoe", qkv=None, attn_norms=("q_norm", "k_norm"), moe=True),
     "glm4_moe": Architecture("glm4_moe", "Glm4Moe", qk_norm=True, qk_norm_flag="use_qk_norm", moe=True),

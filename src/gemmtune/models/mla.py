@@ -1,0 +1,157 @@
+"""Multi-head latent attention (DeepSeek-V3) in decode, with kv_b_proj absorbed into the query and output.
+
+Transformers' MLA caches the compressed latents (kv_a_layernorm(kv) [B, 1, S, R] and the roped shared key
+[B, 1, S, dr]) and on every forward expands the whole cache through kv_b_proj into per-head keys and
+values ([B, H, S, dn + dv]), then runs attention over them. In decode that expansion is nearly all of
+the attention's cost: on an H100, a 4-layer DeepSeek-V3 at batch 8 and 1024 tokens of context spends
+~5.4 ms of its 13.6 ms step on it (the kv_b_proj GEMM over the cache, the copy building the keys,
+attention over 128 full heads).
+
+The absorbed form computes the same attention on the latents, as the serving engines do:
+  q_lat = q_nope @ W_UK           (per head: [dn] -> [R], W_UK the key rows of kv_b_proj)
+  scores = (q_lat . kv_latent + q_rot . k_rot) * scaling, masked, softmax (fp32)
+  o_lat = probs @ kv_latent       ([R] per head)
+  out   = o_lat @ W_UV^T          (per head: [R] -> [dv], W_UV the value rows of kv_b_proj)
+It reads the latent cache once (B * S * (R + dr) elements) instead of writing and reading the expanded
+one (B * H * S * (dn + 2 dv)). It runs for forwards of at most ABSORB_MAX_Q new tokens (decode,
+speculation); prefill keeps the stock forward, where the expansion is a well-shaped GEMM.
+`absorbed_attention` is plain PyTorch: it is its own reference, tested against the stock expansion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .architectures import _pop_cache, attention_call
+
+ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
+UNDO_ATTRS = ("forward", "_gemmtune_mla")
+_ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "expand_kv", "scaling", "layer_idx")
+_DIMS = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaSpec:
+    heads: int
+    nope: int
+    rope: int
+    v: int
+    rank: int
+    cache_arg: str
+    rotary: Callable
+    rotary_interleave: Callable | None
+
+    def describe(self) -> str:
+        return (
+            f"decode (<= {ABSORB_MAX_Q} new tokens) on the latent cache with kv_b_proj absorbed "
+            f"({self.heads} heads, latent {self.rank} + rope {self.rope})"
+        )
+
+
+def plan(attn: nn.Module) -> MlaSpec | str:
+    """The spec for swapping `attn`'s forward, or why it stays stock."""
+    missing = [a for a in _ATTRS + _DIMS if not hasattr(attn, a)]
+    if missing:
+        return f"not a transformers MLA attention (no {', '.join(missing)})"
+    if "forward" in attn.__dict__:
+        return "its forward is already overridden on the instance"
+    cache_arg, why = attention_call(type(attn))
+    if why is not None:
+        return why
+    h, dn, dr, dv, r = (getattr(attn, a) for a in _DIMS)
+    kvb = attn.kv_b_proj
+    if type(kvb) is not nn.Linear or kvb.bias is not None or tuple(kvb.weight.shape) != (h * (dn + dv), r):
+        return f"kv_b_proj is not a bias-free Linear of shape ({h * (dn + dv)}, {r})"
+    module = sys.modules.get(type(attn).__module__)
+    rotary = getattr(module, "apply_rotary_pos_emb", None)
+    if rotary is None:
+        return f"{type(attn).__module__} has no apply_rotary_pos_emb"
+    interleave = getattr(module, "apply_rotary_pos_emb_interleave", None)
+    if getattr(attn.config, "rope_interleave", False) and interleave is None:
+        return "rope_interleave is set but the modeling module has no apply_rotary_pos_emb_interleave"
+    return MlaSpec(h, dn, dr, dv, r, cache_arg, rotary, interleave)
+
+
+def apply(attn: nn.Module, spec: MlaSpec) -> None:
+    attn._gemmtune_mla = spec
+    attn.forward = types.MethodType(_mla_forward, attn)
+
+
+def absorbed_attention(
+    q_nope: torch.Tensor,
+    q_rot: torch.Tensor,
+    kv_latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    v_dim: int,
+    scaling: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """softmax(q k^T * scaling + mask) v with k, v the kv_b_proj expansion of the latents, computed on the
+    latents. q_nope [B, H, L, dn], q_rot [B, H, L, dr], kv_latent [B, 1, S, R], k_rot [B, 1, S, dr],
+    w_kv_b [H * (dn + dv), R], mask None or [B|1, 1, L, >=S] (bool: True attends; else added).
+    Returns [B, L, H, dv] in q_nope's dtype."""
+    B, H, L, dn = q_nope.shape
+    S, R = kv_latent.shape[2], kv_latent.shape[3]
+    w = w_kv_b.view(H, dn + v_dim, R)
+    # per head, batched over heads: [H, B*L, dn] @ [H, dn, R]
+    q_lat = torch.bmm(q_nope.permute(1, 0, 2, 3).reshape(H, B * L, dn), w[:, :dn])
+    q = torch.cat([q_lat.view(H, B, L, R).permute(1, 0, 2, 3), q_rot], dim=-1).reshape(B, H * L, R + q_rot.shape[-1])
+    latent = kv_latent[:, 0]
+    k = torch.cat([latent, k_rot[:, 0]], dim=-1)  # [B, S, R + dr]: one key head shared by every query head
+    scores = torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scaling)  # [B, H*L, S] in fp32, as SDPA keeps
+    if mask is not None:
+        m = mask[:, 0, :, :S]
+        m = m.unsqueeze(1).expand(m.shape[0], H, L, S).reshape(m.shape[0], H * L, S)
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    probs = scores.softmax(dim=-1)
+    if mask is not None:  # a query that may see no key (a padding row) gets zeros, not NaN
+        probs = probs.nan_to_num_(0.0)
+    o_lat = torch.bmm(probs, latent.float()).to(q_nope.dtype)  # [B, H*L, R]
+    o_lat = o_lat.view(B, H, L, R).permute(1, 0, 2, 3).reshape(H, B * L, R)
+    out = torch.bmm(o_lat, w[:, dn:].transpose(1, 2))  # [H, B*L, dv]
+    return out.view(H, B, L, v_dim).permute(1, 2, 0, 3)
+
+
+def _stock(self, s: MlaSpec, hidden_states, position_embeddings, attention_mask, cache, kwargs):
+    return type(self).forward(
+        self, hidden_states, position_embeddings, attention_mask, **{s.cache_arg: cache}, **kwargs
+    )
+
+
+def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    s: MlaSpec = self._gemmtune_mla
+    cache = _pop_cache(kwargs, s.cache_arg)
+    B, L = hidden_states.shape[:-1]
+    if (
+        L > ABSORB_MAX_Q
+        or self.training
+        or (L > 1 and attention_mask is None)  # several new tokens, no mask: the causal pattern is implied
+        or not (attention_mask is None or isinstance(attention_mask, torch.Tensor))
+        or type(self.kv_b_proj) is not nn.Linear  # quantized, or replaced since the plan
+    ):
+        return _stock(self, s, hidden_states, position_embeddings, attention_mask, cache, kwargs)
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(B, L, s.heads, s.nope + s.rope).transpose(1, 2)
+    q_nope, q_rot = torch.split(q, [s.nope, s.rope], dim=-1)
+    kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [s.rank, s.rope], dim=-1)
+    kv_latent = self.kv_a_layernorm(kv_latent).view(B, 1, L, s.rank)
+    k_rot = k_rot.view(B, 1, L, s.rope)
+    cos, sin = position_embeddings
+    rotary = s.rotary_interleave if getattr(self.config, "rope_interleave", False) else s.rotary
+    q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
+    if cache is not None:
+        # 5.24 hands the layer's kwargs to the cache (its layers may read them); earlier releases did not
+        extra = {"kwargs": kwargs} if s.cache_arg == "cache" else {}
+        kv_latent, k_rot = cache.update(kv_latent, k_rot, self.layer_idx, **extra)
+    out = absorbed_attention(q_nope, q_rot, kv_latent, k_rot, self.kv_b_proj.weight, s.v, self.scaling, attention_mask)
+    return self.o_proj(out.reshape(B, L, s.heads * s.v)), None
