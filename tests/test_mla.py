@@ -76,4 +76,4 @@ def test_absorbed_bf16_on_the_gpu(L, gpu):
     want = expanded_reference(q_nope, q_rot, lat, k_rot, w, 0.17, mask[..., :S])
     assert got.dtype == torch.bfloat16
     err = (got.double() - want).abs().max() / want.abs().max()
-    assert err < 2e-2, err  # bf16 q_lat and output: a few bf16 roundings
+    assert err < 8e-3, err  # fp32 inside: the output's one bf16 rounding (2^-8 of the largest)

@@ -99,13 +99,17 @@ def absorbed_attention(
     Returns [B, L, H, dv] in q_nope's dtype."""
     B, H, L, dn = q_nope.shape
     S, R = kv_latent.shape[2], kv_latent.shape[3]
-    w = w_kv_b.view(H, dn + v_dim, R)
+    # fp32 from here to the output: the stock path rounds the expanded keys and values to the model dtype
+    # once; rounding q_lat and o_lat as well moved a 4-layer DeepSeek-V3's hidden states twice as far
+    # from stock's (H100, bf16), and every extra ulp there flips near-tied experts downstream
+    w = w_kv_b.float().view(H, dn + v_dim, R)
     # per head, batched over heads: [H, B*L, dn] @ [H, dn, R]
-    q_lat = torch.bmm(q_nope.permute(1, 0, 2, 3).reshape(H, B * L, dn), w[:, :dn])
+    q_lat = torch.bmm(q_nope.float().permute(1, 0, 2, 3).reshape(H, B * L, dn), w[:, :dn])
+    q_rot = q_rot.float()
     q = torch.cat([q_lat.view(H, B, L, R).permute(1, 0, 2, 3), q_rot], dim=-1).reshape(B, H * L, R + q_rot.shape[-1])
-    latent = kv_latent[:, 0]
-    k = torch.cat([latent, k_rot[:, 0]], dim=-1)  # [B, S, R + dr]: one key head shared by every query head
-    scores = torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scaling)  # [B, H*L, S] in fp32, as SDPA keeps
+    latent = kv_latent[:, 0].float()
+    k = torch.cat([latent, k_rot[:, 0].float()], dim=-1)  # [B, S, R + dr]: one key head for every query head
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scaling)  # [B, H*L, S]
     if mask is not None:
         m = mask[:, 0, :, :S]
         m = m.unsqueeze(1).expand(m.shape[0], H, L, S).reshape(m.shape[0], H * L, S)
@@ -113,10 +117,10 @@ def absorbed_attention(
     probs = scores.softmax(dim=-1)
     if mask is not None:  # a query that may see no key (a padding row) gets zeros, not NaN
         probs = probs.nan_to_num_(0.0)
-    o_lat = torch.bmm(probs, latent.float()).to(q_nope.dtype)  # [B, H*L, R]
+    o_lat = torch.bmm(probs, latent)  # [B, H*L, R]
     o_lat = o_lat.view(B, H, L, R).permute(1, 0, 2, 3).reshape(H, B * L, R)
     out = torch.bmm(o_lat, w[:, dn:].transpose(1, 2))  # [H, B*L, dv]
-    return out.view(H, B, L, v_dim).permute(1, 2, 0, 3)
+    return out.view(H, B, L, v_dim).permute(1, 2, 0, 3).to(q_nope.dtype)
 
 
 def _stock(self, s: MlaSpec, hidden_states, position_embeddings, attention_mask, cache, kwargs):
