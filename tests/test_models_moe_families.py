@@ -115,12 +115,20 @@ def test_qwen2_moe_shared_expert_is_fused_and_its_gate_stays_torch():
     assert report.counts()["moe"] == 1
 
 
+def test_deepseek_v3_keeps_mla_stock_by_default():
+    _, opt, report = pair("deepseek-v3")
+    assert all("forward" not in layer.self_attn.__dict__ for layer in opt.model.layers)
+    assert "mla" not in report.counts()
+
+
 def test_deepseek_v3_mla_decodes_on_the_latent_cache(monkeypatch):
-    """MLA's forward is swapped (models/mla.py): forwards of <= 16 new tokens run the absorbed attention,
-    a longer prefill the stock forward; parity on the cached decode path holds either way."""
+    """optimize(mla_absorb=True) swaps MLA's forward (models/mla.py): forwards of <= 16 new tokens run the
+    absorbed attention, a longer prefill the stock forward; parity on the cached decode path holds."""
     from gemmtune.models import mla
 
-    stock, opt, report = pair("deepseek-v3")
+    stock = build("deepseek-v3")
+    opt = copy.deepcopy(stock)
+    report = gemmtune.optimize(opt, mla_absorb=True)
     layers = opt.model.layers
     assert hasattr(layers[0].mlp, "gate_up_proj") and not hasattr(layers[0].mlp, "experts")  # first_k_dense
     for layer in layers:
