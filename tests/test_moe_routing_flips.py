@@ -86,6 +86,8 @@ def test_parity_verdict_counts_explained_steps_and_caps_them():
     p.flips = [Flip(i, "b", 0.0) for i in (1, 2, 3)]  # 3 of 8 steps: more than one in 4
     assert not p.ok
     assert json.dumps(p.as_dict())
+    one = DecodeParity(TOL, errors=[0.2, 0.3], agree=[False, False], flips=[Flip(0, "b", 0.0), Flip(1, "b", 0.0)])
+    assert not one.ok and one.verdict().startswith("MISMATCH")  # every step a flip: no crash, not ok
 
 
 def test_bench_model_traces_a_moe_model_on_the_cpu(tmp_path):

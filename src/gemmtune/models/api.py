@@ -79,7 +79,7 @@ class _Planner:
 
     def attention(self, path: str, attn: nn.Module, qk_specs: dict) -> None:
         arch = self.arch
-        if arch.mla and self.opts["fused_ops"] and self.opts.get("mla_absorb"):
+        if arch.mla and self.opts.get("mla_absorb"):
             spec = mla.plan(attn)
             if isinstance(spec, str):
                 self.skip("mla", path, attn, spec)

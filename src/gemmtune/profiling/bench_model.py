@@ -315,7 +315,7 @@ class DecodeParity:
         if self.failure:
             return f"FAILED: {self.failure}"
         flipped = {f.step for f in self.flips}
-        worst = max(e for i, e in enumerate(self.errors) if i not in flipped)
+        worst = max((e for i, e in enumerate(self.errors) if i not in flipped), default=0.0)
         tokens = f"greedy tokens {sum(self.agree)}/{len(self.agree)} equal (prompt's last + each step)"
         word = "ok" if self.ok else "MISMATCH"
         against = "" if self.reference == "stock" else f" vs the {self.reference}"
