@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, tl, triton
+from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401 - gdc_* in kernels
 from .gemm_ref import fp32_matmul
 
 ACTS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -309,16 +309,32 @@ if HAS_TRITON:
                 tl.atomic_xchg(lock_ptr + lock, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
 
     @triton.jit
+    def _prefetch(b_ptr, e, pid_n, pid_k, N, K, stride_be, stride_bk, stride_bn, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
+        """Touch the first TILES weight tiles program (e, pid_n, pid_k) will read, discarding them: they
+        land in L2, and the loop re-reads them after gdc_wait (the weights are not written in between)."""
+        if e >= 0:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            base = b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn
+            for i in tl.static_range(TILES):
+                offs_k = (pid_k + i * SPLIT_K) * BLOCK_K + tl.arange(0, BLOCK_K)
+                tl.load(base + offs_k[:, None] * stride_bk, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
+                        volatile=True)  # fmt: skip
+
+    @triton.jit
     def _moe_gemm_direct(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_slots, N, K, TK, TOPK,
                          num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
                          stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt, stride_wj,
                          stride_ps, stride_pm, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, BY_SLOT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                          FIXUP: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                         PREC: tl.constexpr):  # fmt: skip
+                         PREC: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
         pid = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
+        if PDL == 1:  # stage 1: the routing and the hidden state may come from the kernel just before
+            gdc_wait()
+            gdc_launch_dependents()
         slots = tl.arange(0, SLOTS)
         ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
                            num_local_routed, HAS_MAP)  # fmt: skip
@@ -328,6 +344,11 @@ if HAS_TRITON:
             e = tl.where(earlier == 0, e, -1)
         else:
             e = pid
+        if PDL > 1:  # stage 2 (moe_gemm's pdl): pull its first weight tiles into L2 while stage 1 finishes
+            _prefetch(b_ptr, e, pid_n, pid_k, N, K, stride_be, stride_bk, stride_bn, BLOCK_N, BLOCK_K, SPLIT_K,
+                      PDL - 1)  # fmt: skip
+            gdc_wait()
+            gdc_launch_dependents()
         hit = ((ids == e) & (e >= 0)).to(tl.int32)
         count = tl.sum(hit, axis=0)
         rank = tl.cumsum(hit, axis=0) - 1
@@ -437,11 +458,15 @@ def _prec(dtype: torch.dtype) -> str:
 def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b: torch.Tensor, c: torch.Tensor,
              routing: Routing, num_experts: int, gated: bool, activation: str = "none",
              weights: torch.Tensor | None = None, sorted_blocks=None,
-             counters: ArrivalCounters | None = None) -> None:  # fmt: skip
+             counters: ArrivalCounters | None = None, pdl: int = 0) -> None:  # fmt: skip
     """Launch one stage into c; a is read through (stride_at, stride_aj, a.stride(-1)). c (split, S, N) of a
     split config gets each split's fp32 partial without the epilogue (the combine sums them); c (S, N)
     of a split config gets the finished rows: the splits' partials go to a scratch buffer and the last
-    split of each tile sums them and applies the epilogue (`counters` count the arrivals)."""
+    split of each tile sums them and applies the epilogue (`counters` count the arrivals).
+    pdl (direct launches; CUDA sm90+ only): a programmatic dependent launch. 1: wait for the previous
+    kernel before anything (stage 1). n > 1 (stage 2 after a direct stage 1 launched with pdl 1, or after
+    any kernel that finishes before it starts): read the routing, pull the first n - 1 weight tiles into
+    L2, then wait: the routing was written before the kernel just before this one, which waited for it."""
     n = b.shape[2] // 2 if gated else b.shape[2]
     k = b.shape[1]
     fixup = cfg.split_k > 1 and c.dim() == 2
@@ -467,7 +492,7 @@ def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b:
         _moe_gemm_direct[grid](a, b, c3, w, part, locks, ids, emap, routing.n_slots, n, k, routing.tk, routing.topk,
                                routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1), *strides,
                                SLOTS=slots_p2, HAS_MAP=routing.expert_map is not None, BY_SLOT=by_slot,
-                               **common)  # fmt: skip
+                               **common, **({"PDL": pdl, "launch_pdl": True} if pdl else {}))  # fmt: skip
     else:
         sorted_slots, block_expert = sorted_blocks
         grid = (block_expert.shape[0], n_tiles, cfg.split_k)

@@ -31,6 +31,7 @@ from ...device import NVIDIA, capability, triton_installed, triton_runs_on, vend
 from ...families.fmoe import MoeKey, StageOut, act_name
 from ...kernels import fused_moe as kmoe
 from ...kernels import moe_route
+from ...kernels._common import pdl_enabled
 from ...kernels.activations import ACTIVATIONS as ACT_MUL_ACTS
 from ...kernels.activations import act_mul
 from ...kernels.moe_align import moe_align
@@ -38,6 +39,10 @@ from ..base import Runner
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GM = "grouped_mm"  # the name of a torch._grouped_mm stage (either stage)
+# Programmatic dependent launch of the direct kernels (kernels/fused_moe.py moe_gemm's pdl), where the
+# device runs it: stage 1 waits for the router; stage 2 starts while stage 1 finishes and pulls its first
+# PDL_STAGE2 - 1 weight tiles (2 x BLOCK_K x BLOCK_N a program) into L2 meanwhile.
+PDL_STAGE1, PDL_STAGE2 = 1, 3
 Stage = kmoe.MoeGemmConfig | str  # a Triton config or GM
 
 
@@ -151,7 +156,8 @@ def _stage1(key: MoeKey, s1: Stage, call: Call) -> StageOut:
     h = kmoe._empty((r.n_slots, key.inter_dim), hidden)
     kmoe.moe_gemm(s1, hidden, (hidden.stride(0), 0), call.w1.transpose(1, 2), h, r, call.w1.shape[0], gated(key),
                   act_name(key.act_type), call.topk_weights if key.doweight_stage1 else None,
-                  None if s1.direct else call.blocks(s1.block_m), call.counters)  # fmt: skip
+                  None if s1.direct else call.blocks(s1.block_m), call.counters,
+                  pdl=PDL_STAGE1 if s1.direct and pdl_enabled(hidden.device) else 0)  # fmt: skip
     return StageOut(h)
 
 
@@ -172,7 +178,8 @@ def _stage2(key: MoeKey, s2: Stage, call: Call, inter: StageOut) -> torch.Tensor
     h = inter.slot_order()
     c = kmoe._empty((s2.split_k, r.n_slots, key.model_dim), hidden, torch.float32 if s2.split_k > 1 else hidden.dtype)
     kmoe.moe_gemm(s2, h, (r.tk * h.stride(0), h.stride(0)), call.w2.transpose(1, 2), c, r, call.w2.shape[0], False,
-                  "none", None, None if s2.direct else call.blocks(s2.block_m))  # fmt: skip
+                  "none", None, None if s2.direct else call.blocks(s2.block_m),
+                  pdl=PDL_STAGE2 if s2.direct and pdl_enabled(hidden.device) else 0)  # fmt: skip
     out = kmoe._empty(out_shape, hidden)
     kmoe.combine(c, r, weights, out)
     return out
