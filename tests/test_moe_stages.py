@@ -481,3 +481,18 @@ def test_untuned_gpu_default_is_grouped_mm_for_prefill_and_triton_for_decode():
     name, sol = mpo.fmoe(MoeKey(4, 4096, 14336, 8, 2), gpu)
     assert name == sol.libtype == "triton" and GM not in split_name(sol.kernel_name)
     assert mto.TorchMoeBackend().default_solution(MoeKey(4096, 4096, 14336, 8, 2), gpu) == mto.GROUPED_MM
+
+
+@pytest.mark.parametrize("tokens, want", [(1, (1, 3)), (2, (1, 3)), (4, (0, 0))])
+def test_direct_stages_take_pdl_only_at_few_slots(tokens, want, monkeypatch):
+    """On a device with programmatic dependent launch, the direct pair launches stage 1 with pdl 1 and
+    stage 2 with pdl 3 up to PDL_MAX_SLOTS slots (top 8: 2 tokens); more slots keep the plain launch."""
+    key, inputs = make_case(("fp32", tokens, 32, 24, 16, 8, "random", 0, 0, 0, ""), "cpu")
+    seen = []
+    monkeypatch.setattr(mst, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(mst.kmoe, "moe_gemm", lambda *a, pdl=0, **kw: seen.append(pdl))
+    monkeypatch.setattr(mst.kmoe, "combine", lambda *a, **kw: None)
+    cfg = mtr.heuristic_configs(key, 132)
+    assert all(c.direct for c in cfg)
+    mst.pair_runner(key, *cfg, triton_glue=True)(*inputs)
+    assert tuple(seen) == want, seen
