@@ -14,7 +14,8 @@ import torch
 from ..quant.formats import SCALE_DTYPE, is_fp8, qmax
 from ..quant.layouts import m_major as m_major_view
 from ..quant.quantize import quantize_1x128, quantize_per_token
-from ._common import HAS_TRITON, tl, triton
+from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401 - gdc_* in kernels
+from ._common import pdl_kwargs as _pdl_kwargs
 from .launch import Plans, bind, cached_launch, tensor_signature
 
 if HAS_TRITON:  # the kernels; the quantizers below run their references where Triton cannot
@@ -34,9 +35,12 @@ if HAS_TRITON:  # the kernels; the quantizers below run their references where T
 
     @triton.jit(do_not_specialize=["K"])
     def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, IS_INT: tl.constexpr,
-                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):  # fmt: skip
+                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         """One row a program. ONE_PASS (the row fits BLOCK): read once and kept in registers for the amax and
         the values; else two passes over it."""
+        if PDL:  # see norms.py: the 8-bit GEMM after it may start prefetching its weights; x is the last kernel's
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         x_row = x_ptr + row * stride_xm
@@ -59,8 +63,12 @@ if HAS_TRITON:  # the kernels; the quantizers below run their references where T
 
     @triton.jit
     def _group_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm, stride_sm, stride_sg, QMAX: tl.constexpr,
-                      IS_INT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
+                      IS_INT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                      PDL: tl.constexpr = False):  # fmt: skip
         """GROUPS consecutive 128-wide groups of one row: a [GROUPS, GROUP] tile, one scale per tile row."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0)
         gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         offs = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -104,7 +112,8 @@ def launch_per_token(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, one_pas
         kept(x2, q, s)
     else:
         _PER_TOKEN.put(signature, bind(_per_token_kernel, (m,), x2, q, s, k, x2.stride(0), QMAX=qmax(q.dtype),
-                                       IS_INT=not is_fp8(q.dtype), **row_launch(k, one_pass_max)))  # fmt: skip
+                                       IS_INT=not is_fp8(q.dtype), **row_launch(k, one_pass_max),
+                                       **_pdl_kwargs(x2.device)))  # fmt: skip
 
 
 def group_launch(m: int, groups: int) -> tuple[tuple[int, int], dict]:
@@ -124,7 +133,7 @@ def launch_1x128(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
         cached_launch(
             _GROUPS, signature, _group_kernel, grid,
             x2, q, s, k, groups, x2.stride(0), s.stride(0), s.stride(1), QMAX=qmax(q.dtype),
-            IS_INT=not is_fp8(q.dtype), GROUP=128, **per,
+            IS_INT=not is_fp8(q.dtype), GROUP=128, **per, **_pdl_kwargs(x2.device),
         )  # fmt: skip
 
 
