@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..device import triton_installed, triton_on_gpu
-from ._common import HAS_TRITON, tl, triton  # noqa: F401 - re-exported for callers
+from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401 - re-exported, kernels
 from ._common import KERNEL_DTYPES as _KERNEL_DTYPES
 from ._common import empty_out as _empty
+from ._common import pdl_kwargs as _pdl_kwargs
 from .compile_mode import compile_impl
 from .launch import Plans, cached_launch, tensor_signature
 
@@ -65,8 +66,11 @@ if HAS_TRITON:
         Q, K, COS, SIN, QO, KO,
         S, HQ, HKV, D, R,
         sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s,
-        BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        if PDL:  # the next kernel may start now; q and k come from the GEMM before this one
+            gdc_launch_dependents()
+            gdc_wait()
         b, s, is_q, is_k, src, dst = head_rows(S, HQ, HKV, D, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, BLOCK_H)
         half = R // 2
         j = tl.arange(0, HALF)
@@ -158,6 +162,7 @@ def _launch(q, k, cos, sin):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),
         BLOCK_H=block_h, HALF=half, BLOCK_P=block_p, num_warps=4 if block_h * half >= 512 else 2,
         enable_fp_fusion=False,  # every product rounded, as torch rounds it (qk_norm_rope.py)
+        **_pdl_kwargs(q.device),
     )  # fmt: skip
     return qo, ko
 
