@@ -3,7 +3,9 @@
 against the GPU's busy time (the sum of its kernels' durations, torch.profiler), then torch.profiler's
 host-side table of the fp8 model's forwards.
 
-    python benchmarks/experiments/exp_host_overhead.py llama-3-8b [--table a8w8.csv:lm_head.csv]
+    python benchmarks/experiments/exp_host_overhead.py llama-3-8b [--table a8w8.csv:lm_head.csv] [--cprofile]
+
+--cprofile adds a cProfile of 5 forwards of the fp8 model (Python functions by own time).
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -25,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="llama-3-8b")
     ap.add_argument("--table", default=None, help="tuned table(s) for optimize(), ':'-joined")
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile 5 forwards of the fp8 model")
     a = ap.parse_args()
     dev = torch.device("cuda")
     stock, _ = build_model(a.model, 4, dev, torch.bfloat16, 0)
@@ -66,6 +72,17 @@ def main() -> None:
             q(input_ids=ids, use_cache=False, logits_to_keep=1)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if a.cprofile:
+        pr = cProfile.Profile()
+        with torch.no_grad():
+            pr.enable()
+            for _ in range(5):
+                q(input_ids=ids, use_cache=False, logits_to_keep=1)
+            torch.cuda.synchronize()
+            pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
+        print(out.getvalue())
 
 
 if __name__ == "__main__":
