@@ -33,6 +33,7 @@ from ..models.hf_cache import CACHE_ARGS, with_cache
 from ..tuner.timing import round_order
 from .collect import profile
 from .moe_routing import Flip, RoutingTrace, explain, moe_blocks
+from .moe_routing import rel_l2 as _rel
 from .report import Profile
 from .shared_weights import check_unchanged, copy_model, fingerprint, must_share
 from .stock_attention import ignored_features
@@ -415,10 +416,6 @@ def break_decode(module: torch.nn.Module) -> None:
 
 
 # ---- the run ------------------------------------------------------------------------------------
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-
-
 def _parity(contenders: list[Contender], ids) -> tuple[dict[str, str], dict[str, float]]:
     """Per contender: a line on its last-token logits vs the first contender's (an 8-bit one also vs the
     16-bit optimize()'s, where it runs), and their relative error."""

@@ -22,13 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.architectures import is_moe_block
+
 
 def moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
-    """(name, block, experts) for each MoE block: a module with an `experts` child."""
+    """(name, block, experts) for each MoE block, as optimize() recognizes them (architectures.is_moe_block)."""
     return [
         (name, mod, mod.experts)
         for name, mod in model.named_modules()
-        if isinstance(getattr(mod, "experts", None), torch.nn.Module)
+        if is_moe_block(mod) and isinstance(mod.experts, torch.nn.Module)
     ]
 
 
@@ -81,7 +83,8 @@ class Flip:
         return f"step {self.step}: {self.block} (its input {self.input_rel_err:.2g} from the reference's)"
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """||a - ref|| / ||ref||, in fp32 (bench-model's per-step logits error too)."""
     a, ref = a.float(), ref.float()
     return ((a - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
@@ -108,7 +111,7 @@ def explain(step: int, ref: RoutingTrace, got: RoutingTrace, contender: torch.nn
         if have.shape == want.shape and torch.equal(have, want):
             continue
         x_ref, x_got = ref.inputs[name][step], got.inputs[name][step]
-        err = _rel(x_got, x_ref)
+        err = rel_l2(x_got, x_ref)
         if err > tol:
             return None  # the input itself is wrong: not a rounding flip
         block, experts = blocks[name]
