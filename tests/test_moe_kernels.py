@@ -344,6 +344,40 @@ def test_gpu_default_split_stage1_at_decode(T, routing, gpu):
         assert torch.equal(y, y2), (c1.name, "second call differs")
 
 
+# Triton 3.6 miscompiled the direct kernel when it specialized n_slots = 32 (= SLOTS, divisible by 16) at 4
+# warps: on an H100 at 4 tokens of top 8 with H, I multiples of 16 these configs gave wrong rows (rel err
+# ~0.9) or a misaligned-address fault; 3 and 5 tokens were right. The kernel no longer specializes n_slots.
+SLOTS32_CONFIGS = [("moe1_direct_bm16_bn64_bk64_sk2_w4_s4", "moe2_direct_bm16_bn64_bk64_sk1_w4_s4"),
+                   ("moe1_direct_bm16_bn64_bk64_sk1_w4_s4", "moe2_direct_bm16_bn64_bk64_sk2_w4_s4"),
+                   ("moe1_direct_bm16_bn32_bk128_sk2_w4_s1", "moe2_direct_bm16_bn128_bk64_sk1_w4_s4")]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [3, 4, 5])
+@pytest.mark.parametrize("names", SLOTS32_CONFIGS, ids=lambda n: "|".join(n))
+def test_gpu_direct_configs_at_32_slots(T, names, gpu):
+    from gemmtune.backends.fmoe.stages import pair_runner
+    from gemmtune.families import fmoe
+    from gemmtune.kernels.fused_moe import MoeGemmConfig
+
+    H, inter, E, topk, dt = 2048, 384, 128, 8, torch.bfloat16
+    key = fmoe.MoeKey(T, H, inter, E, topk, dtype=dt, q_dtype_a=dt, q_dtype_w=dt)
+    g = torch.Generator(device=gpu).manual_seed(T)
+    w1 = (torch.randn(E, 2 * inter, H, device=gpu, generator=g) / H**0.5).to(dt)
+    w2 = (torch.randn(E, H, inter, device=gpu, generator=g) / inter**0.5).to(dt)
+    x = torch.randn(T, H, device=gpu, generator=g).to(dt)
+    tw, ids = fmoe.route(torch.randn(T, E, device=gpu, generator=g), topk)
+    inputs = (x, w1, w2, tw, ids, None)
+    ref = fmoe.FAMILY.reference(key, inputs)
+    run = pair_runner(key, *(MoeGemmConfig.parse(n) for n in names))
+    with nan_buffers():
+        y, y2 = run(*inputs), run(*inputs)
+    torch.cuda.synchronize()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert not torch.isnan(y).any() and err < _tol("bf16"), err
+    assert torch.equal(y, y2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,s1,s2", [(GPU_CASES[2], "tri", "tri"), (GPU_CASES[3], "tri", "gm"),
                                         (GPU_CASES[6], "gm", "gm"), (GPU_SPLIT1_CASES[1][0], "sk4", "tri"),

@@ -49,10 +49,8 @@ ACTS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
 NOT_LOCAL = -1  # routed to an expert of another rank
 BAD_ID = -2  # expert id out of range: poisons the token's output
 DIRECT_MAX_SLOTS = 256  # beyond this the per-program id scan costs more than sorting once
-# A stage 1 split over H runs only up to this many slots. Measured on an H100 (E=256, top-8, I=256,
-# H=7168): right at T = 1, 2 and 8, but at T = 4 (32 slots) every split of a 3- or 4-stage pipeline
-# wrote wrong rows that differed from call to call (rel err ~1; one stage: right), a cause not yet
-# found; the interpreter computes them right.
+# A stage 1 split over H runs only up to this many slots: the splits the default was measured with
+# (benchmarks/results/h100/fused_moe_op/grid_default.md). Larger splits are not timed yet.
 SPLIT1_MAX_SLOTS = 16
 
 
@@ -321,7 +319,11 @@ if HAS_TRITON:
                 tl.load(base + offs_k[:, None] * stride_bk, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
                         volatile=True)  # fmt: skip
 
-    @triton.jit
+    # n_slots is never specialized: Triton 3.6 miscompiles this kernel when it specializes n_slots = 32
+    # (divisible by 16) with SLOTS = 32 at 4 warps: on an H100 at 4 tokens of top 8 with H, I multiples
+    # of 16, stage 1 split over H, stage 2 split over I and stage 2 with BLOCK_N 128 gave wrong rows
+    # (rel err ~0.9) or a misaligned-address fault, at 3 or 5 tokens, 8 warps or odd sizes right rows.
+    @triton.jit(do_not_specialize=["n_slots"])
     def _moe_gemm_direct(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_slots, N, K, TK, TOPK,
                          num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
                          stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_wt, stride_wj,

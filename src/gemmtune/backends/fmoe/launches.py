@@ -122,7 +122,8 @@ def gemm_launch(key: MoeKey, cfg: kmoe.MoeGemmConfig, form: str = "") -> Launch:
               ("num_stages", cfg.stages))  # fmt: skip
     pointers = (a_ptr, c.dt, out, w, part, lock)
     if cfg.direct:
-        ints = tuple(spec(v) for v in (S, n, k, c.tk, c.topk, c.routed, c.local, c.topk, 1))
+        # n_slots is not specialized (the kernel's do_not_specialize): its type only
+        ints = ("i32", *(spec(v) for v in (n, k, c.tk, c.topk, c.routed, c.local, c.topk, 1)))
         grid = (("SLOTS", max(16, _p2(S))), ("HAS_MAP", c.has_map), ("BY_SLOT", S < c.E))
         return Launch("_moe_gemm_direct", (*pointers, c.ids, c.map), ints + strides, grid + common)
     ints = tuple(spec(v) for v in (S, n, k, c.tk, c.topk))
