@@ -24,7 +24,9 @@ Part `e2e`: a 4-layer Qwen3-30B-A3B-architecture model (random weights, router r
 routing is spread), gemmtune.optimize() vs stock HF with each experts implementation (eager loop,
 grouped_mm = the default of transformers 5.x, batched_mm): decode b=1 and b=8 on a StaticCache (CUDA
 graphs; the eager loop eagerly), and prefill of 2048 tokens (eager, last-token logits). x_hf_best is
-the speedup over the fastest of them, x_hf_default over the model's default. --table applies here too.
+the speedup over the fastest of them, x_hf_default over the model's default. On a GPU each decode row
+has the weight-read roof too (weight_read: dense weights, lm_head and the experts hit, at the read
+bandwidth measured in the run) and optimize()'s share of it. --table applies here too.
 
     python benchmarks/bench_moe.py --part op --out OUT_DIR                                   # ~5-8 min on an H100
     python benchmarks/bench_moe.py --part op --table tuned_fmoe.csv --out ...                # tuned = the table's rows
@@ -372,6 +374,29 @@ def _batched_mm_fits(model, tokens: int) -> bool:
     return tokens * cfg.num_experts_per_tok * per_expert <= 6e9  # batched_mm gathers every slot's weights
 
 
+def weight_read(model, batch: int) -> tuple[int, float]:
+    """(bytes, experts hit per MoE layer) one decode step of `batch` tokens reads of the weights: every
+    dense weight (lm_head included; of the embedding only the tokens' rows) and the experts hit, counted
+    on a forward of `batch` random one-token sequences (the roof of issue 29: KV cache reads left out)."""
+    experts = [m for m in model.modules() if getattr(getattr(m, "gate_up_proj", None), "dim", lambda: 0)() == 3]
+    embed = model.get_input_embeddings().weight
+    skip = {id(embed)} | {id(t) for m in experts for t in (m.gate_up_proj, m.down_proj)}
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    dense += batch * embed.shape[1] * embed.element_size()
+    hit: list[int] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, a: hit.append(int(a[1].unique().numel()))) for m in experts]
+    try:
+        g = torch.Generator(device="cpu").manual_seed(3)
+        ids = torch.randint(0, model.config.vocab_size, (batch, 1), generator=g).to(embed.device)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    per_expert = [(m.gate_up_proj[0].numel() + m.down_proj[0].numel()) * m.down_proj.element_size() for m in experts]
+    return dense + sum(n * b for n, b in zip(hit, per_expert)), sum(hit) / max(1, len(hit))
+
+
 def run_e2e(args, device) -> tuple[list[dict], dict]:
     import gemmtune
     from gemmtune.profiling.bench_model import Contender, Decode, interleaved, prefill_call
@@ -399,6 +424,12 @@ def run_e2e(args, device) -> tuple[list[dict], dict]:
     rows = []
     iters = 16 if cuda else 2
     steps = 8 + args.e2e_reps * iters + 32
+    read_bw = None
+    if cuda:
+        from gemmtune.tuner.timing import measure_ceilings
+
+        read_bw = measure_ceilings(device).read_bw
+        meta["read_bw_GBps"] = read_bw / 1e9
     for b in (1, 8):
         fns = {}
         for name, model in models.items():
@@ -408,8 +439,15 @@ def run_e2e(args, device) -> tuple[list[dict], dict]:
                 fns[name] = dec.replay
             except Exception as exc:  # noqa: BLE001
                 log(f"decode b={b} {name}: {type(exc).__name__}: {str(exc)[:200]}")
-        rows.append(_e2e_row(f"decode b={b} ctx={args.ctx}", interleaved(fns, iters, args.e2e_reps, cuda),
-                             "CUDA graph, hf_eager eager" if cuda else "eager, CPU", default_impl))  # fmt: skip
+        row = _e2e_row(f"decode b={b} ctx={args.ctx}", interleaved(fns, iters, args.e2e_reps, cuda),
+                       "CUDA graph, hf_eager eager" if cuda else "eager, CPU", default_impl)  # fmt: skip
+        if read_bw:
+            nbytes, hit = weight_read(stock, b)
+            row.update(weight_MB=nbytes / 1e6, experts_hit_per_layer=hit, weight_roof_ms=nbytes / read_bw * 1e3)
+            if "gemmtune_ms" in row:
+                row["gemmtune_pct_roof"] = 100 * row["weight_roof_ms"] / row["gemmtune_ms"]
+            log(row)
+        rows.append(row)
         del fns
         if cuda:
             torch.cuda.empty_cache()
