@@ -184,16 +184,16 @@ def test_a_table_row_naming_a_split_stage1_is_accepted(tmp_path):
 
 
 @pytest.mark.parametrize("key,split", [
-    (DSV3_TP8, 8),  # 8 experts x 4 N tiles = 32 programs -> 256 (< 2 waves of 132 SMs)
-    (DSV3_TP8._replace(token=4), 1),  # 32 slots: over SPLIT1_MAX_SLOTS (a split there measured wrong on a GPU)
-    (DSV3_TP8._replace(token=2), 4),  # 16 slots x 4 = 64 programs -> 256
-    (DSV3_TP8._replace(token=16), 1),  # 128 x 4 = 512 programs: enough without a split
-    (MoeKey(1, 2048, 384, 128, 8), 4),  # Qwen3-30B-A3B tp2: 8 x 6 = 48 -> 192
+    (DSV3_TP8, 4),  # 8 experts x 8 N tiles of 32 = 64 programs -> 256 (<= 2 waves of 132 SMs)
+    (DSV3_TP8._replace(token=4), 1),  # 32 slots: over SPLIT1_MAX_SLOTS
+    (DSV3_TP8._replace(token=2), 2),  # 16 slots x 8 = 128 programs -> 256
+    (DSV3_TP8._replace(token=16), 1),  # 128 x 4 tiles of 64 = 512 programs: wide tiles, no split
+    (MoeKey(1, 2048, 384, 128, 8), 2),  # Qwen3-30B-A3B tp2: 8 x 12 = 96 -> 192
     (MoeKey(4, 2048, 384, 128, 8), 1),  # 32 x 6 = 192
     (MoeKey(1, 4096, 14336, 8, 2), 1),  # Mixtral: 2 x 224 = 448
-    (MoeKey(1, 5120, 1024, 128, 1), 16),  # Llama-4-Maverick tp8: 1 x 16 -> 256, 80 K steps / 16 = 5
-    (MoeKey(1, 512, 256, 256, 8), 2),  # H 512 = 8 K steps of 64: a split keeps >= 4 of them
-    (MoeKey(1, 256, 256, 256, 8), 1),  # 4 K steps: too short to split
+    (MoeKey(1, 5120, 1024, 128, 1), 8),  # Llama-4-Maverick tp8: 1 x 32 -> 256, 40 K steps / 8 = 5
+    (MoeKey(1, 1024, 256, 256, 8), 2),  # H 1024 = 8 K steps of 128: a split keeps >= 4 of them
+    (MoeKey(1, 512, 256, 256, 8), 1),  # 4 K steps: too short to split
 ])  # fmt: skip
 def test_the_default_splits_stage1_where_it_has_few_programs(key, split):
     c1, _ = mtr.heuristic_configs(key, sms=132)
@@ -208,8 +208,8 @@ def test_the_split_rule_is_its_constants(monkeypatch):
     monkeypatch.setattr(mtr, "STAGE1_SPLIT", mtr.Stage1Split(max_split=1))
     assert mtr.heuristic_configs(DSV3_TP8)[0].split_k == 1
     monkeypatch.setattr(mtr, "STAGE1_SPLIT", mtr.Stage1Split(max_waves=1.0))
-    assert mtr.heuristic_configs(DSV3_TP8)[0].split_k == 4  # 32 programs x 4 = 128 <= 132
-    assert mtr.heuristic_configs(DSV3_TP8, sms=64)[0].split_k == 2
+    assert mtr.heuristic_configs(DSV3_TP8)[0].split_k == 2  # 64 programs x 2 = 128 <= 132
+    assert mtr.heuristic_configs(DSV3_TP8, sms=100)[0].split_k == 1  # 64 x 2 > 100
 
 
 def test_stage1_split_candidates_only_where_stage1_has_few_programs(monkeypatch):
@@ -496,3 +496,16 @@ def test_direct_stages_take_pdl_only_at_few_slots(tokens, want, monkeypatch):
     assert all(c.direct for c in cfg)
     mst.pair_runner(key, *cfg, triton_glue=True)(*inputs)
     assert tuple(seen) == want, seen
+
+
+@pytest.mark.parametrize("key,narrow", [
+    (DSV3_TP8, True),  # 8 experts x 4 N tiles of 64 = 32 programs < 132 SMs
+    (MoeKey(1, 2048, 1408, 60, 4), True),  # Qwen2-MoE: 4 x 22 = 88
+    (MoeKey(4, 2048, 384, 128, 8), False),  # 32 x 6 = 192
+    (MoeKey(1, 4096, 14336, 8, 2), False),  # 2 x 224 = 448
+    (MoeKey(4096, 2048, 768, 128, 8), False),  # sorted
+])  # fmt: skip
+def test_few_stage1_programs_take_narrow_tiles_with_long_k_steps(key, narrow):
+    c1, _ = mtr.heuristic_configs(key, sms=132)
+    assert ((c1.block_n, c1.block_k) == (32, 128)) == narrow, c1.name
+    assert (mtr.stage1_programs(key, c1.block_m, 64) < 132) == narrow
