@@ -102,6 +102,11 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     bn2, bk2, stages2 = 64 if not big else 128, bk, 3 if not big else 4
     if few_programs and key.inter_dim <= 512:
         bn2, bk2, stages2 = 128, 64, 4
+    elif direct and key.inter_dim <= 384:
+        # Fine-grained experts past the first tokens: a wide, long-K stage 2 (H100, A/B in grid_default.md:
+        # E=128 I=384 T 4 / 8 / 16: 66.0 / 109.0 / 143.4 -> 61.5 / 100.0 / 139.9 us; E=256 I=256 T 4 / 8:
+        # 133.0 / 245.9 -> 124.7 / 219.2 us; at I = 512 (E=512 top 10) it was up to 2.6% slower)
+        bn2, bk2, stages2 = 128, 128, 4
     c2 = kmoe.MoeGemmConfig(2, direct, bm, bn2, bk2, sk, 4 if bm < 128 else 8, stages2)
     return c1, c2
 
