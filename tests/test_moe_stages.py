@@ -188,7 +188,7 @@ def test_a_table_row_naming_a_split_stage1_is_accepted(tmp_path):
     (DSV3_TP8._replace(token=4), 1),  # 32 slots: over SPLIT1_MAX_SLOTS
     (DSV3_TP8._replace(token=2), 2),  # 16 slots x 8 = 128 programs -> 256
     (DSV3_TP8._replace(token=16), 1),  # 128 x 4 tiles of 64 = 512 programs: wide tiles, no split
-    (MoeKey(1, 2048, 384, 128, 8), 2),  # Qwen3-30B-A3B tp2: 8 x 12 = 96 -> 192
+    (MoeKey(1, 2048, 384, 128, 8), 1),  # Qwen3-30B-A3B tp2: 8 x 12 = 96; x 2 = 192 leaves the 2nd wave half empty
     (MoeKey(4, 2048, 384, 128, 8), 1),  # 32 x 6 = 192
     (MoeKey(1, 4096, 14336, 8, 2), 1),  # Mixtral: 2 x 224 = 448
     (MoeKey(1, 5120, 1024, 128, 1), 8),  # Llama-4-Maverick tp8: 1 x 32 -> 256, 40 K steps / 8 = 5
@@ -202,6 +202,13 @@ def test_the_default_splits_stage1_where_it_has_few_programs(key, split):
     if split > 1:
         assert programs < 132 and programs * split <= mtr.STAGE1_SPLIT.max_waves * 132
         assert -(-key.model_dim // c1.block_k) // split >= mtr.STAGE1_SPLIT.min_k_steps
+
+
+def test_the_default_splits_past_one_wave_only_into_a_full_last_wave():
+    c1 = mtr.heuristic_configs(MoeKey(1, 2048, 384, 128, 8), sms=132)[0]
+    assert mtr.stage1_splits(MoeKey(1, 2048, 384, 128, 8), c1, 132, 2.0) == [2]  # allowed, 192 programs
+    assert c1.split_k == 1  # but 192 - 132 = 60 of 132 SMs busy in the second wave
+    assert mtr.heuristic_configs(MoeKey(1, 2048, 384, 128, 8), sms=100)[0].split_k == 2  # 192 -> 92 of 100
 
 
 def test_the_split_rule_is_its_constants(monkeypatch):

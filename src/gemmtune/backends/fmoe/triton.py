@@ -32,6 +32,10 @@ class Stage1Split:
     min_k_steps: int = 4  # every split still walks at least this many BLOCK_K steps of H
     max_split: int = 16
     sweep_waves: float = 4.0  # the tuner's stage-1 candidates split up to this many waves
+    # The default takes a split past one wave only if its last wave is at least this full: a half-empty
+    # second wave runs some SMs twice as long, which undoes the split (E=128 I=384 top 8 at T = 1: 96
+    # programs, split 2 -> 192 = 1.45 waves was slower than unsplit).
+    min_last_wave: float = 0.9
 
 
 STAGE1_SPLIT = Stage1Split()
@@ -58,6 +62,17 @@ def stage1_splits(key: MoeKey, c1: kmoe.MoeGemmConfig, sms: int, waves: float) -
         out.append(split)
         split *= 2
     return out
+
+
+def _full_wave_splits(key: MoeKey, c1: kmoe.MoeGemmConfig, sms: int) -> list[int]:
+    """The default's splits: stage1_splits up to max_waves, past one wave only with a full last wave."""
+    programs = stage1_programs(key, c1.block_m, c1.block_n)
+
+    def full(split: int) -> bool:
+        n = programs * split
+        return n <= sms or (n % sms == 0) or n % sms >= STAGE1_SPLIT.min_last_wave * sms
+
+    return [s for s in stage1_splits(key, c1, sms, STAGE1_SPLIT.max_waves) if full(s)]
 
 
 def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]:
@@ -91,7 +106,7 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
         # 42.9 -> 41.2 us).
         c1 = replace(c1, block_n=32, block_k=128, stages=4)
     if direct:
-        c1 = replace(c1, split_k=max(stage1_splits(key, c1, sms, STAGE1_SPLIT.max_waves), default=1))
+        c1 = replace(c1, split_k=max(_full_wave_splits(key, c1, sms), default=1))
     n_tiles = -(-key.model_dim // 64)
     programs = hit * n_tiles * max(1, -(-slots // hit // bm))
     sk = 1
