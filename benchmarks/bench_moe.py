@@ -160,6 +160,22 @@ def unsplit_stage1(sol):
     return solution_of(replace(s1, split_k=1), parse_stage(n2, 2))
 
 
+def expert_inputs(key, sets: int, g: torch.Generator) -> list[tuple]:
+    """`sets` fused_moe input tuples of `key` on g's device: one set of expert weights, each set its own
+    hidden states and real top-k routing (softmax of random router logits)."""
+    from gemmtune.families import fmoe
+
+    T, H, inter, E, dt, dev = key.token, key.model_dim, key.inter_dim, key.expert, key.dtype, g.device
+    w1 = (torch.randn(E, 2 * inter, H, device=dev, generator=g) / H**0.5).to(dt)
+    w2 = (torch.randn(E, H, inter, device=dev, generator=g) / inter**0.5).to(dt)
+    ins = []
+    for _ in range(sets):
+        x = torch.randn(T, H, device=dev, generator=g).to(dt)
+        w, ids = fmoe.route(torch.randn(T, E, device=dev, generator=g), key.topk)
+        ins.append((x, w1, w2, w, ids, None))
+    return ins
+
+
 def op_point(name, T, sets, ceilings, device, args) -> dict:
     from gemmtune import backends
     from gemmtune.backends.fmoe.pytorch import grouped_mm_torch_runner
@@ -171,13 +187,8 @@ def op_point(name, T, sets, ceilings, device, args) -> dict:
     dt = torch.bfloat16 if cuda else torch.float32
     key = fmoe.MoeKey(T, H, inter, E, topk, dtype=dt, q_dtype_a=dt, q_dtype_w=dt)
     g = torch.Generator(device=device).manual_seed(zlib.crc32(f"{name} {T}".encode()))
-    w1 = (torch.randn(E, 2 * inter, H, device=device, generator=g) / H**0.5).to(dt)
-    w2 = (torch.randn(E, H, inter, device=device, generator=g) / inter**0.5).to(dt)
-    ins = []
-    for _ in range(sets):
-        x = torch.randn(T, H, device=device, generator=g).to(dt)
-        w, ids = fmoe.route(torch.randn(T, E, device=device, generator=g), topk)
-        ins.append((x, w1, w2, w, ids, None))
+    ins = expert_inputs(key, sets, g)
+    w1, w2 = ins[0][1], ins[0][2]
     ref = fmoe.FAMILY.reference(key, ins[0])
 
     def all_sets(run):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import pathlib
+import sys
 import time
 
 import torch
@@ -25,6 +27,9 @@ from gemmtune.backends.fmoe.triton import heuristic_configs
 from gemmtune.families import fmoe
 from gemmtune.kernels.fused_moe import MoeGemmConfig
 from gemmtune.tuner.timing import measure_ceilings, time_graphs
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: bench_moe
+from bench_moe import expert_inputs  # noqa: E402
 
 SETS = 8
 
@@ -42,14 +47,7 @@ def run_point(H: int, I: int, E: int, topk: int, T: int, read_bw: float, device)
     t0 = time.time()
     dt = torch.bfloat16
     key = fmoe.MoeKey(T, H, I, E, topk, dtype=dt, q_dtype_a=dt, q_dtype_w=dt)
-    g = torch.Generator(device=device).manual_seed(T)
-    w1 = (torch.randn(E, 2 * I, H, device=device, generator=g) / H**0.5).to(dt)
-    w2 = (torch.randn(E, H, I, device=device, generator=g) / I**0.5).to(dt)
-    ins = []
-    for _ in range(SETS):
-        x = torch.randn(T, H, device=device, generator=g).to(dt)
-        w, ids = fmoe.route(torch.randn(T, E, device=device, generator=g), topk)
-        ins.append((x, w1, w2, w, ids, None))
+    ins = expert_inputs(key, SETS, torch.Generator(device=device).manual_seed(T))
     hit = sum(i[4].unique().numel() for i in ins) / SETS
     b1, b2 = hit * 2 * I * H * dt.itemsize, hit * H * I * dt.itemsize
     h1, h2 = heuristic_configs(key)

@@ -320,9 +320,10 @@ if HAS_TRITON:
                         volatile=True)  # fmt: skip
 
     # n_slots is never specialized: Triton 3.6 miscompiles this kernel when it specializes n_slots = 32
-    # (divisible by 16) with SLOTS = 32 at 4 warps: on an H100 at 4 tokens of top 8 with H, I multiples
+    # (divisible by 16) with SLOTS = 32 at 4 warps. On an H100 at 4 tokens of top 8 with H, I multiples
     # of 16, stage 1 split over H, stage 2 split over I and stage 2 with BLOCK_N 128 gave wrong rows
-    # (rel err ~0.9) or a misaligned-address fault, at 3 or 5 tokens, 8 warps or odd sizes right rows.
+    # (rel err ~0.9) or a misaligned-address fault; at 3 or 5 tokens, at 8 warps and at odd sizes they
+    # were right.
     @triton.jit(do_not_specialize=["n_slots"])
     def _moe_gemm_direct(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_slots, N, K, TK, TOPK,
                          num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
