@@ -101,9 +101,9 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     if direct and stage1_programs(key, bm1, 64) < sms:
         # Fewer stage-1 programs than SMs (fine-grained experts at decode): narrow tiles (twice the
         # programs, each walking H in long K steps), then the split over H. Measured on an H100 against
-        # BLOCK_N 64 / BLOCK_K 64 or 128 (grid_default.md, A/B): 1.01-1.17x faster at the 14 grid points
-        # the rule changes (E=128 I=1024 top 1 at T = 1: 23.1 -> 19.8 us; E=256 I=256 H=7168 top 8:
-        # 42.9 -> 41.2 us).
+        # BLOCK_N 64 / BLOCK_K 64 or 128 (grid_default.md, A/B): 1.01-1.17x faster at 13 of the 14 grid
+        # points the rule changes, even at the 14th (E=128 I=1024 top 1 at T = 1: 23.1 -> 19.8 us;
+        # E=256 I=256 H=7168 top 8 at T = 1: 42.9 -> 41.2 us).
         c1 = replace(c1, block_n=32, block_k=128, stages=4)
     if direct:
         c1 = replace(c1, split_k=max(_full_wave_splits(key, c1, sms), default=1))
