@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from cli_cases import TINY_BENCH_MODEL, bench_model_report
 from click.testing import CliRunner
 
 pytest.importorskip("transformers")
@@ -159,12 +160,7 @@ def test_cli_profile_needs_a_python_script(tmp_path):
 
 def test_cli_bench_model_cpu_end_to_end(tmp_path):
     out = tmp_path / "bm"
-    args = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
-            "--ctx", "16", "--batches", "1", "--reps", "2", "-o", str(out)]  # fmt: skip
-    res = CliRunner().invoke(cli, args)
-    assert res.exit_code == 0, res.output
-    data = json.loads((out / "report.json").read_text())
-    assert not data["errors"], data["errors"]
+    data = bench_model_report(out, "--reps", "2")
     assert [s["name"] for s in data["scenarios"]] == ["prefill 1x16", "decode b=1 ctx=16 (eager, CPU)"]
     for sc in data["scenarios"]:
         assert set(sc["contenders"]) == {"stock", "optimize", "compile", "compile+optimize"}
@@ -187,13 +183,7 @@ def test_cli_bench_model_quantize_cpu(tmp_path):
     """--quantize adds the quantized copy to the same interleaved run and reports what runs 8-bit, each
     8-bit GEMM's error vs the 16-bit GEMM and the logits' error vs stock."""
     out = tmp_path / "bmq"
-    args = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
-            "--ctx", "16", "--batches", "1", "--reps", "2", "--contenders", "stock,optimize", "--quantize", "fp8",
-            "--no-profile", "-o", str(out)]  # fmt: skip
-    res = CliRunner().invoke(cli, args)
-    assert res.exit_code == 0, res.output
-    data = json.loads((out / "report.json").read_text())
-    assert not data["errors"], data["errors"]
+    data = bench_model_report(out, "--reps", "2", "--contenders", "stock,optimize", "--quantize", "fp8", "--no-profile")
     for sc in data["scenarios"]:
         assert set(sc["contenders"]) == {"stock", "optimize", "quantize"} and sc["contenders"]["quantize"]["ms"] > 0
     q = data["quantize"]
@@ -212,8 +202,7 @@ def test_cli_bench_model_quantize_cpu(tmp_path):
 def test_cli_bench_model_decode_parity_failure_exits_nonzero(tmp_path):
     """A contender whose decode ignores its KV cache (the test hook) fails parity: the run stops before
     timing and exits 1; --keep-going times it anyway, marks its rows and exits 0."""
-    base = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
-            "--ctx", "16", "--batches", "1", "--reps", "1", "--contenders", "stock,optimize", "--no-profile",
+    base = [*TINY_BENCH_MODEL, "--reps", "1", "--contenders", "stock,optimize", "--no-profile",
             "--decode-steps", "4", "--test-break", "optimize"]  # fmt: skip
     res = CliRunner().invoke(cli, [*base, "-o", str(tmp_path / "stop")])
     assert res.exit_code == 1, res.output
@@ -229,8 +218,7 @@ def test_cli_bench_model_decode_parity_failure_exits_nonzero(tmp_path):
 def test_cli_bench_model_judges_the_8bit_contender_against_its_quantized_reference(tmp_path):
     """The 8-bit contender's decode is compared with the same quantized model on its reference linears
     (error vs stock reported beside it); one that ignores its KV cache fails that comparison."""
-    base = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
-            "--ctx", "16", "--batches", "1", "--reps", "1", "--contenders", "stock,quantize", "--quantize", "fp8",
+    base = [*TINY_BENCH_MODEL, "--reps", "1", "--contenders", "stock,quantize", "--quantize", "fp8",
             "--no-profile", "--decode-steps", "4"]  # fmt: skip
     res = CliRunner().invoke(cli, [*base, "--keep-going", "-o", str(tmp_path / "ok")])
     assert res.exit_code == 0, res.output

@@ -3,13 +3,10 @@ share stock's parameters, and a parameter written in place is caught (profiling/
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_cases import bench_model_report
 
-from gemmtune.cli.main import cli
 from gemmtune.profiling import bench_model, shared_weights
 
 GIB = 2**30
@@ -54,12 +51,6 @@ def test_bench_model_in_shared_mode_reports_it_and_keeps_parity(tmp_path, monkey
     forced = "the contenders share stock's parameters: forced by the test"
     monkeypatch.setattr(bench_model, "must_share", lambda model, copies: forced if copies else "")
     out = tmp_path / "bm"
-    args = ["bench-model", "--device", "cpu", "--model", "tiny-llama", "--layers", "1", "--prefill", "1x16",
-            "--ctx", "16", "--batches", "1", "--reps", "1", "--contenders", "stock,optimize", "--quantize", "fp8",
-            "--no-profile", "-o", str(out)]  # fmt: skip
-    res = CliRunner().invoke(cli, args)
-    assert res.exit_code == 0, res.output
-    data = json.loads((out / "report.json").read_text())
-    assert not data["errors"], data["errors"]
+    data = bench_model_report(out, "--reps", "1", "--contenders", "stock,optimize", "--quantize", "fp8", "--no-profile")
     assert all(p["ok"] for p in data["decode_parity"].values()), data["decode_parity"]
     assert forced in (out / "report.md").read_text()
