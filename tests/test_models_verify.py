@@ -15,7 +15,7 @@ from test_models_parity import ARCHITECTURES, batch, build, pair  # noqa: E402
 
 import gemmtune  # noqa: E402
 from gemmtune.models import architectures, verify  # noqa: E402
-from gemmtune.models.hf_cache import CACHE_ARGS  # noqa: E402
+from gemmtune.models.hf_cache import CACHE_ARGS, pop_cache  # noqa: E402
 
 
 def _greedy(model, n=8):
@@ -168,7 +168,7 @@ def test_patched_attention_takes_either_cache_name():
     spec = attn._gemmtune_attn
     other = next(n for n in CACHE_ARGS if n != spec.cache_arg)
     kwargs = {other: "the cache"}
-    assert architectures._pop_cache(kwargs, spec.cache_arg) == "the cache" and not kwargs
+    assert pop_cache(kwargs, spec.cache_arg) == "the cache" and not kwargs
 
 
 def test_tolerance_follows_the_dtype():

@@ -22,7 +22,7 @@ from ..kernels.activations import act_mul
 from ..kernels.norms import add_rmsnorm, rmsnorm, rmsnorm_ref
 from ..kernels.qk_norm_rope import qk_norm_rope
 from ..kernels.rope import rope, rope_ref
-from .hf_cache import CACHE_ARGS
+from .hf_cache import CACHE_ARGS, pop_cache
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ _ATTN_PARAMS = {"hidden_states", "position_embeddings", "attention_mask"}
 _LAYER_PARAMS = {"hidden_states", "attention_mask", "position_ids", "use_cache", "position_embeddings"}
 
 
-def _named_params(fn) -> tuple[list[str], bool] | str:
+def named_params(fn) -> tuple[list[str], bool] | str:
     """(named parameters after self, takes **kwargs) of a stock forward, read through its decorators."""
     try:
         params = list(inspect.signature(fn).parameters.values())[1:]
@@ -242,7 +242,7 @@ def _named_params(fn) -> tuple[list[str], bool] | str:
 def _signature_reason(cls, known: set[str]) -> tuple[str, str | None]:
     """(cache parameter name, None) when the patched forward understands every parameter of the stock
     `cls.forward`; else ("", why). A parameter it does not know would be dropped, so the module stays stock."""
-    got = _named_params(cls.forward)
+    got = named_params(cls.forward)
     if isinstance(got, str):
         return "", got
     named, var_kw = got
@@ -267,16 +267,6 @@ def layer_call(cls) -> str | None:
     return _signature_reason(cls, _LAYER_PARAMS)[1]
 
 
-def _pop_cache(kwargs: dict, name: str):
-    """The KV cache under the stock name, or under the other name a caller may still use."""
-    cache = kwargs.pop(name, None)
-    for other in CACHE_ARGS:
-        if other != name and other in kwargs:
-            alias = kwargs.pop(other)
-            cache = alias if cache is None else cache
-    return cache
-
-
 def _eager_default(*args, **kwargs):
     from .attention import eager_attention
 
@@ -292,7 +282,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
         _interface.append(ALL_ATTENTION_FUNCTIONS)
     s = self._gemmtune_attn
-    cache = _pop_cache(kwargs, s.cache_arg)
+    cache = pop_cache(kwargs, s.cache_arg)
     input_shape = hidden_states.shape[:-1]
     qkv = self.qkv_proj(hidden_states)  # one GEMM; gemmtune capture sees N = q + k + v
     q, k, v = qkv.split(s.sizes, dim=-1)

@@ -27,3 +27,13 @@ def cache_of(out):
     """The KV cache a forward returned (`cache` from 5.24, `past_key_values` before), or None."""
     cache = out.get("cache")
     return cache if cache is not None else out.get("past_key_values")
+
+
+def pop_cache(kwargs: dict, name: str):
+    """The KV cache under the stock name, or under the other name a caller may still use."""
+    cache = kwargs.pop(name, None)
+    for other in CACHE_ARGS:
+        if other != name and other in kwargs:
+            alias = kwargs.pop(other)
+            cache = alias if cache is None else cache
+    return cache

@@ -24,7 +24,7 @@ import types
 import torch
 from torch import nn
 
-from .architectures import _named_params
+from .architectures import named_params
 
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 _OWN_POSITIONS = contextvars.ContextVar("gemmtune_own_positions", default=False)
@@ -56,7 +56,7 @@ def plan(stack: nn.Module) -> int | str:
         return f"{type(stack).__module__} builds no causal mask by name ({', '.join(MASK_BUILDERS)})"
     if "forward" in stack.__dict__:
         return "its forward is already overridden on the instance"
-    params = _named_params(type(stack).forward)
+    params = named_params(type(stack).forward)
     if isinstance(params, str):
         return params
     if "position_ids" not in params[0]:

@@ -35,7 +35,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .architectures import _pop_cache, attention_call
+from .architectures import attention_call
+from .hf_cache import pop_cache
 
 ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
 UNDO_ATTRS = ("forward", "_gemmtune_mla")
@@ -138,7 +139,7 @@ def _stock(self, s: MlaSpec, hidden_states, position_embeddings, attention_mask,
 
 def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     s: MlaSpec = self._gemmtune_mla
-    cache = _pop_cache(kwargs, s.cache_arg)
+    cache = pop_cache(kwargs, s.cache_arg)
     B, L = hidden_states.shape[:-1]
     if (
         L > ABSORB_MAX_Q
