@@ -101,7 +101,10 @@ def test_family_restore_gives_back_stock(name):
 
 # ---- what stays stock, per family ----------------------------------------------------------------
 def test_qwen2_moe_shared_expert_is_fused_and_its_gate_stays_torch():
+    """Where the router's top-k kernel does not run (here) the block is not folded (where it runs:
+    test_models_moe_shared.py): its shared expert is a dense MLP."""
     stock, opt, report = pair("qwen2-moe")
+    assert any("the experts or the softmax top-k router stay stock" in w for w in skipped(report, "moe_fold"))
     dense, sparse = opt.model.layers  # mlp_only_layers=[0]
     assert hasattr(dense.mlp, "gate_up_proj")  # the dense MLP is fused like Qwen2's
     assert "forward" in opt.model.layers[0].self_attn.__dict__  # Qwen2 attention: fused q/k/v
@@ -300,4 +303,8 @@ def test_preset_expert_shapes_match_the_built_model(preset):
     assert (shapes["expert_down"].N, shapes["expert_down"].K) == tuple(block.experts.down_proj.shape[1:])
     assert shapes["expert_gate_up"].experts == E == shapes["router"].N
     (key,) = moe_keys(PRESETS[preset], tokens=(16,))
-    assert (key.model_dim, key.inter_dim, key.expert - key.shared_expert) == (H, two_i // 2, E)
+    shared = getattr(block, "shared_expert", None)  # Qwen2-MoE's: folded into the call (models/moe_shared.py)
+    folded = -(-shared.gate_proj.out_features // (two_i // 2)) if hasattr(block, "shared_expert_gate") else 0
+    assert (key.model_dim, key.inter_dim, key.expert - key.shared_expert) == (H, two_i // 2, E + folded)
+    if folded:
+        assert key.topk == block.gate.top_k + folded

@@ -219,8 +219,13 @@ def test_moe_keys_for_models():
     assert (d.expert, d.global_expert, d.shared_expert, d.local_routed, d.topk) == (32, 256, 0, 32, 8)
     (d,) = moe_keys(PRESETS["deepseek-v3"], tp=1, ep=8, tokens=[4], fuse_shared=True)  # as aiter runs it
     assert (d.expert, d.global_expert, d.shared_expert, d.local_routed, d.topk) == (33, 256, 1, 32, 8)
-    (q,) = moe_keys(PRESETS["qwen2-moe"], tokens=[4], fuse_shared=True)  # another size: dense either way
-    assert q.shared_expert == 0
+    # Qwen2-MoE's shared expert (5632 = 4 x 1408) folded as optimize() folds it: 4 more experts, 4 more slots
+    (q,) = moe_keys(PRESETS["qwen2-moe"], tokens=[4])
+    assert (q.inter_dim, q.expert, q.topk, q.shared_expert) == (1408, 64, 8, 0)
+    (q,) = moe_keys(PRESETS["qwen2-57b-a14b"], tp=4, tokens=[4])  # 20480 / 2560: 8 experts at any tp
+    assert (q.inter_dim, q.expert, q.topk) == (640, 72, 16)
+    (q,) = moe_keys(PRESETS["qwen2-moe"], ep=2, tokens=[4])  # expert parallel: the shared expert stays dense
+    assert (q.expert, q.topk, q.global_expert) == (30, 4, 60)
     assert moe_keys(PRESETS["llama-3-8b"], tokens=[1]) == []
     with pytest.raises(ValueError, match="do not split"):
         moe_keys(PRESETS["mixtral-8x7b"], ep=3)

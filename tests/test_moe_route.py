@@ -42,16 +42,20 @@ SORT_CASES = [
     (37, 2, 5, "random", "shared"),
 ]
 GPU_SORT_CASES = [(2048, 8, 128, "random", ""), (4096, 2, 60, "low", "bad"), (1000, 4, 60, "random", "shared")]
-# (T, E, k, renorm, logits dtype, weights dtype)
+# (T, E, k, renorm, logits dtype, weights dtype, shared slots): shared > 0 appends a shared-expert gate column
 ROUTER_CASES = [
-    (1, 3, 1, True, "float32", "float32"),
-    (7, 13, 2, True, "float32", "float32"),
-    (300, 60, 8, False, "float32", "float32"),
-    (37, 128, 8, True, "float16", "float16"),
-    (5, 8, 2, True, "float16", "float32"),
-    (19, 4, 4, False, "float16", "float16"),
+    (1, 3, 1, True, "float32", "float32", 0),
+    (7, 13, 2, True, "float32", "float32", 0),
+    (300, 60, 8, False, "float32", "float32", 0),
+    (37, 128, 8, True, "float16", "float16", 0),
+    (5, 8, 2, True, "float16", "float32", 0),
+    (19, 4, 4, False, "float16", "float16", 0),
+    (9, 60, 4, False, "float32", "float32", 4),  # Qwen2-MoE: top 4 of 60 + a shared expert in 4 slots
+    (70, 13, 3, True, "float16", "float16", 1),
+    (3, 5, 2, False, "float32", "float32", 3),  # k + shared not a power of two
 ]
-GPU_ROUTER_CASES = [(2048, 128, 8, True, "bfloat16", "bfloat16"), (77, 8, 2, True, "bfloat16", "float32")]
+GPU_ROUTER_CASES = [(2048, 128, 8, True, "bfloat16", "bfloat16", 0), (77, 8, 2, True, "bfloat16", "float32", 0),
+                    (8, 60, 4, False, "bfloat16", "bfloat16", 4)]  # fmt: skip
 # grouped sigmoid routers: (T, E, k, n_group, topk_group, renorm, scale); DeepSeek-V3 is E=256 8 groups top 4,
 # GLM-4.5 one group; a group size that is not a power of two; T over several programs
 GROUPED_CASES = [
@@ -109,11 +113,13 @@ def _sort_ref(r: kmoe.Routing, num_experts: int):
 
 
 def router_logits(case, device):
-    T, E, _, _, dt, _ = case
+    T, E, _, _, dt, _, shared = case
     g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     # distinct values in every dtype: a permutation of a grid 1/16 apart, plus a small jitter
     x = torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).float() / 16 - E / 32
     x = x + torch.rand(T, E, generator=g) / 64
+    if shared:  # the shared expert's gate logit, spread over the sigmoid's range
+        x = torch.cat([x, torch.randn(T, 1, generator=g) * 3], dim=1)
     return x.to(device=device, dtype=getattr(torch, dt))
 
 
@@ -160,11 +166,11 @@ def run_cases(sort_cases, router_cases, device) -> dict:
         out["sort"][repr(case)] = {f: bool(torch.equal(a, b)) and a.dtype == b.dtype
                                    for f, a, b in zip(got._fields, got, want)}  # fmt: skip
     for case in router_cases:
-        T, E, k, renorm, _, wdt = case
+        T, E, k, renorm, _, wdt, shared = case
         x = router_logits(case, device)
         with poisoned():
-            w, ids = moe_route.router_topk(x, k, renorm, getattr(torch, wdt))
-        w_ref, ids_ref = moe_route.router_topk_ref(x, k, renorm, getattr(torch, wdt))
+            w, ids = moe_route.router_topk(x, k, renorm, getattr(torch, wdt), shared)
+        w_ref, ids_ref = moe_route.router_topk_ref(x, k, renorm, getattr(torch, wdt), shared)
         out["router"][repr(case)] = {
             "ids": bool(torch.equal(ids, ids_ref)),
             "dtype": str(w.dtype) == f"torch.{wdt}",
@@ -331,6 +337,21 @@ def test_router_reference_is_the_hf_routers(norm):
 def test_router_topk_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"logits \(3, 4\)"):
         moe_route.router_topk(torch.randn(3, 4), 5, True, torch.float32)
+    with pytest.raises(ValueError, match=r"logits \(3, 4\) must be \(tokens, experts \+ 1 shared gate\)"):
+        moe_route.router_topk(torch.randn(3, 4), 4, True, torch.float32, shared=2)  # 3 routed experts
+    with pytest.raises(ValueError, match="shared must be an int >= 0, got -1"):
+        moe_route.router_topk(torch.randn(3, 4), 2, True, torch.float32, shared=-1)
+
+
+def test_router_reference_shared_slots():
+    """The shared slots of router_topk_ref: experts E.., weighing sigmoid of the last logit column, after the
+    routed top k (which ignores that column)."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, 50.0], [3.0, 1.0, 0.0, -1.0]])
+    w, ids = moe_route.router_topk_ref(logits, 2, True, torch.float32, shared=2)
+    assert ids.tolist() == [[1, 2, 3, 4], [0, 1, 3, 4]]
+    routed = torch.softmax(logits[:, :3], -1).topk(2).values
+    torch.testing.assert_close(w[:, :2], routed / routed.sum(-1, keepdim=True))
+    torch.testing.assert_close(w[:, 2:], torch.sigmoid(logits[:, 3:]).expand(-1, 2))
 
 
 def test_router_left_alone_where_triton_does_not_run():

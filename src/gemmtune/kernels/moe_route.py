@@ -15,7 +15,10 @@ router_topk: what Hugging Face's Qwen3-MoE / Mixtral top-k routers compute from 
 softmax in fp32, the top k (largest first; among equal values the lower expert ids are picked, as
 torch.topk picks them, and listed lowest first, where CUDA's topk lists them highest first: the block
 sums its slots, so only which experts are picked matters), optionally renormalized to sum 1, cast to
-out_dtype; ids int64.
+out_dtype; ids int64. With `shared` > 0 (Qwen2-MoE's shared expert, split into `shared` slots of
+fused_moe: models/moe_shared.py) the logits carry one more column, the shared expert's gate: the top k
+is taken over the others, and each row gets `shared` more slots, experts E .. E + shared - 1, all
+weighing sigmoid(gate logit).
 
 grouped_router_topk: what DeepSeek-V3's and GLM-4-MoE's routers compute from their fp32 logits: sigmoid
 scores; for choosing, the scores plus the correction bias; each of n_group groups scored by the sum of
@@ -68,12 +71,18 @@ def expert_sort_torch(local_ids: torch.Tensor, num_experts: int) -> SortedSlots:
     return SortedSlots(perm, perm // local_ids.shape[-1], offs, inv)
 
 
-def router_topk_ref(logits: torch.Tensor, top_k: int, renorm: bool, out_dtype: torch.dtype):
-    """(weights (T, k) out_dtype, ids (T, k) int64): the Hugging Face top-k router after its linear."""
-    probs = torch.softmax(logits.float(), dim=-1)
+def router_topk_ref(logits: torch.Tensor, top_k: int, renorm: bool, out_dtype: torch.dtype, shared: int = 0):
+    """(weights (T, k + shared) out_dtype, ids (T, k + shared) int64): the Hugging Face top-k router after
+    its linear; with `shared`, logits (T, E + 1) end with the shared expert's gate (module doc)."""
+    routed = logits[:, : logits.shape[1] - 1] if shared else logits
+    probs = torch.softmax(routed.float(), dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)
     if renorm:
         w = w / w.sum(dim=-1, keepdim=True)
+    if shared:
+        gate = torch.sigmoid(logits[:, -1:].float()).expand(-1, shared)
+        extra = torch.arange(routed.shape[1], routed.shape[1] + shared, device=ids.device).expand(ids.shape[0], -1)
+        w, ids = torch.cat([w, gate], dim=1), torch.cat([ids, extra], dim=1)
     return w.to(out_dtype), ids
 
 
@@ -177,7 +186,7 @@ if HAS_TRITON:
     @triton.jit
     def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, stride_le, K: tl.constexpr,
                             K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
-                            RENORM: tl.constexpr):  # fmt: skip
+                            RENORM: tl.constexpr, SHARED: tl.constexpr):  # fmt: skip
         x, rows64, cols, row_ok, col_ok = _logit_rows(logits_ptr, T, E, stride_lt, stride_le, E_P2, BLOCK_T)
         x = tl.where(col_ok[None, :], x, float("-inf"))  # (rows past T stay finite: never stored)
         m = tl.max(x, axis=1)
@@ -195,8 +204,14 @@ if HAS_TRITON:
             q = tl.where(cols[None, :] == pick[:, None], -2.0, q)
         if RENORM:
             vals = vals / tl.sum(vals, axis=1)[:, None]
-        out = rows64[:, None] * K + kcol[None, :]
-        ok = row_ok[:, None] & (kcol[None, :] < K)
+        if SHARED > 0:  # column E: the shared expert's gate logit; its slots weigh sigmoid(gate)
+            g = tl.load(logits_ptr + rows64 * stride_lt + E * stride_le, mask=row_ok, other=0.0).to(tl.float32)
+            g = 1.0 / (1.0 + tl.exp(-g))
+            extra = (kcol >= K)[None, :]
+            vals = tl.where(extra, g[:, None], vals)
+            picks = tl.where(extra, E + kcol[None, :] - K, picks)
+        out = rows64[:, None] * (K + SHARED) + kcol[None, :]
+        ok = row_ok[:, None] & (kcol[None, :] < K + SHARED)
         tl.store(w_ptr + out, vals.to(w_ptr.dtype.element_ty), mask=ok)
         tl.store(ids_ptr + out, picks.to(tl.int64), mask=ok)
 
@@ -279,21 +294,25 @@ def expert_sort(routing: Routing, num_experts: int, plan: dict | None = None) ->
     return SortedSlots(perm, tok, offs, inv)
 
 
-def router_topk(logits: torch.Tensor, top_k: int, renorm: bool, out_dtype: torch.dtype):
-    """router_topk_ref in one Triton launch: logits (T, E) any float dtype and strides."""
-    if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
-        raise ValueError(f"router_topk: logits {tuple(logits.shape)} must be (tokens, experts) with "
-                         f"1 <= top_k={top_k} <= experts")  # fmt: skip
-    T, E = logits.shape
-    w = _alloc((T, top_k), out_dtype, logits.device)
-    ids = _alloc((T, top_k), torch.int64, logits.device)
+def router_topk(logits: torch.Tensor, top_k: int, renorm: bool, out_dtype: torch.dtype, shared: int = 0):
+    """router_topk_ref in one Triton launch: logits (T, E) (T, E + 1 with `shared`) any float dtype and
+    strides."""
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ValueError(f"router_topk: shared must be an int >= 0, got {shared!r}")
+    E = logits.shape[1] - (1 if shared else 0) if logits.dim() == 2 else 0
+    if logits.dim() != 2 or not 1 <= top_k <= E:
+        raise ValueError(f"router_topk: logits {tuple(logits.shape)} must be (tokens, experts"
+                         f"{' + 1 shared gate' if shared else ''}) with 1 <= top_k={top_k} <= experts")  # fmt: skip
+    T = logits.shape[0]
+    w = _alloc((T, top_k + shared), out_dtype, logits.device)
+    ids = _alloc((T, top_k + shared), torch.int64, logits.device)
     if T:
         e_p2 = triton.next_power_of_2(E)
         block_t = max(1, min(64, 4096 // e_p2))
         _router_topk_kernel[(triton.cdiv(T, block_t),)](logits, w, ids, T, E, logits.stride(0), logits.stride(1),
-                                                        K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=e_p2,
-                                                        BLOCK_T=block_t, RENORM=bool(renorm),
-                                                        num_warps=4)  # fmt: skip
+                                                        K=top_k, K_P2=triton.next_power_of_2(top_k + shared),
+                                                        E_P2=e_p2, BLOCK_T=block_t, RENORM=bool(renorm),
+                                                        SHARED=shared, num_warps=4)  # fmt: skip
     return w, ids
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..device import triton_installed
-from . import architectures, epilogue_mlp, fusion, mask_positions, mla
+from . import architectures, epilogue_mlp, fusion, mask_positions, mla, moe_shared
 from . import attention as attn_mod
 from . import moe as moe_mod
 from . import verify as verify_mod
@@ -136,30 +136,39 @@ class _Planner:
         for name in arch.qkv:
             self.no_route.add(_join(path, name))
 
+    def moe_block(self, path: str, block: nn.Module) -> None:
+        for child in block._modules:  # experts, router, shared-expert gate: left to the block
+            if child not in SHARED_EXPERTS:
+                self.no_route.add(_join(path, child))
+                self.no_route_prefixes.append(_join(path, child) + ".")
+        spec = moe_mod.plan_experts(block.experts)
+        name = moe_mod.router_name(block)
+        router = getattr(block, name) if name is not None else None
+        rspec = moe_mod.plan_router(router) if self.opts["fused_ops"] and router is not None else None
+        if self.opts["fused_ops"] and hasattr(block, "shared_expert_gate"):  # Qwen2-MoE: one call for all experts
+            fold = moe_shared.plan(block, spec, rspec)
+            if not isinstance(fold, str):
+                self.no_route_prefixes.append(_join(path, "shared_expert") + ".")
+                self.add("moe_fold", path, block, fold.describe(), spec=fold)
+                return
+            self.skip("moe_fold", path, block, fold)
+        for shared in SHARED_EXPERTS:  # a dense MLP every token runs: fused as the decoder MLPs are
+            if isinstance(getattr(block, shared, None), nn.Module):
+                self.mlp(_join(path, shared), getattr(block, shared))
+        if isinstance(spec, str):
+            self.skip("moe", path, block, spec)
+        else:
+            detail = f"experts -> gemmtune.fused_moe ({spec.describe()})"
+            self.add("moe", _join(path, "experts"), block.experts, detail, spec=spec)
+        if isinstance(rspec, str):
+            self.skip("router", _join(path, name), router, rspec)
+        elif rspec is not None:
+            self.add("router", _join(path, name), router, rspec.summary(), spec=rspec)
+
     def mlp(self, path: str, mlp: nn.Module) -> None:
         arch, fused_ops = self.arch, self.opts["fused_ops"]
         if architectures.is_moe_block(mlp):
-            for name in mlp._modules:  # experts, router, shared-expert gate: left to the block
-                if name not in SHARED_EXPERTS:
-                    self.no_route.add(_join(path, name))
-                    self.no_route_prefixes.append(_join(path, name) + ".")
-            for name in SHARED_EXPERTS:  # a dense MLP every token runs: fused as the decoder MLPs are
-                if isinstance(getattr(mlp, name, None), nn.Module):
-                    self.mlp(_join(path, name), getattr(mlp, name))
-            spec = moe_mod.plan_experts(mlp.experts)
-            if isinstance(spec, str):
-                self.skip("moe", path, mlp, spec)
-            else:
-                detail = f"experts -> gemmtune.fused_moe ({spec.describe()})"
-                self.add("moe", _join(path, "experts"), mlp.experts, detail, spec=spec)
-            name = moe_mod.router_name(mlp)
-            if fused_ops and name is not None:
-                router = getattr(mlp, name)
-                rspec = moe_mod.plan_router(router)
-                if isinstance(rspec, str):
-                    self.skip("router", _join(path, name), router, rspec)
-                else:
-                    self.add("router", _join(path, name), router, rspec.summary(), spec=rspec)
+            self.moe_block(path, mlp)
             return
         act_attr = "act_fn" if hasattr(mlp, "act_fn") else "activation_fn"
         act_fn = getattr(mlp, act_attr, None)
@@ -348,6 +357,8 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
         moe_mod.apply(mod, a.data["spec"])
     elif a.kind == "router":
         moe_mod.apply_router(mod, a.data["spec"])
+    elif a.kind == "moe_fold":
+        moe_shared.apply(mod, a.data["spec"])
     elif a.kind == "mla":
         mla.apply(mod, a.data["spec"])
     elif a.kind == "epilogue_mlp":
@@ -365,6 +376,7 @@ _ATTRS = {
     "layer": ("forward",),
     "moe": ("forward", "_gemmtune_moe"),
     "router": ("forward", "_gemmtune_router"),
+    "moe_fold": moe_shared.UNDO_ATTRS,
     "mla": mla.UNDO_ATTRS,
     "epilogue_mlp": epilogue_mlp.UNDO_ATTRS,
     "positions": mask_positions.UNDO_ATTRS,

@@ -4,9 +4,10 @@ Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, GLM-4-MoE and DeepSeek-V3 bloc
 5.x route with their own router and call `self.experts(hidden (T, H), top_k_index (T, k),
 top_k_weights (T, k))`, whose weights are gate_up_proj (E, 2I, H) (gate rows first) and down_proj
 (E, H, I): fused_moe's own layout, so no weight is copied. The router's scaling (DeepSeek's
-routed_scaling_factor) is already in top_k_weights. Shared experts (Qwen2-MoE's, with its sigmoid
-gate; DeepSeek's and GLM's) are dense MLPs to optimize() (api.py: fused gate/up, the act*mul kernel);
-everything else in the block stays as it is.
+routed_scaling_factor) is already in top_k_weights. Qwen2-MoE's sigmoid-gated shared expert joins the
+experts' call where the router's kernel runs (models/moe_shared.py folds the whole block); other
+shared experts (DeepSeek's, GLM's; Qwen2-MoE's elsewhere) are dense MLPs to optimize() (api.py: fused
+gate/up, the act*mul kernel); everything else in the block stays as it is.
 
 The softmax top-k routers (Mixtral's, Qwen2/3-MoE's, OLMoE's: linear, softmax, top k, optional
 renormalization) keep their linear and do the rest in one Triton kernel (kernels/moe_route.py) where

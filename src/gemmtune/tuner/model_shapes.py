@@ -462,8 +462,9 @@ def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.d
     experts / ep of them and keys global_expert = experts). Shared experts are dense MLPs, as optimize()
     runs them (their GEMMs are in model_gemms); `fuse_shared` keys DeepSeek-V3's and GLM-4-MoE's shared
     experts of the routed experts' size as extra experts of the fmoe call (shared_expert =
-    n_shared_experts), as aiter and SGLang run them. Qwen2-MoE's shared expert, of another size, is dense
-    either way.
+    n_shared_experts), as aiter and SGLang run them. Qwen2-MoE's sigmoid-gated shared expert is folded
+    into the call as optimize() folds it (models/moe_shared.py: ceil(shared / moe intermediate size)
+    more experts, every token routed to all of them) where ep = 1; with ep > 1 it is dense.
     """
     cfg = text_config(config)
     mt = cfg.get("model_type", "")
@@ -485,6 +486,8 @@ def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.d
     for what, total, parts in (("experts", experts, ep), ("intermediate size", inter, tp)):
         if total % parts:
             raise ValueError(f"{mt}: {what} {total} do not split over {parts} ranks")
+    folded = -(-_opt(cfg, "shared_expert_intermediate_size", 0) // inter) if mt == "qwen2_moe" and ep == 1 else 0
+    experts, topk = experts + folded, topk + folded
     act = activation or {"gelu_pytorch_tanh": "gelu_tanh"}.get(cfg.get("hidden_act", "silu"), cfg.get("hidden_act"))
     act_type = ACT_TYPES.get(act, "ActivationType.Silu")
     return [MoeKey(t, _req(cfg, "hidden_size"), inter // tp, experts // ep + shared, topk, act_type, dtype, dtype,
