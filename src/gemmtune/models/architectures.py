@@ -22,6 +22,7 @@ from ..kernels.activations import act_mul
 from ..kernels.norms import add_rmsnorm, rmsnorm, rmsnorm_ref
 from ..kernels.qk_norm_rope import qk_norm_rope
 from ..kernels.rope import rope, rope_ref
+from . import static_cache
 from .hf_cache import CACHE_ARGS, pop_cache
 
 
@@ -308,7 +309,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         q, k = self._gemmtune_rope(q, k, cos, sin)
     if cache is not None:
         # 5.24 hands the layer's kwargs to the cache (its layers may read them); earlier releases did not
-        k, v = cache.update(k, v, self.layer_idx, **({"kwargs": kwargs} if s.cache_arg == "cache" else {}))
+        cache_extra = {"kwargs": kwargs} if s.cache_arg == "cache" else {}
+        k, v = static_cache.update(cache, k, v, self.layer_idx, **cache_extra)
     fn = _interface[0].get_interface(self.config._attn_implementation, _eager_default)
     extra = {"softcap": self.attn_logit_softcapping} if s.pass_softcap else {}
     out, weights = fn(
