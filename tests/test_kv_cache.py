@@ -79,6 +79,7 @@ def static_decode(device) -> dict:
 
     import gemmtune
     from gemmtune.models import static_cache
+    from gemmtune.models.hf_cache import with_cache
 
     out = {}
     for name in ("llama", "qwen2-moe"):
@@ -92,8 +93,8 @@ def static_decode(device) -> dict:
             for step in range(4):
                 x = ids if step == 0 else ids[:, step : step + 1]
                 pos = torch.arange(9, device=device) if step == 0 else torch.tensor([8 + step], device=device)
-                a = stock(x, past_key_values=caches[0], use_cache=True, cache_position=pos).logits
-                b = opt(x, past_key_values=caches[1], use_cache=True, cache_position=pos).logits
+                a = stock(x, **with_cache(stock, caches[0]), use_cache=True, cache_position=pos).logits
+                b = opt(x, **with_cache(opt, caches[1]), use_cache=True, cache_position=pos).logits
                 worst = max(worst, (a - b).abs().max().item())
         taken = sum(layer in static_cache._ARRIVALS for layer in caches[1].layers)  # the kernel's counters
         out[name] = {"err": worst, "layers": len(caches[1].layers), "taken": taken,

@@ -15,8 +15,10 @@ Five tiers, each registered under its own name (neutral names: transformers trea
                   GQA in one compiled kernel; shorter calls run as tier 2 does. Under torch.compile flex
                   is not called: mask-free softcapped prefill takes the Triton kernel, the rest as tier 2.
   tier 2 "sdpa":  torch's scaled_dot_product_attention. GQA without repeat_kv: `enable_gqa` where
-                  torch picks a fused kernel with it (no mask); decode against a materialized mask
-                  (static cache, padding) uses the measured-fastest strategy (MASKED_DECODE).
+                  torch picks a fused kernel with it (no mask); decode (<= 16 query tokens) with
+                  transformers' boolean mask (static cache, padding), or one token without one, runs
+                  gemmtune's split-KV decode kernel in eager code on NVIDIA CUDA (DECODE_KERNEL), else
+                  the measured-fastest SDPA strategy (MASKED_DECODE).
                   softcap, which SDPA cannot compute, goes to the Triton kernel (prefill; masked too
                   with KERNEL_MASKED, else flex in eager code), else (and output_attentions) to tier 3.
                   Masked prefill without softcap: the Triton kernel (MASKED_PREFILL, the default) or
@@ -32,12 +34,14 @@ GEMMTUNE_ATTENTION=flash|triton|flex|sdpa|eager forces a tier (it wins over opti
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from .. import device as _device
 from ..kernels import attention_softcap as kattn
+from ..kernels import decode_attention as kdecode
 from ..ops import attention as attn_ops
 from . import flex
 
@@ -90,6 +94,27 @@ def _default_masked_decode() -> str:
 
 
 MASKED_DECODE = _default_masked_decode()
+# Decode (<= kernels/decode_attention.MAX_Q query tokens) with transformers' boolean mask, or one token
+# without one, in eager code on NVIDIA CUDA: "triton" (the default) runs gemmtune's split-KV decode kernel,
+# one launch where SDPA with the mask makes four or five; "sdpa" keeps MASKED_DECODE's paths. On an H100
+# (4-layer CUDA-graph decode step, ctx 1024, A/B in one session): Llama-3-8B b=1 1.190 -> 1.185 ms, b=8
+# 1.256 -> 1.250 ms; Qwen3-30B-A3B b=8 1.242 -> 1.230 ms, b=1 and Qwen2-MoE equal within 0.3%
+# (benchmarks/results/h100/bench_model_default_dispatch/README.md).
+# GEMMTUNE_DECODE_ATTENTION=triton|sdpa picks. The kernel's arrival counters live per attention module
+# (one call of a module at a time, as the layers of a forward run).
+DECODE_KERNEL_MODES = ("sdpa", "triton")
+
+
+def _default_decode_kernel() -> str:
+    env = os.environ.get("GEMMTUNE_DECODE_ATTENTION", "").strip().lower()
+    if env and env not in DECODE_KERNEL_MODES:
+        raise ValueError(f"GEMMTUNE_DECODE_ATTENTION={env!r}: expected one of {', '.join(DECODE_KERNEL_MODES)}")
+    return env or "triton"
+
+
+DECODE_KERNEL = _default_decode_kernel()
+DECODE_VENDORS = (_device.NVIDIA,)  # measured there; ROCm keeps SDPA
+_decode_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _default_masked_prefill() -> str:
@@ -257,6 +282,14 @@ def set_masked_decode(mode: str) -> None:
     MASKED_DECODE = mode
 
 
+def set_decode_kernel(mode: str) -> None:
+    """Pick the decode path (see DECODE_KERNEL_MODES); for benchmarks."""
+    global DECODE_KERNEL
+    if mode not in DECODE_KERNEL_MODES:
+        raise ValueError(f"decode attention mode {mode!r}: expected one of {', '.join(DECODE_KERNEL_MODES)}")
+    DECODE_KERNEL = mode
+
+
 def set_masked_prefill(mode: str) -> None:
     """Pick what runs masked prefill of models without softcap (see MASKED_PREFILL_MODES)."""
     global MASKED_PREFILL
@@ -384,6 +417,30 @@ def _try_masked_prefill(module, query, key, value, attention_mask, dropout, scal
     return attn_ops.softcap_attention(query, key, value, scaling, None, False, None, attention_mask), None
 
 
+def _try_decode_kernel(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """(out, None) from the decode kernel (kernels/decode_attention.py) for a call of <= its MAX_Q query
+    tokens where DECODE_KERNEL says so: transformers' boolean mask, or one token and no mask (it sees
+    every key); eager code on NVIDIA CUDA in fp16 / bf16, forward only."""
+    if DECODE_KERNEL != "triton" or torch.compiler.is_compiling() or query.shape[2] > kdecode.MAX_Q:
+        return None
+    if attention_mask is None and query.shape[2] != 1:
+        return None
+    if dropout or kwargs.get("output_attentions") or getattr(module, "training", False):
+        return None
+    if _device.vendor(query.device) not in DECODE_VENDORS or query.dtype not in KERNEL_DTYPES:
+        return None
+    if not _device.triton_installed() or kdecode.takes(query, key, value, attention_mask):
+        return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    counters = _decode_counters.get(module)
+    n = query.shape[0] * key.shape[1]
+    if counters is None or counters.numel() < n or counters.device != query.device:
+        counters = _decode_counters[module] = torch.zeros(max(n, 64), dtype=torch.int32, device=query.device)
+    return kdecode.decode_attention(query, key, value, attention_mask, scale, counters), None
+
+
 def _bool_mask_fits(mask, query, key) -> bool:
     """transformers' boolean [B|1, 1, L, >=S] mask (per-head and additive masks are not taken)."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
@@ -421,6 +478,8 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             return done
         return eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     done = _try_masked_prefill(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    if done is None:
+        done = _try_decode_kernel(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if done is not None:
         return done
     B, Hq, L, D = query.shape
