@@ -97,7 +97,8 @@ def _parts_reason(block: nn.Module, spec: MoeSpec) -> str | None:
 
 def _router_weight(block: nn.Module) -> torch.Tensor:
     """The router's E rows and the gate's, padded with zero rows to a multiple of ROW_MULTIPLE: the logits'
-    rows stay 16-byte aligned (cuBLAS took 13.0 us for N=61 at 8 tokens, 4.8 us for N=64; H100, H=2048)."""
+    rows stay 16-byte aligned (cuBLAS took 13.3 us for N=61 at 8 tokens, 4.9 us for N=64; H100, H=2048:
+    benchmarks/experiments/exp_qwen2_moe_fold.py)."""
     w = torch.cat([getattr(block, router_name(block)).weight, block.shared_expert_gate.weight], dim=0)
     return F.pad(w, (0, 0, 0, -w.shape[0] % ROW_MULTIPLE))
 
