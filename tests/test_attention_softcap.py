@@ -479,11 +479,12 @@ def test_masked_prefill_without_softcap_goes_to_the_kernel(kernel_on_cpu, monkey
     from test_attention_flex import hf_mask, qkv, reference
 
     attn_mod, calls = kernel_on_cpu
+    env_mode = lambda: attn_mod._env_mode("GEMMTUNE_MASKED_PREFILL", attn_mod.MASKED_PREFILL_MODES, "triton")  # noqa: E731
     q, k, v = qkv(2, 4, 2, 20, 33, 64)
     mask = hf_mask(2, 20, 33, 9, (0, 5))
     want = reference(q, k, v, mask, None, 0.1)
     monkeypatch.delenv("GEMMTUNE_MASKED_PREFILL", raising=False)
-    assert attn_mod._default_masked_prefill() == "triton"
+    assert env_mode() == "triton"
     monkeypatch.setattr(attn_mod, "MASKED_PREFILL", "sdpa")
     out, _ = attn_mod.sdpa_attention(_module(), q, k, v, mask, scaling=0.1)
     assert calls == []
@@ -507,10 +508,10 @@ def test_masked_prefill_without_softcap_goes_to_the_kernel(kernel_on_cpu, monkey
     _, w = attn_mod.sdpa_attention(_module(), q, k, v, mask, scaling=0.1, output_attentions=True)
     assert calls == [] and w is not None
     monkeypatch.setenv("GEMMTUNE_MASKED_PREFILL", "Triton")
-    assert attn_mod._default_masked_prefill() == "triton"
+    assert env_mode() == "triton"
     monkeypatch.setenv("GEMMTUNE_MASKED_PREFILL", "flex")
     with pytest.raises(ValueError, match="GEMMTUNE_MASKED_PREFILL='flex'"):
-        attn_mod._default_masked_prefill()
+        env_mode()
     with pytest.raises(ValueError, match="masked prefill mode 'fast'"):
         attn_mod.set_masked_prefill("fast")
 

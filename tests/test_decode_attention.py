@@ -190,6 +190,22 @@ def test_decode_kernel_is_left_out_where_it_does_not_apply(decode_on_cpu):
         attn_mod.set_decode_kernel("x")
 
 
+def test_decode_kernel_setting(monkeypatch):
+    pytest.importorskip("transformers")
+    from gemmtune.models import attention as attn_mod
+
+    def read():
+        return attn_mod._env_mode("GEMMTUNE_DECODE_ATTENTION", attn_mod.DECODE_KERNEL_MODES, "triton")
+
+    monkeypatch.delenv("GEMMTUNE_DECODE_ATTENTION", raising=False)
+    assert read() == "triton"
+    monkeypatch.setenv("GEMMTUNE_DECODE_ATTENTION", "SDPA")
+    assert read() == "sdpa"
+    monkeypatch.setenv("GEMMTUNE_DECODE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="GEMMTUNE_DECODE_ATTENTION='flash': expected one of sdpa, triton"):
+        read()
+
+
 @pytest.mark.gpu
 def test_gpu_graph_replays_equal_eager(gpu):
     q, k, v, mask, scale = inputs(GPU_CASES[0], gpu)

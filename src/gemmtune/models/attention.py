@@ -98,33 +98,27 @@ MASKED_DECODE = _default_masked_decode()
 # without one, in eager code on NVIDIA CUDA: "triton" (the default) runs gemmtune's split-KV decode kernel,
 # one launch where SDPA with the mask makes four or five; "sdpa" keeps MASKED_DECODE's paths. On an H100
 # (4-layer CUDA-graph decode step, ctx 1024, A/B in one session): Llama-3-8B b=1 1.190 -> 1.185 ms, b=8
-# 1.256 -> 1.250 ms; Qwen3-30B-A3B b=8 1.242 -> 1.230 ms, b=1 and Qwen2-MoE equal within 0.3%
+# 1.256 -> 1.250 ms; Qwen3-30B-A3B b=1 0.618 -> 0.616 ms, b=8 1.242 -> 1.230 ms
 # (benchmarks/results/h100/bench_model_default_dispatch/README.md).
 # GEMMTUNE_DECODE_ATTENTION=triton|sdpa picks. The kernel's arrival counters live per attention module
 # (one call of a module at a time, as the layers of a forward run).
 DECODE_KERNEL_MODES = ("sdpa", "triton")
 
 
-def _default_decode_kernel() -> str:
-    env = os.environ.get("GEMMTUNE_DECODE_ATTENTION", "").strip().lower()
-    if env and env not in DECODE_KERNEL_MODES:
-        raise ValueError(f"GEMMTUNE_DECODE_ATTENTION={env!r}: expected one of {', '.join(DECODE_KERNEL_MODES)}")
-    return env or "triton"
+def _env_mode(var: str, modes: tuple[str, ...], default: str) -> str:
+    """The mode environment variable `var` names (lower case), `default` when unset."""
+    env = os.environ.get(var, "").strip().lower()
+    if env and env not in modes:
+        raise ValueError(f"{var}={env!r}: expected one of {', '.join(modes)}")
+    return env or default
 
 
-DECODE_KERNEL = _default_decode_kernel()
+DECODE_KERNEL = _env_mode("GEMMTUNE_DECODE_ATTENTION", DECODE_KERNEL_MODES, "triton")
 DECODE_VENDORS = (_device.NVIDIA,)  # measured there; ROCm keeps SDPA
 _decode_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _default_masked_prefill() -> str:
-    env = os.environ.get("GEMMTUNE_MASKED_PREFILL", "").strip().lower()
-    if env and env not in MASKED_PREFILL_MODES:
-        raise ValueError(f"GEMMTUNE_MASKED_PREFILL={env!r}: expected one of {', '.join(MASKED_PREFILL_MODES)}")
-    return env or "triton"
-
-
-MASKED_PREFILL = _default_masked_prefill()
+MASKED_PREFILL = _env_mode("GEMMTUNE_MASKED_PREFILL", MASKED_PREFILL_MODES, "triton")
 
 _flash_cache: list = []
 
