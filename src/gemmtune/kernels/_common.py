@@ -73,3 +73,20 @@ def pdl_kwargs(device: torch.device) -> dict:
 def empty_out(shape, like: torch.Tensor) -> torch.Tensor:
     """Output allocation (tests swap in a NaN-filled one to prove every element is written)."""
     return torch.empty(shape, device=like.device, dtype=like.dtype)
+
+
+class ArrivalCounters:
+    """int32 counters that a split kernel's programs count their arrivals on, so the last one to arrive
+    finishes the work (fused_moe's split stage 1, the static KV-cache write, the decode attention merge).
+    They are zero between calls (the last arrival re-arms its own), so one set serves every call of its
+    owner, but not two of its calls running at once. Allocated on first use: a call before CUDA-graph
+    capture (the warm-up that compiles the kernels) allocates them outside the graph."""
+
+    def __init__(self) -> None:
+        self._counters: torch.Tensor | None = None
+
+    def get(self, n: int, device: torch.device) -> torch.Tensor:
+        c = self._counters
+        if c is None or c.numel() < n or c.device != device:
+            self._counters = c = torch.zeros(n, dtype=torch.int32, device=device)
+        return c

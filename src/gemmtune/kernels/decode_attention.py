@@ -21,11 +21,13 @@ import torch
 
 from ._common import HAS_TRITON, tl, triton
 from ._common import empty_out as _empty
+from .launch import Plans, cached_launch, tensor_signature
 
 MAX_Q = 16  # query tokens a call may have (decode, speculative decoding)
 MAX_HEAD_DIM = 256
 MAX_ROWS = 128  # n_rep * L rows of one program's tile
 BLOCK_S = 64  # keys per block
+_PLANS = Plans()  # the kernel's launches, per signature
 TARGET_PROGRAMS = 132  # one per SM of an H100: how far a call is split over its keys
 MAX_SPLITS = 8  # the merging program reads every split's partial in turn
 
@@ -144,32 +146,34 @@ if HAS_TRITON:
             tl.atomic_xchg(lock_ptr + bh, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
 
 
-def decode_attention(q, k, v, mask, scale: float, counters: torch.Tensor) -> torch.Tensor:
+def decode_attention(q, k, v, mask, scale: float, counters: torch.Tensor, check: bool = True) -> torch.Tensor:
     """decode_attention_ref in one Triton launch; `counters`: int32, zero, at least B * Hkv elements (its
-    programs count their arrivals there and leave them zero)."""
-    why = takes(q, k, v, mask)
-    if why:
-        raise ValueError(f"decode_attention: {why}")
+    programs count their arrivals there and leave them zero). check=False: the caller has had takes()
+    say "" for these tensors."""
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if counters.dtype != torch.int32 or counters.numel() < B * Hkv:
-        raise ValueError(f"decode_attention: counters must be int32 with >= {B * Hkv} elements")
-    n_rep = Hq // Hkv
+    if check:
+        why = takes(q, k, v, mask)
+        if why:
+            raise ValueError(f"decode_attention: {why}")
+        if counters.dtype != torch.int32 or counters.numel() < B * Hkv:
+            raise ValueError(f"decode_attention: counters must be int32 with >= {B * Hkv} elements")
     out = _empty((B, L, Hq, D), q)
     if B * Hq * L == 0:
         return out
-    rows = max(16, triton.next_power_of_2(n_rep * L))
+    rows = max(16, triton.next_power_of_2(Hq // Hkv * L))
     block_d = max(16, triton.next_power_of_2(D))
-    splits = splits_for(B * Hkv, max(S, 1))
-    blocks_per_split = max(1, triton.cdiv(triton.cdiv(max(S, 1), BLOCK_S), splits))
-    splits = triton.cdiv(max(triton.cdiv(max(S, 1), BLOCK_S), 1), blocks_per_split)  # no empty split
+    blocks = triton.cdiv(max(S, 1), BLOCK_S)
+    blocks_per_split = triton.cdiv(blocks, splits_for(B * Hkv, max(S, 1)))
+    splits = triton.cdiv(blocks, blocks_per_split)  # no empty split
     part = torch.empty(B * Hkv * splits * rows * (block_d + 2), device=q.device, dtype=torch.float32)
-    m = mask if mask is not None else q
     ms = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3)) if mask is not None else (0,) * 3
-    _decode_attention_kernel[(B * Hkv, splits)](
-        q, k, v, m, out, part, counters, Hkv, L, S, D, n_rep, blocks_per_split, splits, float(scale), *q.stride(),
-        *k.stride(), *v.stride(), *ms, out.stride(0), out.stride(1), out.stride(2), HAS_MASK=mask is not None,
-        ROWS=rows, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
+    signature = (tuple(tensor_signature(t) for t in (q, k, v, mask)), float(scale))
+    cached_launch(
+        _PLANS, signature, _decode_attention_kernel, (B * Hkv, splits),
+        q, k, v, q if mask is None else mask, out, part, counters, Hkv, L, S, D, Hq // Hkv, blocks_per_split,
+        splits, float(scale), *q.stride(), *k.stride(), *v.stride(), *ms, out.stride(0), out.stride(1),
+        out.stride(2), HAS_MASK=mask is not None, ROWS=rows, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
     return out

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401 - gdc_* in kernels
+from ._common import HAS_TRITON, ArrivalCounters, gdc_launch_dependents, gdc_wait, tl, triton  # noqa: F401 - gdc_*
 from .gemm_ref import fp32_matmul
 
 ACTS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -436,22 +436,6 @@ class Routing:
     @property
     def n_slots(self) -> int:
         return self.topk_ids.shape[0] * self.tk
-
-
-class ArrivalCounters:
-    """The int32 counters a split stage 1's programs count their arrivals on (moe_gemm with FIXUP). They
-    are zero between calls (each tile's last split re-arms its own), so one set serves every call of a
-    runner, but not two of its calls running at once. Allocated on first use: a call before CUDA-graph
-    capture (the warm-up that compiles the kernels) allocates them outside the graph."""
-
-    def __init__(self) -> None:
-        self._counters: torch.Tensor | None = None
-
-    def get(self, n: int, device: torch.device) -> torch.Tensor:
-        c = self._counters
-        if c is None or c.numel() < n or c.device != device:
-            self._counters = c = torch.zeros(n, dtype=torch.int32, device=device)
-        return c
 
 
 def _prec(dtype: torch.dtype) -> str:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from ._common import HAS_TRITON, tl, triton
+from .launch import Plans, cached_launch, tensor_signature
 
 BLOCK_T = 16  # new positions a program writes
+_PLANS = Plans()  # the kernel's launches, per signature
 
 
 def static_write_ref(keys, values, k, v, length) -> None:
@@ -59,12 +61,15 @@ if HAS_TRITON:
 
 def write_reason(keys, values, k, v, length) -> str:
     """Why static_write cannot take these tensors ("" when it can): shapes, dtypes, devices."""
-    shapes = f"cache {tuple(keys.shape)} / {tuple(values.shape)}, states {tuple(k.shape)} / {tuple(v.shape)}"
+
+    def shapes() -> str:
+        return f"cache {tuple(keys.shape)} / {tuple(values.shape)}, states {tuple(k.shape)} / {tuple(v.shape)}"
+
     if keys.dim() != 4 or values.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"{shapes}: all must be 4-D"
+        return f"{shapes()}: all must be 4-D"
     B, H, S, _ = keys.shape
     if tuple(values.shape[:3]) != (B, H, S) or tuple(k.shape[:2]) != (B, H) or v.shape[:3] != k.shape[:3]:
-        return f"{shapes}: the states do not fit the cache"
+        return f"{shapes()}: the states do not fit the cache"
     if k.shape[3] != keys.shape[3] or v.shape[3] != values.shape[3]:
         return f"head sizes differ: cache {keys.shape[3]}/{values.shape[3]}, states {k.shape[3]}/{v.shape[3]}"
     if k.dtype != keys.dtype or v.dtype != values.dtype:
@@ -76,17 +81,19 @@ def write_reason(keys, values, k, v, length) -> str:
     return ""
 
 
-def static_write(keys, values, k, v, length, arrivals) -> None:
-    """static_write_ref in one Triton launch (module doc)."""
-    reason = write_reason(keys, values, k, v, length)
-    if reason:
-        raise ValueError(f"static_write: {reason}")
+def static_write(keys, values, k, v, length, arrivals, check: bool = True) -> None:
+    """static_write_ref in one Triton launch (module doc); `arrivals` int32, zero, at least one element.
+    check=False: the caller has had write_reason say "" for these tensors."""
+    if check:
+        reason = write_reason(keys, values, k, v, length)
+        if reason:
+            raise ValueError(f"static_write: {reason}")
     B, H, S, DK = keys.shape
     L, DV = k.shape[2], values.shape[3]
     if L == 0 or B * H == 0:
         return
-    block_d = triton.next_power_of_2(max(DK, DV))
     grid = (B * H, triton.cdiv(L, BLOCK_T))
-    _static_write_kernel[grid](k, v, keys, values, length, arrivals, H, L, S, DK, DV,
-                               *k.stride(), *v.stride(), *keys.stride(), *values.stride(), BLOCK_T=BLOCK_T,
-                               BLOCK_D=block_d, num_warps=1)  # fmt: skip
+    signature = tuple(tensor_signature(t) for t in (keys, values, k, v))
+    cached_launch(_PLANS, signature, _static_write_kernel, grid, k, v, keys, values, length, arrivals, H, L, S, DK,
+                  DV, *k.stride(), *v.stride(), *keys.stride(), *values.stride(), BLOCK_T=BLOCK_T,
+                  BLOCK_D=triton.next_power_of_2(max(DK, DV)), num_warps=1)  # fmt: skip

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from .. import device as _device
 from ..kernels import attention_softcap as kattn
 from ..kernels import decode_attention as kdecode
+from ..kernels._common import ArrivalCounters
 from ..ops import attention as attn_ops
 from . import flex
 
@@ -429,10 +430,10 @@ def _try_decode_kernel(module, query, key, value, attention_mask, dropout, scali
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     counters = _decode_counters.get(module)
-    n = query.shape[0] * key.shape[1]
-    if counters is None or counters.numel() < n or counters.device != query.device:
-        counters = _decode_counters[module] = torch.zeros(max(n, 64), dtype=torch.int32, device=query.device)
-    return kdecode.decode_attention(query, key, value, attention_mask, scale, counters), None
+    if counters is None:
+        counters = _decode_counters[module] = ArrivalCounters()
+    arrivals = counters.get(query.shape[0] * key.shape[1], query.device)
+    return kdecode.decode_attention(query, key, value, attention_mask, scale, arrivals, check=False), None
 
 
 def _bool_mask_fits(mask, query, key) -> bool:

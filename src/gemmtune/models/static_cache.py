@@ -6,17 +6,20 @@ take the cache's own update, unchanged."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
 from ..device import triton_reason
+from ..kernels._common import ArrivalCounters
 from ..kernels.kv_cache import static_write, write_reason
 
-# StaticLayer -> its int32 arrival counter (kernels/kv_cache.py), made on its first update here
+# StaticLayer -> the counter its writes count their arrivals on (kernels/kv_cache.py)
 _ARRIVALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@functools.cache
 def _stock_classes():
     try:
         from transformers.cache_utils import Cache, StaticLayer
@@ -51,7 +54,7 @@ def update(cache, k: torch.Tensor, v: torch.Tensor, layer_idx: int, **kwargs) ->
     if layer is None:
         return cache.update(k, v, layer_idx, **kwargs)
     arrivals = _ARRIVALS.get(layer)
-    if arrivals is None or arrivals.device != k.device:
-        arrivals = _ARRIVALS[layer] = torch.zeros(1, dtype=torch.int32, device=k.device)
-    static_write(layer.keys, layer.values, k, v, layer.cumulative_length, arrivals)
+    if arrivals is None:
+        arrivals = _ARRIVALS[layer] = ArrivalCounters()
+    static_write(layer.keys, layer.values, k, v, layer.cumulative_length, arrivals.get(1, k.device), check=False)
     return layer.keys, layer.values
