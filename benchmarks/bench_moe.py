@@ -57,6 +57,7 @@ MODELS = {  # name: (hidden, inter per rank, experts, topk)
     "mixtral-8x7b-tp1": (4096, 14336, 8, 2),
     "mixtral-8x7b-tp2": (4096, 7168, 8, 2),
     "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),  # its routed experts, tp1 (the shared expert is a dense MLP)
 }
 TINY_MODELS = {"tiny-mixtral": (64, 96, 6, 2), "tiny-qwen3": (32, 16, 12, 8)}
 # Part `grid`: expert shapes well beyond the repo's models (hidden, inter per rank, experts, topk), for the

@@ -126,6 +126,19 @@ def nan_outputs(module):
         module._empty = saved
 
 
+def split_attention_facts(y: torch.Tensor, ref: torch.Tensor, shape: tuple, dtype, mask, counters) -> dict:
+    """What the split-KV attention kernels' tests check of one call: output shape and dtype, no NaN left of
+    the poisoned output, max error vs the fp32 reference, sequence 0's first query token (which the cases'
+    masks let see no key) all zeros, the arrival counters left zero."""
+    return {
+        "shape": tuple(y.shape) == tuple(shape) and y.dtype == dtype,
+        "nan": bool(torch.isnan(y).any()),
+        "err": (y.float() - ref).abs().max().item(),
+        "blind_row_zero": mask is None or not y[0, 0].any().item(),
+        "counters_zero": not counters.any().item(),
+    }
+
+
 def assert_replays_bit_equal(run, args, eager: torch.Tensor, name: str, replays: int = 3) -> None:
     """Capture run(*args) in a CUDA graph; every replay into the NaN-filled output must equal `eager`
     bit for bit (split-K arrival counters re-armed, nothing left unwritten)."""

@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import assert_replays_bit_equal, kernel_results, nan_outputs
+from kernel_cases import assert_replays_bit_equal, kernel_results, nan_outputs, split_attention_facts
 
 from gemmtune.kernels import decode_attention as kdec
 
@@ -62,14 +62,9 @@ def run_cases(cases, device) -> dict:
         with nan_outputs(kdec):
             y = kdec.decode_attention(q, k, v, mask, scale, counters)
         ref = kdec.decode_attention_ref(q.float(), k.float(), v.float(), mask, scale)
-        out[repr(case)] = {
-            "shape": tuple(y.shape) == (q.shape[0], q.shape[2], q.shape[1], q.shape[3]) and y.dtype == q.dtype,
-            "nan": bool(torch.isnan(y).any()),
-            "err": (y.float() - ref).abs().max().item(),
-            "blind_row_zero": mask is None or not y[0, 0].any().item(),
-            "counters_zero": not counters.any().item(),
-            "splits": kdec.splits_for(q.shape[0] * k.shape[1], k.shape[2]),
-        }
+        shape = (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        out[repr(case)] = split_attention_facts(y, ref, shape, q.dtype, mask, counters)
+        out[repr(case)]["splits"] = kdec.splits_for(q.shape[0] * k.shape[1], k.shape[2])
     return out
 
 

@@ -47,7 +47,7 @@ def masks(L, device):
 def test_absorbed_matches_the_expansion_fp32(L, kind):
     q_nope, q_rot, lat, k_rot, w = inputs(L, torch.float32, "cpu", seed=L)
     mask = masks(L, "cpu")[kind]
-    got = mla.absorbed_attention(q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
+    got = mla.absorbed_attention_ref(q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
     want = expanded_reference(q_nope, q_rot, lat, k_rot, w, 0.17, None if mask is None else mask[..., :S])
     assert got.shape == (B, L, H, DV) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -59,8 +59,34 @@ def test_a_query_that_sees_no_key_gets_zeros():
     q_nope, q_rot, lat, k_rot, w = inputs(1, torch.float32, "cpu", seed=9)
     mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
     mask[0] = False
-    got = mla.absorbed_attention(q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
+    got = mla.absorbed_attention_ref(q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
     assert torch.equal(got[0], torch.zeros_like(got[0])) and not got.isnan().any()
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_kernel_path_plumbing_matches_the_reference(L, monkeypatch):
+    """The kernel path's per-head GEMMs, layouts and output view on the CPU, with the latent kernel's
+    reference writing into the buffer the value GEMM reads (the kernel itself: test_mla_decode.py)."""
+    from gemmtune.kernels import mla_decode as kmla
+
+    calls = []
+
+    def kernel(q_lat, q_rot, latent, k_rot, mask, scale, counters, check=True, out=None):
+        B_, H_, L_, R_ = q_lat.shape
+        assert not check and counters.dtype == torch.int32 and out.shape == (B_, L_, H_, R_)
+        calls.append(q_lat.shape)
+        out.copy_(kmla.mla_decode_ref(q_lat, q_rot, latent, k_rot, mask, scale))
+        return out
+
+    monkeypatch.setattr(mla.kmla, "mla_decode", kernel)
+    q_nope, q_rot, lat, k_rot, w = inputs(L, torch.float32, "cpu", seed=40 + L)
+    mask = masks(L, "cpu")["bool"]
+    owner = torch.nn.Module()
+    got = mla._absorbed_kernel(owner, q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
+    want = expanded_reference(q_nope, q_rot, lat, k_rot, w, 0.17, mask[..., :S])
+    assert calls == [(B, H, L, R)] and got.shape == (B, L, H, DV)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert not mla._kernel_takes(q_nope, q_rot, lat, k_rot, mask)  # fp32 on the CPU: the reference serves
 
 
 def test_plan_names_what_it_cannot_absorb():
@@ -72,8 +98,12 @@ def test_plan_names_what_it_cannot_absorb():
 def test_absorbed_bf16_on_the_gpu(L, gpu):
     q_nope, q_rot, lat, k_rot, w = inputs(L, torch.bfloat16, gpu, seed=20 + L)
     mask = masks(L, gpu)["bool"]
-    got = mla.absorbed_attention(q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
     want = expanded_reference(q_nope, q_rot, lat, k_rot, w, 0.17, mask[..., :S])
+    got = mla.absorbed_attention_ref(q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
     assert got.dtype == torch.bfloat16
     err = (got.double() - want).abs().max() / want.abs().max()
     assert err < 8e-3, err  # fp32 inside: the output's one bf16 rounding (2^-8 of the largest)
+    assert mla._kernel_takes(q_nope, q_rot, lat, k_rot, mask)
+    got = mla.absorbed_attention(torch.nn.Module(), q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert got.shape == (B, L, H, DV) and err < 2.4e-2, err  # q_lat and the latent output round to bf16 too

@@ -141,7 +141,7 @@ def test_deepseek_v3_mla_decodes_on_the_latent_cache(monkeypatch):
     assert report.counts().get("mla") == len(layers), report.summary()
     seen = []
     real = mla.absorbed_attention
-    monkeypatch.setattr(mla, "absorbed_attention", lambda *a: seen.append(tuple(a[0].shape)) or real(*a))
+    monkeypatch.setattr(mla, "absorbed_attention", lambda *a: seen.append(tuple(a[1].shape)) or real(*a))
     check_parity(stock, opt)  # padded prefill of 11 tokens (absorbed: <= 16), then one token a step
     assert {L for _, _, L, _ in seen} >= {1, 11}, seen
     seen.clear()

@@ -73,6 +73,42 @@ def splits_for(batch_heads: int, keys: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, unit, split, splits, ROWS: tl.constexpr,
+                     BLOCK_D: tl.constexpr):  # fmt: skip
+        """A split program's end: store its partial ([accumulator, max, sum] per row, in L2 (.cg)) and count
+        itself in on `unit`'s counter; the last of the `splits` to arrive merges them in one pass (an online
+        softmax over the partials), re-arms the counter and gets (True, the normalized rows), the others
+        (False, zeros)."""
+        r = tl.arange(0, ROWS)
+        d = tl.arange(0, BLOCK_D)
+        prow = part_ptr + ((unit * splits + split) * ROWS + r).to(tl.int64) * (BLOCK_D + 2)
+        tl.store(prow[:, None] + d[None, :], acc, cache_modifier=".cg")
+        tl.store(prow + BLOCK_D, m_i, cache_modifier=".cg")
+        tl.store(prow + BLOCK_D + 1, l_i, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partial is stored before one thread counts the program in
+        arrived = tl.atomic_add(lock_ptr + unit, 1, sem="acq_rel", scope="gpu")
+        last = arrived == splits - 1
+        out = tl.zeros((ROWS, BLOCK_D), tl.float32)
+        if last:
+            m_all = tl.full((ROWS,), float("-inf"), tl.float32)
+            total = tl.zeros((ROWS,), tl.float32)
+            for i in range(0, splits):
+                pi = part_ptr + ((unit * splits + i) * ROWS + r).to(tl.int64) * (BLOCK_D + 2)
+                m_s = tl.load(pi + BLOCK_D, cache_modifier=".cg")
+                l_s = tl.load(pi + BLOCK_D + 1, cache_modifier=".cg")
+                a_s = tl.load(pi[:, None] + d[None, :], cache_modifier=".cg")
+                m_new = tl.maximum(m_all, m_s)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                old_w = tl.exp(m_all - m_use)
+                new_w = tl.exp(m_s - m_use)
+                total = total * old_w + l_s * new_w
+                out = out * old_w[:, None] + a_s * new_w[:, None]
+                m_all = m_new
+            out = out / tl.where(total > 0, total, 1.0)[:, None]
+            tl.atomic_xchg(lock_ptr + unit, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
+        return last, out
+
+    @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, lock_ptr, Hkv, L, S, D, n_rep,
                                  blocks_per_split, splits, scale, sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b,
                                  sv_h, sv_s, sv_d, sm_b, sm_l, sm_s, so_b, so_l, so_h, HAS_MASK: tl.constexpr,
@@ -117,33 +153,10 @@ if HAS_TRITON:
                          other=0.0)  # fmt: skip
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
             m_i = m_new
-        # this split's partial: [accumulator, max, sum] per row, in L2 (.cg) for the program that merges
-        prow = part_ptr + ((bh * splits + split) * ROWS + r).to(tl.int64) * (BLOCK_D + 2)
-        tl.store(prow[:, None] + d[None, :], acc, cache_modifier=".cg")
-        tl.store(prow + BLOCK_D, m_i, cache_modifier=".cg")
-        tl.store(prow + BLOCK_D + 1, l_i, cache_modifier=".cg")
-        tl.debug_barrier()  # every thread's partial is stored before one thread counts the program in
-        arrived = tl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:  # merge the splits in one pass (an online softmax over the partials)
-            m_all = tl.full((ROWS,), float("-inf"), tl.float32)
-            total = tl.zeros((ROWS,), tl.float32)
-            out = tl.zeros((ROWS, BLOCK_D), tl.float32)
-            for i in range(0, splits):
-                pi = part_ptr + ((bh * splits + i) * ROWS + r).to(tl.int64) * (BLOCK_D + 2)
-                m_s = tl.load(pi + BLOCK_D, cache_modifier=".cg")
-                l_s = tl.load(pi + BLOCK_D + 1, cache_modifier=".cg")
-                a_s = tl.load(pi[:, None] + d[None, :], cache_modifier=".cg")
-                m_new = tl.maximum(m_all, m_s)
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                old_w = tl.exp(m_all - m_use)
-                new_w = tl.exp(m_s - m_use)
-                total = total * old_w + l_s * new_w
-                out = out * old_w[:, None] + a_s * new_w[:, None]
-                m_all = m_new
-            out = out / tl.where(total > 0, total, 1.0)[:, None]
+        last, out = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, bh, split, splits, ROWS, BLOCK_D)
+        if last:
             o = o_ptr + b * so_b + lq[:, None] * so_l + h[:, None] * so_h + d[None, :]
             tl.store(o, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-            tl.atomic_xchg(lock_ptr + bh, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
 
 
 def decode_attention(q, k, v, mask, scale: float, counters: torch.Tensor, check: bool = True) -> torch.Tensor:

@@ -15,14 +15,19 @@ The absorbed form computes the same attention on the latents, as the serving eng
 It reads the latent cache once (B * S * (R + dr) elements) instead of writing and reading the expanded
 one (B * H * S * (dn + 2 dv)). It runs for forwards of at most ABSORB_MAX_Q new tokens (decode,
 speculation); prefill keeps the stock forward, where the expansion is a well-shaped GEMM.
-`absorbed_attention` is plain PyTorch: it is its own reference, tested against the stock expansion.
+`absorbed_attention_ref` is plain PyTorch (fp32), tested against the stock expansion; `absorbed_attention` runs
+the latent decode kernel (kernels/mla_decode.py) where it can, the reference elsewhere.
 
 Opt-in (optimize(mla_absorb=True)). Measured on an H100, 4-layer DeepSeek-V3 (1 dense + 3 MoE layers,
-random weights, bf16): CUDA-graph decode b=8 9.67 ms vs stock's 13.94 (1.44x; optimize() without it
-1.10x), b=1 unchanged (1.18x). But its hidden states sit ~1% from stock's (the stock-vs-optimize() gap
-is ~0.4% without it), and with random weights that flips near-tied expert choices on 11 of 17 teacher-
-forced decode steps: more than bench-model's parity rule explains away, and optimize()'s own cached-path
-check puts one layer back. Until it is judged against an fp32 reference, the default keeps MLA stock.
+random weights, bf16, CUDA-graph decode at 1024 cached tokens), with the latent kernel: b=1 2.72 ms and b=8
+7.03 ms vs stock's 4.09 / 13.74 (1.50x / 1.96x; optimize() without it 1.19x / 1.10x) where every layer takes
+it (benchmarks/results/h100/fused_moe_op/bench_model_moe_families.md). It is no less exact than stock (one
+layer against an fp64 evaluation of the same bf16 weights, its fp32 form: 0.49-0.53% vs stock's 0.51-0.55%;
+benchmarks/experiments/exp_mla_precision.py), but it rounds
+elsewhere, and the ~1% that leaves between the two models' hidden states flips near-tied expert choices of
+the random-weight router on 7 of 17 teacher-forced decode steps: more than bench-model's parity rule
+explains away (4), and optimize()'s cached-path check, not flip-aware, puts one layer back. Until the
+parity checks judge routing flips on their own, the default keeps MLA stock.
 """
 
 from __future__ import annotations
@@ -30,15 +35,27 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from .. import device as _device
+from ..kernels import mla_decode as kmla
+from ..kernels._common import ArrivalCounters
 from .architectures import attention_call
+from .attention import _env_mode
 from .hf_cache import pop_cache
 
 ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
+# Where the absorbed attention runs: "triton", the latent decode kernel (kernels/mla_decode.py) between the
+# two per-head projections as cuBLAS batched GEMMs, on NVIDIA CUDA in fp16 / bf16 eager code; "torch", the
+# fp32 PyTorch form (absorbed_attention_ref), which also serves everywhere the kernel does not.
+# GEMMTUNE_MLA_DECODE=triton|torch picks.
+MLA_DECODE_MODES = ("torch", "triton")
+MLA_DECODE = _env_mode("GEMMTUNE_MLA_DECODE", MLA_DECODE_MODES, "triton")
+_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per attention module: one call at a time
 UNDO_ATTRS = ("forward", "_gemmtune_mla")
 _ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "expand_kv", "scaling", "layer_idx")
 _DIMS = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
@@ -91,7 +108,7 @@ def apply(attn: nn.Module, spec: MlaSpec) -> None:
     attn.forward = types.MethodType(_mla_forward, attn)
 
 
-def absorbed_attention(
+def absorbed_attention_ref(
     q_nope: torch.Tensor,
     q_rot: torch.Tensor,
     kv_latent: torch.Tensor,
@@ -131,6 +148,47 @@ def absorbed_attention(
     return out.view(H, B, L, v_dim).permute(1, 2, 0, 3).to(q_nope.dtype)
 
 
+def _kernel_takes(q_nope, q_rot, kv_latent, k_rot, mask) -> bool:
+    if MLA_DECODE != "triton" or torch.compiler.is_compiling() or q_nope.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if _device.vendor(q_nope.device) != _device.NVIDIA or not _device.triton_installed():
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_nope, q_rot, kv_latent, k_rot)):
+        return False
+    B, H, L, _ = q_nope.shape
+    R = kv_latent.shape[-1]
+    q_lat = torch.empty((B, H, L, R), dtype=q_nope.dtype, device="meta")  # takes() reads shapes and dtypes only
+    return kmla.takes(q_lat, q_rot, kv_latent[:, 0], k_rot[:, 0], mask) == ""
+
+
+def _absorbed_kernel(owner, q_nope, q_rot, kv_latent, k_rot, w_kv_b, v_dim: int, scaling: float, mask):
+    """absorbed_attention_ref with the key rows applied by a batched GEMM per head, the attention on the
+    latents in one kernel launch and the value rows by a second batched GEMM; q_lat and the latent output
+    round to the model dtype between them (the scores, softmax and sums run in fp32 in the kernel)."""
+    B, H, L, dn = q_nope.shape
+    R = kv_latent.shape[-1]
+    w = w_kv_b.view(H, dn + v_dim, R)
+    q_lat = torch.bmm(q_nope.permute(1, 0, 2, 3).reshape(H, B * L, dn), w[:, :dn])  # [H, B*L, R]
+    q_lat = q_lat.view(H, B, L, R).permute(1, 0, 2, 3)
+    counters = _counters.get(owner)
+    if counters is None:
+        counters = _counters[owner] = ArrivalCounters()
+    arrivals = counters.get(kmla.counters_needed(B, H, L), q_nope.device)
+    o_lat = q_nope.new_empty(H, B, L, R)  # the layout the value GEMM reads per head
+    kmla.mla_decode(q_lat, q_rot, kv_latent[:, 0], k_rot[:, 0], mask, scaling, arrivals, check=False,
+                    out=o_lat.permute(1, 2, 0, 3))  # fmt: skip
+    out = torch.bmm(o_lat.view(H, B * L, R), w[:, dn:].transpose(1, 2))  # [H, B*L, dv]
+    return out.view(H, B, L, v_dim).permute(1, 2, 0, 3)
+
+
+def absorbed_attention(owner, q_nope, q_rot, kv_latent, k_rot, w_kv_b, v_dim: int, scaling: float, mask):
+    """absorbed_attention_ref's result [B, L, H, dv]: through the latent decode kernel where it runs
+    (MLA_DECODE), else the fp32 reference. `owner`: the attention module (its kernel's arrival counters)."""
+    if _kernel_takes(q_nope, q_rot, kv_latent, k_rot, mask):
+        return _absorbed_kernel(owner, q_nope, q_rot, kv_latent, k_rot, w_kv_b, v_dim, scaling, mask)
+    return absorbed_attention_ref(q_nope, q_rot, kv_latent, k_rot, w_kv_b, v_dim, scaling, mask)
+
+
 def _stock(self, s: MlaSpec, hidden_states, position_embeddings, attention_mask, cache, kwargs):
     return type(self).forward(
         self, hidden_states, position_embeddings, attention_mask, **{s.cache_arg: cache}, **kwargs
@@ -165,5 +223,6 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
         # 5.24 hands the layer's kwargs to the cache (its layers may read them); earlier releases did not
         extra = {"kwargs": kwargs} if s.cache_arg == "cache" else {}
         kv_latent, k_rot = cache.update(kv_latent, k_rot, self.layer_idx, **extra)
-    out = absorbed_attention(q_nope, q_rot, kv_latent, k_rot, self.kv_b_proj.weight, s.v, self.scaling, attention_mask)
+    out = absorbed_attention(self, q_nope, q_rot, kv_latent, k_rot, self.kv_b_proj.weight, s.v, self.scaling,
+                             attention_mask)  # fmt: skip
     return self.o_proj(out.reshape(B, L, s.heads * s.v)), None
