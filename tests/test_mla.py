@@ -107,3 +107,16 @@ def test_absorbed_bf16_on_the_gpu(L, gpu):
     got = mla.absorbed_attention(torch.nn.Module(), q_nope, q_rot, lat, k_rot, w, DV, 0.17, mask)
     err = (got.double() - want).abs().max() / want.abs().max()
     assert got.shape == (B, L, H, DV) and err < 2.4e-2, err  # q_lat and the latent output round to bf16 too
+
+
+def test_the_rope_kernel_stands_in_only_for_the_rotary_it_matches():
+    """plan() probes the modeling module's rotary against kernels/rope's reference (bit for bit); a
+    rotary it does not match keeps the module's own function."""
+    pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    assert mla._rope_matches(ds.apply_rotary_pos_emb_interleave, True)
+    assert mla._rope_matches(ds.apply_rotary_pos_emb, False)
+    assert not mla._rope_matches(ds.apply_rotary_pos_emb_interleave, False)
+    assert not mla._rope_matches(lambda q, k, cos, sin: (q * 2, k), False)
+    assert not mla._rope_matches(lambda q, k: (q, k), False)  # another signature

@@ -118,8 +118,12 @@ def test_qwen2_moe_shared_expert_is_fused_and_its_gate_stays_torch():
     assert report.counts()["moe"] == 1
 
 
-def test_deepseek_v3_keeps_mla_stock_by_default():
+def test_deepseek_v3_absorbs_mla_by_default_and_keeps_it_stock_on_request():
     _, opt, report = pair("deepseek-v3")
+    assert all("forward" in layer.self_attn.__dict__ for layer in opt.model.layers)
+    assert report.counts().get("mla") == len(opt.model.layers), report.summary()
+    opt = build("deepseek-v3")
+    report = gemmtune.optimize(opt, mla_absorb=False)
     assert all("forward" not in layer.self_attn.__dict__ for layer in opt.model.layers)
     assert "mla" not in report.counts()
 
@@ -145,10 +149,17 @@ def test_deepseek_v3_mla_decodes_on_the_latent_cache(monkeypatch):
     check_parity(stock, opt)  # padded prefill of 11 tokens (absorbed: <= 16), then one token a step
     assert {L for _, _, L, _ in seen} >= {1, 11}, seen
     seen.clear()
+    stock_calls = []
+    real_stock = mla._stock
+    monkeypatch.setattr(mla, "_stock", lambda *a: stock_calls.append(1) or real_stock(*a))
     ids = torch.randint(3, 256, (1, mla.ABSORB_MAX_Q + 1), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(opt(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-5)
-    assert not seen  # 17 new tokens: the stock forward
+    # 17 new tokens: stock's prefill math on the expanded keys (the rope kernel's, the query built in place)
+    assert not seen and not stock_calls
+    with torch.enable_grad():  # where gradients may flow, the stock forward itself
+        opt(ids)
+    assert len(stock_calls) == len(layers)
     for block in moe_blocks(opt):
         assert "forward" not in block.__dict__  # the block's own forward: router, experts, shared experts
         assert ("forward" in block.gate.__dict__) == (moe_mod.triton_reason(block.gate.weight.device) is None)

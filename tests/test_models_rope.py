@@ -26,6 +26,15 @@ CASES = [
     for cb in (1, 2)
     for hq, hkv in ((4, 2), (12, 3))
 ] + [("float16-qkv-llama8b-decode", 8, 1, 32, 8, 128, 128, 1, "qkv", "float16")]
+# interleaved (DeepSeek's rope_interleave): "-il" in the name; "mla": q and k the rope slices of MLA's
+# q_b_proj [B, S, H, 128 + D] and kv_a_proj [B, S, 512 + D] outputs
+CASES += [
+    (f"{dt}-{lay}-il-cb{cb}-h{hq}x{hkv}", 2, 5, hq, hkv, 16, 16, cb, lay, dt)
+    for dt in ("float32", "float16")
+    for lay in ("qkv", "mla")
+    for cb in (1, 2)
+    for hq, hkv in ((4, 2), (12, 1))
+] + [("float16-mla-il-deepseek-v3-decode", 8, 1, 128, 1, 64, 64, 1, "mla", "float16")]
 GPU_CASES = [(n.replace("float16", "bfloat16"), *c[:-1], "bfloat16") for n, *c in CASES if c[-1] == "float16"]
 ALL = CASES + (GPU_CASES if HAS_GPU else [])
 
@@ -40,7 +49,11 @@ def _run_cases(cases, device: str) -> dict:
     for name, B, S, HQ, HKV, D, r, cb, lay, dt in cases:
         dtype = getattr(torch, dt)
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        if lay == "qkv":  # views into a fused [B, S, (Hq + 2 Hkv) D] projection output
+        il = "-il" in name
+        if lay == "mla":
+            q = torch.randn(B, S, HQ, 128 + D, generator=gen).to(dtype).to(device)[..., 128:]
+            k = torch.randn(B, S, 512 + HKV * D, generator=gen).to(dtype).to(device)[..., 512:].view(B, S, HKV, D)
+        elif lay == "qkv":  # views into a fused [B, S, (Hq + 2 Hkv) D] projection output
             full = torch.randn(B, S, (HQ + 2 * HKV) * D, generator=gen).to(dtype).to(device)
             q = full[..., : HQ * D].view(B, S, HQ, D)
             k = full[..., HQ * D : (HQ + HKV) * D].view(B, S, HKV, D)
@@ -49,8 +62,8 @@ def _run_cases(cases, device: str) -> dict:
             k = torch.randn(B, S, HKV, D, generator=gen).to(dtype).to(device)
         cos = torch.randn(cb, S, r, generator=gen).to(dtype).to(device)
         sin = torch.randn(cb, S, r, generator=gen).to(dtype).to(device)
-        qo, ko = R.rope(q, k, cos, sin, impl="triton")
-        qr, kr = R.rope_ref(q, k, cos, sin)
+        qo, ko = R.rope(q, k, cos, sin, impl="triton", interleaved=il)
+        qr, kr = R.rope_ref(q, k, cos, sin, interleaved=il)
         out[name] = {
             "shape_ok": qo.shape == q.shape and ko.shape == k.shape and qo.is_contiguous() and ko.is_contiguous(),
             "nan": bool(torch.isnan(qo).any().item() or torch.isnan(ko).any().item()),
@@ -85,6 +98,22 @@ def test_reference_is_transformers_apply_rotary_pos_emb():
             hq, hk = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             rq, rk = R.rope_ref(q, k, cos, sin)
             assert torch.equal(hq.transpose(1, 2), rq) and torch.equal(hk.transpose(1, 2), rk)
+
+
+def test_interleaved_reference_is_deepseek_apply_rotary_pos_emb_interleave():
+    pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave as ds
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = torch.randn(2, 3, 4, 16).to(dtype), torch.randn(2, 3, 1, 16).to(dtype)
+        # a rotary embedding's cos / sin are cat(angles, angles) (transformers 5.24's form reads one half)
+        cos, sin = (torch.randn(2, 3, 8).to(dtype).repeat(1, 1, 2) for _ in range(2))
+        hq, hk = ds(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        rq, rk = R.rope_ref(q, k, cos, sin, interleaved=True)
+        assert torch.equal(hq.transpose(1, 2), rq) and torch.equal(hk.transpose(1, 2), rk)
+        assert not torch.equal(rq, R.rope_ref(q, k, cos, sin)[0])  # the pairs' order matters
+    with pytest.raises(ValueError, match="interleaved rotary needs R == D"):
+        R.rope(q, k, cos[..., :8], sin[..., :8], interleaved=True)
 
 
 def test_bad_shapes_raise():

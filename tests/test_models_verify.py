@@ -83,6 +83,100 @@ def test_one_bad_layer_only_that_layer_goes_back(monkeypatch):
     assert torch.equal(_greedy(opt), _greedy(stock))
 
 
+@pytest.fixture
+def probe_phase(monkeypatch):
+    """["stock" | "optimized" | None]: which of optimize()'s two cached-path probes is running."""
+    phase = [None]
+    real = verify.run
+
+    def run(model, layers, probe, teacher=None):
+        phase[0] = "stock" if teacher is None else "optimized"
+        try:
+            return real(model, layers, probe, teacher)
+        finally:
+            phase[0] = None
+
+    monkeypatch.setattr(verify, "run", run)
+    return phase
+
+
+def _wrap_moe_blocks(model, monkeypatch, change):
+    """Each MoE block's forward becomes change(real forward, block index, hidden_states, *args, **kwargs)."""
+    blocks = [m for m in model.modules() if architectures.is_moe_block(m)]
+    assert blocks
+    for i, block in enumerate(blocks):
+        real = block.forward
+        monkeypatch.setattr(block, "forward", lambda h, *a, real=real, i=i, **k: change(real, i, h, *a, **k))
+
+
+def _flip_on_any_difference(model, monkeypatch, phase):
+    """A router proxy with every choice tied: in the optimized probe, a MoE block adds 1.0 to its output
+    when its input is not bit-equal to one the stock block got in the stock probe (a routing flip on a
+    rounding difference)."""
+    seen: dict[int, list] = {}
+
+    def change(real, i, h, *a, **k):
+        out = real(h, *a, **k)
+        if phase[0] == "stock":
+            seen.setdefault(i, []).append(h.detach().clone())
+        elif phase[0] == "optimized" and not any(x.shape == h.shape and torch.equal(x, h) for x in seen.get(i, [])):
+            return (out[0] + 1.0, *out[1:]) if isinstance(out, tuple) else out + 1.0
+        return out
+
+    _wrap_moe_blocks(model, monkeypatch, change)
+
+
+def _attention_off_by(monkeypatch, rel: float) -> None:
+    real = architectures._attention_forward
+
+    def off(self, *args, **kwargs):
+        out, w = real(self, *args, **kwargs)
+        return out * (1 + rel), w
+
+    monkeypatch.setattr(architectures, "_attention_forward", off)
+
+
+def test_a_moe_block_is_fed_stock_input_so_a_routing_flip_does_not_fail_its_layer(monkeypatch, probe_phase):
+    """A rounding difference well within the tolerance before the MoE block (here the attention's output
+    off by 1e-5) flips the proxy router's choice; the block gets stock's input in the check, so the
+    layers agree: the attention half and the block are judged apart."""
+    _attention_off_by(monkeypatch, 1e-5)
+    model = build("qwen3_moe")
+    _flip_on_any_difference(model, monkeypatch, probe_phase)
+    report = gemmtune.optimize(model)
+    assert "2/2 decoder layers agree" in report.summary(), report.summary()
+
+
+def test_without_forcing_the_block_input_the_flip_would_fail_the_layers(monkeypatch, probe_phase):
+    _attention_off_by(monkeypatch, 1e-5)
+    monkeypatch.setattr(verify, "is_moe_block", lambda m: False)
+    model = build("qwen3_moe")
+    _flip_on_any_difference(model, monkeypatch, probe_phase)
+    report = gemmtune.optimize(model)
+    assert "1/2 decoder layers agree" in report.summary(), report.summary()  # layer 0 is dense
+    assert [k for k, _ in report.skipped if k.startswith("verify")] == ["verify: model.layers.1"]
+
+
+def test_a_wrong_input_to_the_moe_block_is_still_caught(monkeypatch, probe_phase):
+    """Forcing the block's input hides nothing: the input the optimized layer computed for the block
+    (as from a wrong post-attention norm: 5% off) is judged on its own, and put back."""
+    model = build("qwen3_moe")
+
+    def off_in_optimized(mod, args, kwargs):
+        if probe_phase[0] == "optimized":
+            h = args[0] if args else kwargs["hidden_states"]
+            return ((h * 1.05, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h * 1.05})
+        return args, kwargs
+
+    # registered before optimize(), so the check's own forcing hook (registered later) runs after it
+    for m in model.modules():
+        if architectures.is_moe_block(m):
+            m.register_forward_pre_hook(off_in_optimized, with_kwargs=True)
+    report = gemmtune.optimize(model)
+    skipped = [k for k, _ in report.skipped if k.startswith("verify")]
+    assert skipped == ["verify: model.layers.1"], report.summary()  # its MoE block (layer 0 is dense)
+
+
 def test_the_probe_is_neither_captured_nor_left_in_caches(tmp_path):
     cap = tmp_path / "shapes.csv"
     gemmtune.set_capture(str(cap))

@@ -17,7 +17,7 @@ from test_models_parity import build, tiny_config  # noqa: E402
 
 from gemmtune.cli.main import cli  # noqa: E402
 from gemmtune.profiling.bench_model import DecodeParity  # noqa: E402
-from gemmtune.profiling.moe_routing import Flip, RoutingTrace, explain, moe_blocks  # noqa: E402
+from gemmtune.profiling.moe_routing import Flip, ForcedRouting, RoutingTrace, explain, moe_blocks  # noqa: E402
 
 TOL = 3e-2
 
@@ -92,6 +92,45 @@ def test_parity_verdict_counts_explained_steps_and_caps_them():
     assert json.dumps(p.as_dict())
     one = DecodeParity(TOL, errors=[0.2, 0.3], agree=[False, False], flips=[Flip(0, "b", 0.0), Flip(1, "b", 0.0)])
     assert not one.ok and one.verdict().startswith("MISMATCH")  # every step a flip: no crash, not ok
+
+
+def test_with_the_routing_forced_every_step_must_agree():
+    """Flips beyond one step in four pass only when the run with the reference's routing forced has every
+    step within the tolerance (the flips were the only difference)."""
+    errors = [0.01, 0.12, 0.2, 0.09, 0.01, 0.01, 0.01, 0.01]
+    p = DecodeParity(TOL, errors=errors, agree=[True] * 8, flips=[Flip(i, "b", 0.01) for i in (1, 2, 3)])
+    assert not p.ok  # over the cap, nothing forced
+    p.forced = [0.01] * 8
+    assert p.ok and "expert choices forced on every MoE block, max step rel err 0.01" in p.verdict()
+    p.forced[4] = 0.05
+    assert not p.ok  # an error that stays with the reference's routing is the contender's own
+    assert json.loads(json.dumps(p.as_dict()))["forced_routing_step_rel_err"][4] == 0.05
+
+
+def test_forced_routing_replays_the_reference_choices():
+    """A contender whose router is wrong (expert e scores as e+1 did) computes the reference's logits
+    exactly when the reference's routing is forced on it, and `complete` says every call was forced."""
+    model = build("qwen3_moe")
+    g = torch.Generator().manual_seed(4)
+    ids = [torch.randint(3, 200, (1, 6 if t == 0 else 1), generator=g) for t in range(3)]
+
+    def run(m, ctx):
+        with torch.no_grad(), ctx:
+            return [m(input_ids=x, use_cache=False).logits for x in ids]
+
+    ref_trace = RoutingTrace(model)
+    want = run(model, ref_trace)
+    broken = copy.deepcopy(model)
+    for _, block, _ in moe_blocks(broken):
+        with torch.no_grad():
+            block.gate.weight.copy_(block.gate.weight.roll(1, 0))
+    plain = run(broken, RoutingTrace(broken))
+    assert not all(torch.allclose(a, b) for a, b in zip(plain, want))
+    forcing = ForcedRouting(broken, ref_trace)
+    forced = run(broken, forcing)
+    assert forcing.complete and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(forced, want))
+    assert all(not e._forward_pre_hooks for _, _, e in moe_blocks(broken))  # hooks removed
+    assert not ForcedRouting(broken, ref_trace).complete  # not run: nothing forced
 
 
 def test_bench_model_traces_a_moe_model_on_the_cpu(tmp_path):

@@ -33,6 +33,7 @@ MAX_LATENT = 512  # R the kernel's accumulator holds
 MAX_ROPE = 128
 ROWS = 16  # (head, token) rows of one program
 BLOCK_S = 32  # keys per block
+NUM_WARPS = 4
 TARGET_PROGRAMS = 132  # one per SM of an H100: how far a call is split over its keys
 MAX_SPLITS = 8  # the merging program reads every split's partial in turn
 _PLANS = Plans()
@@ -181,6 +182,7 @@ def mla_decode(q_lat, q_rot, latent, k_rot, mask, scale: float, counters: torch.
         blocks_per_split, splits, float(scale), q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_rot.stride(0),
         q_rot.stride(1), q_rot.stride(2), latent.stride(0), latent.stride(1), k_rot.stride(0), k_rot.stride(1), *ms,
         out.stride(0), out.stride(1), out.stride(2), HAS_MASK=mask is not None, ROWS=ROWS, BLOCK_R=block_r,
-        BLOCK_DR=block_dr, BLOCK_S=BLOCK_S, PREC="ieee" if q_lat.dtype == torch.float32 else "tf32", num_warps=4,
+        BLOCK_DR=block_dr, BLOCK_S=BLOCK_S, PREC="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

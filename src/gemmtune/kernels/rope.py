@@ -30,8 +30,17 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """transformers' apply_rotary_pos_emb on [B, S, H, D] tensors (partial rotary included)."""
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """The last dimension's pairs (x0, x1), (x2, x3), ... as [x0, x2, ..., x1, x3, ...]: what transformers'
+    apply_rotary_pos_emb_interleave (DeepSeek's rope_interleave) does before the plain rotation."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False):
+    """transformers' apply_rotary_pos_emb on [B, S, H, D] tensors (partial rotary included); interleaved:
+    its apply_rotary_pos_emb_interleave (full rotary), the output in the de-interleaved order it returns."""
+    if interleaved:
+        q, k = deinterleave(q), deinterleave(k)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     r = cos.shape[-1]
     out = []
@@ -67,6 +76,7 @@ if HAS_TRITON:
         S, HQ, HKV, D, R,
         sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s,
         BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False,
+        INTERLEAVED: tl.constexpr = False,
     ):  # fmt: skip
         if PDL:  # the next kernel may start now; q and k come from the GEMM before this one
             gdc_launch_dependents()
@@ -81,11 +91,14 @@ if HAS_TRITON:
         s2 = tl.load(SIN + b * sc_b + s * sc_s + half + j, mask=jm, other=0.0).to(tl.float32)
         mq = is_q[:, None] & jm[None, :]
         mk = is_k[:, None] & jm[None, :]
-        # a block mixes q heads and k heads: each element comes from exactly one of the two loads
-        x1 = tl.load(Q + src[:, None] + j[None, :], mask=mq, other=0.0).to(tl.float32)
-        x1 += tl.load(K + src[:, None] + j[None, :], mask=mk, other=0.0).to(tl.float32)
-        x2 = tl.load(Q + src[:, None] + half + j[None, :], mask=mq, other=0.0).to(tl.float32)
-        x2 += tl.load(K + src[:, None] + half + j[None, :], mask=mk, other=0.0).to(tl.float32)
+        # a block mixes q heads and k heads: each element comes from exactly one of the two loads;
+        # interleaved, the halves are the even and the odd features (deinterleave)
+        i1 = 2 * j if INTERLEAVED else j
+        i2 = 2 * j + 1 if INTERLEAVED else half + j
+        x1 = tl.load(Q + src[:, None] + i1[None, :], mask=mq, other=0.0).to(tl.float32)
+        x1 += tl.load(K + src[:, None] + i1[None, :], mask=mk, other=0.0).to(tl.float32)
+        x2 = tl.load(Q + src[:, None] + i2[None, :], mask=mq, other=0.0).to(tl.float32)
+        x2 += tl.load(K + src[:, None] + i2[None, :], mask=mk, other=0.0).to(tl.float32)
         dt = QO.dtype.element_ty
         # (x * cos) + (rotate_half(x) * sin), each op rounded to the model dtype like torch does
         o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
@@ -107,22 +120,26 @@ def _heads_view_ok(x: torch.Tensor) -> bool:
     return x.dim() == 4 and x.stride(-1) == 1
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "auto"):
-    """(q_rot, k_rot), contiguous [B, S, H, D]; q [B, S, Hq, D], k [B, S, Hkv, D], cos/sin [b, S, R]."""
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "auto",
+         interleaved: bool = False):  # fmt: skip
+    """(q_rot, k_rot), contiguous [B, S, H, D]; q [B, S, Hq, D], k [B, S, Hkv, D], cos/sin [b, S, R].
+    interleaved: rope_ref's interleaved form (full rotary only; not under torch.compile's custom op)."""
     B, S, HQ, D = q.shape
     if k.shape[0] != B or k.shape[1] != S or k.shape[3] != D or cos.shape != sin.shape or cos.dim() != 3:
         raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit")
     R = cos.shape[-1]
     if R > D or R % 2 or cos.shape[1] != S or cos.shape[0] not in (1, B):
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit q {tuple(q.shape)} (need [1|B, S, R<=D])")
+    if interleaved and R != D:
+        raise ValueError(f"rope: interleaved rotary needs R == D, got cos {tuple(cos.shape)}, q {tuple(q.shape)}")
     ok = triton_installed() and kernel_fits(q, k, cos, sin)
     if impl == "auto" and _is_compiling():
-        return _traced(q, k, cos, sin)
+        return rope_ref(q, k, cos, sin, interleaved) if interleaved else _traced(q, k, cos, sin)
     if impl == "ref" or (impl == "auto" and not (ok and triton_on_gpu(q.device))):
-        return rope_ref(q, k, cos, sin)
+        return rope_ref(q, k, cos, sin, interleaved)
     if not ok:
         raise ValueError(f"rope: the Triton kernel cannot run q {q.dtype} {tuple(q.stride())}, cos {cos.dtype}")
-    return _launch(q, k, cos, sin)
+    return _launch(q, k, cos, sin, interleaved)
 
 
 def kernel_fits(q, k, cos, sin) -> bool:
@@ -136,8 +153,8 @@ def kernel_fits(q, k, cos, sin) -> bool:
     )
 
 
-def _launch(q, k, cos, sin):
-    signature = tuple(tensor_signature(t) for t in (q, k, cos, sin))
+def _launch(q, k, cos, sin, interleaved: bool = False):
+    signature = (tuple(tensor_signature(t) for t in (q, k, cos, sin)), interleaved)
     B, S, HQ, D = q.shape
     HKV = k.shape[2]
     R = cos.shape[-1]
@@ -160,7 +177,8 @@ def _launch(q, k, cos, sin):
         q, k, cos, sin, qo, ko,
         S, HQ, HKV, D, R,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),
-        BLOCK_H=block_h, HALF=half, BLOCK_P=block_p, num_warps=4 if block_h * half >= 512 else 2,
+        BLOCK_H=block_h, HALF=half, BLOCK_P=block_p, INTERLEAVED=interleaved,
+        num_warps=4 if block_h * half >= 512 else 2,
         enable_fp_fusion=False,  # every product rounded, as torch rounds it (qk_norm_rope.py)
         **_pdl_kwargs(q.device),
     )  # fmt: skip

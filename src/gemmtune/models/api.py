@@ -494,7 +494,7 @@ def optimize(
     quantize_lm_head: bool = False,
     quantize_producers: bool = True,
     verify: bool = True,
-    mla_absorb: bool = False,
+    mla_absorb: bool = True,
 ) -> OptimizeReport:
     """Optimize a loaded Hugging Face causal LM in place (call before torch.compile).
 
@@ -515,9 +515,10 @@ def optimize(
     verify: check every changed decoder layer against stock on a tiny left-padded prefill plus cached
     decode steps (models/verify.py) before quantizing; a layer that disagrees is put back to stock and
     reported (its cost is in the report's notes).
-    mla_absorb: DeepSeek-V3's MLA decodes on the latent cache with kv_b_proj absorbed (models/mla.py):
-    decode b=8 of a 4-layer DeepSeek-V3 1.44x over stock instead of 1.10x (H100), but its hidden states
-    sit ~1% from stock's, which flips near-tied expert choices of random-weight models; off by default.
+    mla_absorb: DeepSeek-V2/V3's MLA decodes (<= 16 new tokens) on the latent cache with kv_b_proj
+    absorbed (models/mla.py), where transformers expands the whole cache every step: a 4-layer
+    DeepSeek-V3's CUDA-graph decode 1.48x (b=1) / 1.92x (b=8) over stock instead of 1.19x / 1.10x
+    (H100). False keeps its own forward.
     Returns an OptimizeReport; gemmtune.restore(model) (or report.undo()) gives the original back.
     """
     version = check_transformers()
@@ -532,8 +533,7 @@ def optimize(
         attention=attention, m_threshold=m_threshold, split_bias=bool(split_bias),
         route_linears=bool(route_linears), config=None if config is None else repr(config), verify=bool(verify),
     )  # fmt: skip
-    if mla_absorb:
-        opts.update(mla_absorb=True)
+    opts.update(mla_absorb=bool(mla_absorb))
     if quantize is not None:
         from .quantize import check_mode
 

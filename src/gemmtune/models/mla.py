@@ -14,20 +14,23 @@ The absorbed form computes the same attention on the latents, as the serving eng
   out   = o_lat @ W_UV^T          (per head: [R] -> [dv], W_UV the value rows of kv_b_proj)
 It reads the latent cache once (B * S * (R + dr) elements) instead of writing and reading the expanded
 one (B * H * S * (dn + 2 dv)). It runs for forwards of at most ABSORB_MAX_Q new tokens (decode,
-speculation); prefill keeps the stock forward, where the expansion is a well-shaped GEMM.
+speculation). Prefill keeps stock's math, where the expansion is a well-shaped GEMM, with the rotary in
+one launch (kernels/rope.py, probed bit-equal to the modeling module's) and the roped features written
+back into the query projection's output instead of a new concatenated query; where gradients may flow,
+the stock forward runs.
 `absorbed_attention_ref` is plain PyTorch (fp32), tested against the stock expansion; `absorbed_attention` runs
 the latent decode kernel (kernels/mla_decode.py) where it can, the reference elsewhere.
 
-Opt-in (optimize(mla_absorb=True)). Measured on an H100, 4-layer DeepSeek-V3 (1 dense + 3 MoE layers,
-random weights, bf16, CUDA-graph decode at 1024 cached tokens), with the latent kernel: b=1 2.72 ms and b=8
-7.03 ms vs stock's 4.09 / 13.74 (1.50x / 1.96x; optimize() without it 1.19x / 1.10x) where every layer takes
-it (benchmarks/results/h100/fused_moe_op/bench_model_moe_families.md). It is no less exact than stock (one
+On by default (optimize(mla_absorb=False) keeps the stock forward). Measured on an H100, 4-layer
+DeepSeek-V3 (1 dense + 3 MoE layers, random weights, bf16, CUDA-graph decode at 1024 cached tokens): b=1
+2.82 ms and b=8 7.24 ms vs stock's 4.17 / 13.92 (1.48x / 1.92x; MLA stock 1.19x / 1.10x;
+benchmarks/results/h100/fused_moe_op/bench_model_moe_families.md). It is no less exact than stock (one
 layer against an fp64 evaluation of the same bf16 weights, its fp32 form: 0.49-0.53% vs stock's 0.51-0.55%;
-benchmarks/experiments/exp_mla_precision.py), but it rounds
-elsewhere, and the ~1% that leaves between the two models' hidden states flips near-tied expert choices of
-the random-weight router on 7 of 17 teacher-forced decode steps: more than bench-model's parity rule
-explains away (4), and optimize()'s cached-path check, not flip-aware, puts one layer back. Until the
-parity checks judge routing flips on their own, the default keeps MLA stock.
+benchmarks/experiments/exp_mla_precision.py), but it rounds elsewhere, and the ~1% that leaves between the
+two models' hidden states flips near-tied expert choices of a random-weight router on some decode steps.
+Both parity checks judge that apart from the arithmetic: optimize()'s cached-path check feeds each MoE
+block stock's input (models/verify.py), and bench-model decodes again with stock's expert choices forced
+(profiling/moe_routing.ForcedRouting), where every step is within 0.013 of stock.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from torch import nn
 
 from .. import device as _device
 from ..kernels import mla_decode as kmla
+from ..kernels import rope as krope
 from ..kernels._common import ArrivalCounters
+from . import static_cache
 from .architectures import attention_call
 from .attention import _env_mode
 from .hf_cache import pop_cache
@@ -56,6 +61,7 @@ ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
 MLA_DECODE_MODES = ("torch", "triton")
 MLA_DECODE = _env_mode("GEMMTUNE_MLA_DECODE", MLA_DECODE_MODES, "triton")
 _counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per attention module: one call at a time
+_interface: list = []  # transformers' ALL_ATTENTION_FUNCTIONS, imported on first use
 UNDO_ATTRS = ("forward", "_gemmtune_mla")
 _ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "expand_kv", "scaling", "layer_idx")
 _DIMS = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
@@ -71,6 +77,8 @@ class MlaSpec:
     cache_arg: str
     rotary: Callable
     rotary_interleave: Callable | None
+    rope_kernel: bool = False  # kernels/rope.rope computes the model's rotary bit for bit (probed at plan time)
+    eager: Callable | None = None  # the modeling module's eager_attention_forward (the interface's default)
 
     def describe(self) -> str:
         return (
@@ -100,7 +108,26 @@ def plan(attn: nn.Module) -> MlaSpec | str:
     interleave = getattr(module, "apply_rotary_pos_emb_interleave", None)
     if getattr(attn.config, "rope_interleave", False) and interleave is None:
         return "rope_interleave is set but the modeling module has no apply_rotary_pos_emb_interleave"
-    return MlaSpec(h, dn, dr, dv, r, cache_arg, rotary, interleave)
+    interleaved = bool(getattr(attn.config, "rope_interleave", False))
+    rope_kernel = _rope_matches(interleave if interleaved else rotary, interleaved)
+    eager = getattr(module, "eager_attention_forward", None)
+    return MlaSpec(h, dn, dr, dv, r, cache_arg, rotary, interleave, rope_kernel, eager)
+
+
+def _rope_matches(fn: Callable, interleaved: bool) -> bool:
+    """Does kernels/rope.rope (its reference, on this probe) give what the modeling module's `fn` gives, bit
+    for bit, on MLA's layouts ([B, H, L, dr] queries, one shared key head) and a rotary embedding's cos /
+    sin (cat(angles, angles))? A transformers release that changes its rotary leaves MLA on `fn`."""
+    g = torch.Generator().manual_seed(11)
+    q, k = torch.randn(2, 3, 4, 16, generator=g), torch.randn(2, 1, 4, 16, generator=g)
+    cos, sin = (torch.randn(2, 4, 8, generator=g).repeat(1, 1, 2) for _ in range(2))
+    try:
+        with torch.no_grad():
+            want_q, want_k = fn(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - a rotary with another signature: keep it
+        return False
+    got_q, got_k = krope.rope_ref(q.transpose(1, 2), k.transpose(1, 2), cos, sin, interleaved)
+    return torch.equal(got_q.transpose(1, 2), want_q) and torch.equal(got_k.transpose(1, 2), want_k)
 
 
 def apply(attn: nn.Module, spec: MlaSpec) -> None:
@@ -195,14 +222,19 @@ def _stock(self, s: MlaSpec, hidden_states, position_embeddings, attention_mask,
     )
 
 
+def _grad_needed(self) -> bool:
+    return torch.is_grad_enabled() and self.kv_b_proj.weight.requires_grad
+
+
 def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     s: MlaSpec = self._gemmtune_mla
     cache = pop_cache(kwargs, s.cache_arg)
     B, L = hidden_states.shape[:-1]
+    absorb = L <= ABSORB_MAX_Q and not (L > 1 and attention_mask is None)  # no mask: the causal pattern implied
+    prefill_ok = s.rope_kernel and s.eager is not None and not _grad_needed(self)
     if (
-        L > ABSORB_MAX_Q
-        or self.training
-        or (L > 1 and attention_mask is None)  # several new tokens, no mask: the causal pattern is implied
+        self.training
+        or not (absorb or prefill_ok)
         or not (attention_mask is None or isinstance(attention_mask, torch.Tensor))
         or type(self.kv_b_proj) is not nn.Linear  # quantized, or replaced since the plan
     ):
@@ -211,18 +243,40 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
         q = self.q_proj(hidden_states)
     else:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-    q = q.view(B, L, s.heads, s.nope + s.rope).transpose(1, 2)
-    q_nope, q_rot = torch.split(q, [s.nope, s.rope], dim=-1)
+    q = q.view(B, L, s.heads, s.nope + s.rope)
     kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [s.rank, s.rope], dim=-1)
     kv_latent = self.kv_a_layernorm(kv_latent).view(B, 1, L, s.rank)
-    k_rot = k_rot.view(B, 1, L, s.rope)
-    cos, sin = position_embeddings
-    rotary = s.rotary_interleave if getattr(self.config, "rope_interleave", False) else s.rotary
-    q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
+    q_rot, k_rot = _rotate(self, s, q[..., s.nope :], k_rot.view(B, L, 1, s.rope), position_embeddings)
+    k_rot = k_rot.transpose(1, 2)  # [B, 1, L, dr], as stock caches it
     if cache is not None:
         # 5.24 hands the layer's kwargs to the cache (its layers may read them); earlier releases did not
         extra = {"kwargs": kwargs} if s.cache_arg == "cache" else {}
-        kv_latent, k_rot = cache.update(kv_latent, k_rot, self.layer_idx, **extra)
-    out = absorbed_attention(self, q_nope, q_rot, kv_latent, k_rot, self.kv_b_proj.weight, s.v, self.scaling,
-                             attention_mask)  # fmt: skip
-    return self.o_proj(out.reshape(B, L, s.heads * s.v)), None
+        kv_latent, k_rot = static_cache.update(cache, kv_latent, k_rot, self.layer_idx, **extra)
+    if absorb:
+        out = absorbed_attention(self, q[..., : s.nope].transpose(1, 2), q_rot.transpose(1, 2), kv_latent, k_rot,
+                                 self.kv_b_proj.weight, s.v, self.scaling, attention_mask)  # fmt: skip
+        return self.o_proj(out.reshape(B, L, s.heads * s.v)), None
+    # prefill: stock's math, the roped features written back into the projection's output, where stock
+    # concatenates the query anew
+    q[..., s.nope :].copy_(q_rot)
+    key_states, value_states = self.expand_kv(kv_latent, k_rot)
+    if not _interface:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        _interface.append(ALL_ATTENTION_FUNCTIONS)
+    fn = _interface[0].get_interface(self.config._attn_implementation, s.eager)
+    out, weights = fn(self, q.transpose(1, 2), key_states, value_states, attention_mask, dropout=0.0,
+                      scaling=self.scaling, **kwargs)  # fmt: skip
+    return self.o_proj(out.reshape(B, L, -1).contiguous()), weights
+
+
+def _rotate(self, s: MlaSpec, q_rot, k_rot, position_embeddings):
+    """The rotary on [B, L, H, dr] / [B, L, 1, dr] views: kernels/rope in one launch where it matched the
+    modeling module's function (plan), else that function."""
+    cos, sin = position_embeddings
+    interleaved = bool(getattr(self.config, "rope_interleave", False))
+    if s.rope_kernel:
+        return krope.rope(q_rot, k_rot, cos, sin, interleaved=interleaved)
+    rotary = s.rotary_interleave if interleaved else s.rotary
+    q_rot, k_rot = rotary(q_rot.transpose(1, 2), k_rot.transpose(1, 2), cos, sin)
+    return q_rot.transpose(1, 2), k_rot.transpose(1, 2)

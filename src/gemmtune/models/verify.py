@@ -9,6 +9,13 @@ differs from stock beyond the dtype's tolerance (relative L2 over the real, unpa
 back to stock by the caller, and the logits check does the same for what lies outside the layers
 (final norm, lm_head).
 
+A mixture-of-experts block inside a layer is teacher-forced too: it gets the stock block's input, and
+the input the optimized layer computed for it is judged on its own. Otherwise a rounding difference
+in the attention, well within the tolerance, may flip the router's choice between two near-tied
+experts and move the layer's output by a whole expert's share (0.12 on a random-weight DeepSeek-V3
+with absorbed MLA), which says nothing of either half. Judged apart, the attention half (up to the
+block's input) and the block (on the same input, so routing as stock's) must each agree.
+
 The probe's GEMMs are neither captured nor tuned online (Dispatcher.quiet).
 """
 
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .architectures import is_moe_block
 from .hf_cache import cache_of, with_cache
 
 PREFILL = 5
@@ -61,6 +69,8 @@ class Trace:
     outputs: list[list[torch.Tensor]]  # per layer, per call: what it returned
     logits: list[torch.Tensor] = field(default_factory=list)  # per call
     seconds: float = 0.0
+    # per layer, per call of its MoE block(s): the input the layer computed for the block (before forcing)
+    block_inputs: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -70,7 +80,7 @@ def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
 def run(model: nn.Module, layers: list[nn.Module], probe: Probe, teacher: Trace | None = None) -> Trace:
     """Prefill + DECODE_STEPS cached steps, recording each layer's inputs and outputs; with `teacher`,
     each layer is fed the teacher's input of the same call instead of its predecessor's output."""
-    trace = Trace([[] for _ in layers], [[] for _ in layers])
+    trace = Trace([[] for _ in layers], [[] for _ in layers], block_inputs=[[] for _ in layers])
     handles = []
 
     def pre_hook(i):
@@ -93,9 +103,26 @@ def run(model: nn.Module, layers: list[nn.Module], probe: Probe, teacher: Trace 
 
         return hook
 
+    def block_hook(i):
+        def hook(mod, args, kwargs):
+            calls = trace.block_inputs[i]
+            calls.append(_hidden(args, kwargs).detach().clone())
+            taught = teacher.block_inputs[i] if teacher is not None else []
+            if len(taught) >= len(calls):  # the stock block's input of the same call
+                h = taught[len(calls) - 1]
+                if args:
+                    args = (h, *args[1:])
+                else:
+                    kwargs = {**kwargs, "hidden_states": h}
+            return args, kwargs
+
+        return hook
+
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         handles.append(layer.register_forward_hook(post_hook(i), with_kwargs=True))
+        for block in (m for m in layer.modules() if m is not layer and is_moe_block(m)):
+            handles.append(block.register_forward_pre_hook(block_hook(i), with_kwargs=True))
     start = time.perf_counter()
     was_training = model.training
     try:
@@ -120,7 +147,10 @@ def run(model: nn.Module, layers: list[nn.Module], probe: Probe, teacher: Trace 
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor) -> float:
-    """Relative L2 error over the real tokens (padding rows hold whatever each path leaves there)."""
+    """Relative L2 error over the real tokens (padding rows hold whatever each path leaves there); a
+    [tokens, hidden] tensor (an MoE block's flattened input) is read as [BATCH, tokens / BATCH, hidden]."""
+    if got.dim() == 2 and tuple(got.shape[:1]) == (valid.numel(),):
+        got, want = got.view(*valid.shape, -1), want.view(*valid.shape, -1)
     g, w = got.float()[valid], want.float()[valid]
     if not torch.isfinite(g).all():
         return float("inf")
@@ -145,7 +175,14 @@ class Verdict:
 
 
 def compare(stock: Trace, opt: Trace, probe: Probe, tol: float) -> Verdict:
-    worst = [_worst(i, want, got, probe) for i, (want, got) in enumerate(zip(stock.outputs, opt.outputs))]
+    """Each layer at its worst call: its output, or the input it computed for its MoE block(s)."""
+    worst = []
+    for i, (want, got) in enumerate(zip(stock.outputs, opt.outputs)):
+        found = [_worst(i, want, got, probe)]
+        if stock.block_inputs and (stock.block_inputs[i] or opt.block_inputs[i]):
+            found.append(_worst(i, stock.block_inputs[i], opt.block_inputs[i], probe, per_call=len(want)))
+        found = [f for f in found if f is not None]
+        worst.append(max(found, key=lambda f: f.error) if found else None)
     found = [f for f in worst if f is not None]
     logits = _worst(-1, stock.logits, opt.logits, probe)
     return Verdict(
@@ -155,11 +192,15 @@ def compare(stock: Trace, opt: Trace, probe: Probe, tol: float) -> Verdict:
     )
 
 
-def _worst(index: int, want: list, got: list, probe: Probe) -> Finding | None:
+def _worst(index: int, want: list, got: list, probe: Probe, per_call: int = 0) -> Finding | None:
+    """The worst of the calls; per_call: the layer's calls, when `want` holds several entries a call
+    (a layer with more than one MoE block)."""
     if len(got) != len(want):  # a layer skipped or called twice: as wrong as it gets
         return Finding(index, min(len(got), len(want)), float("inf"))
+    each = max(1, len(want) // per_call) if per_call else 1
     found = None
-    for call, (w, g) in enumerate(zip(want, got)):
+    for n, (w, g) in enumerate(zip(want, got)):
+        call = n // each
         err = rel_error(g, w, probe.valid(call)) if g.shape == w.shape else float("inf")
         if found is None or err > found.error:
             found = Finding(index, call, err)

@@ -32,7 +32,7 @@ from ..kernels.compile_mode import compile_ops
 from ..models.hf_cache import CACHE_ARGS, with_cache
 from ..tuner.timing import round_order
 from .collect import profile
-from .moe_routing import Flip, RoutingTrace, explain, moe_blocks
+from .moe_routing import Flip, ForcedRouting, RoutingTrace, explain, moe_blocks
 from .moe_routing import rel_l2 as _rel
 from .report import Profile
 from .shared_weights import check_unchanged, copy_model, fingerprint, must_share
@@ -287,8 +287,11 @@ DECODE_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 QUANT_DECODE_TOL = 0.05
 QUANT_FLOOR_MARGIN = 1.5
 PARITY_PROMPT = (2, 32)  # batch, prompt tokens
-# A MoE routing flip (moe_routing.py) may explain a step over the tolerance; more than one step in
-# MAX_FLIP_SHARE needing it fails the contender all the same.
+# A MoE routing flip (moe_routing.py) may explain a step over the tolerance. A contender with flips is
+# decoded again with the reference's routing forced on every MoE block (moe_routing.ForcedRouting):
+# every step must then be within the tolerance, which shows the flips were the only difference. Where
+# forcing cannot reach every block (one that does not call its experts module), more than one step in
+# MAX_FLIP_SHARE needing a flip fails the contender all the same.
 MAX_FLIP_SHARE = 4
 
 
@@ -304,13 +307,20 @@ class DecodeParity:
     vs_stock: list[float] = field(default_factory=list)  # per step against stock, where the reference is not
     floor: float | None = None  # 8-bit: the reference vs its bf16-matmul twin (the tolerance's base)
     flips: list[Flip] = field(default_factory=list)  # steps over the tolerance a MoE routing flip explains
+    forced: list[float] = field(default_factory=list)  # per step, with the reference's routing forced (flips only)
 
     @property
     def ok(self) -> bool:
-        if self.failure or not self.errors or len(self.flips) > len(self.errors) // MAX_FLIP_SHARE:
+        if self.failure or not self.errors:
             return False
         flipped = {f.step for f in self.flips}
-        return all(e <= self.tolerance for i, e in enumerate(self.errors) if i not in flipped)
+        if any(e > self.tolerance for i, e in enumerate(self.errors) if i not in flipped):
+            return False
+        if not self.flips:
+            return True
+        if self.forced:
+            return all(e <= self.tolerance for e in self.forced)
+        return len(self.flips) <= len(self.errors) // MAX_FLIP_SHARE
 
     def verdict(self) -> str:
         if self.failure:
@@ -327,6 +337,11 @@ class DecodeParity:
                 f"contender's block routes as the reference on the reference's input), up to "
                 f"{max(self.errors[i] for i in flipped):.3g}: " + "; ".join(f.describe() for f in self.flips)
             )
+        if self.forced:
+            worst_forced = max(self.forced)
+            text += (
+                f"; with the reference's expert choices forced on every MoE block, max step rel err {worst_forced:.3g}"
+            )
         return text
 
     def as_dict(self) -> dict:
@@ -334,7 +349,8 @@ class DecodeParity:
         vs_stock = [e if math.isfinite(e) else None for e in self.vs_stock]
         return {"ok": self.ok, "tolerance": self.tolerance, "step_rel_err": errs, "greedy_equal": self.agree,
                 "failure": self.failure, "reference": self.reference, "step_rel_err_vs_stock": vs_stock,
-                "floor": self.floor, "routing_flips": [f.describe() for f in self.flips]}  # fmt: skip
+                "floor": self.floor, "routing_flips": [f.describe() for f in self.flips],
+                "forced_routing_step_rel_err": [e if math.isfinite(e) else None for e in self.forced]}  # fmt: skip
 
 
 def _decode_logits(c: Contender, prompt: torch.Tensor, feed: torch.Tensor | None, steps: int, trace=None):
@@ -396,6 +412,11 @@ def decode_parity(contenders: list[Contender], stock, s: Settings, vocab: int, d
             with c.context():
                 flips = (explain(i, ref_trace, trace, c.module, tol) for i, e in enumerate(p.errors) if e > tol)
                 p.flips = [f for f in flips if f is not None]
+            if p.flips:
+                forcing = ForcedRouting(c.module, ref_trace)
+                forced, _ = _decode_logits(c, prompt, tokens, s.decode_steps, forcing)
+                if forcing.complete:
+                    p.forced = [_rel(g, w) for g, w in zip(forced, ref)]
         p.agree = [bool(torch.equal(g.argmax(-1), w.argmax(-1))) for g, w in zip(got, ref)]
         if quantized:
             p.reference = "quantized reference"

@@ -95,13 +95,20 @@ def _decode_parity_section(res: Result) -> list[str]:
            "an 8-bit contender the same quantized model on the plain-PyTorch reference of its 8-bit linears; "
            "its error vs stock, the quantization's own, is in the last column. An 8-bit contender's tolerance "
            f"is {QUANT_FLOOR_MARGIN:g}x the floor, the reference's own distance from its twin with the matmul "
-           f"in the model dtype, and at least {QUANT_DECODE_TOL:g}):", ""]  # fmt: skip
+           f"in the model dtype, and at least {QUANT_DECODE_TOL:g}. Steps over the tolerance that a MoE routing "
+           "flip explains (near-tied experts; the block's input within the tolerance and its router agreeing "
+           "on the reference's input) are named in the verdict; the contender is then decoded again with the "
+           "reference's expert choices forced, and every step of that run must be within the tolerance):",
+           ""]  # fmt: skip
     out += ["| contender | reference | verdict | max step rel err | greedy tokens equal | tolerance | vs stock |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for n, p in dp.items():
         worst = _f(max(p.errors), 4) if p.errors else "-"
         agree = f"{sum(p.agree)}/{len(p.agree)}" if p.agree else "-"
         verdict = "ok" if p.ok else ("FAILED" if p.failure else "MISMATCH")
+        if p.flips:
+            forced = f", forced routing max {_f(max(p.forced), 4)}" if p.forced else ""
+            verdict += f" ({len(p.flips)} routing flips{forced})"
         vs_stock = _f(max(p.vs_stock), 4) if p.vs_stock else "-"
         tol = f"{p.tolerance:.3g}" + (f" (floor {p.floor:.3g})" if p.floor is not None else "")
         out.append(f"| {n} | {p.reference} | {verdict} | {worst} | {agree} | {tol} | {vs_stock} |")

@@ -13,7 +13,12 @@ cache moves every step; so a step over the tolerance is explained only when all 
   computes the same decision; the flip came from the input's rounding).
 
 Transformers 5 MoE blocks call `self.experts(hidden (T, H), top_k_index (T, k), top_k_weights)`; the
-block is the experts module's parent, and optimize() keeps both calls.
+block is the experts module's parent, and optimize() keeps both calls (a block that folds its shared
+expert into the experts' call does not call its experts module: nothing of it is recorded or forced).
+
+`ForcedRouting` replays the reference's routing: every experts call of the contender gets the
+reference's top_k_index and top_k_weights of the same call, so a run under it cannot flip, and what
+is left of its error is the arithmetic's own.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class RoutingTrace:
         self.blocks = moe_blocks(model)
         self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n, _, _ in self.blocks}
         self.ids: dict[str, list[torch.Tensor]] = {n: [] for n, _, _ in self.blocks}
+        self.routing: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n, _, _ in self.blocks}
         self._handles: list = []
 
     def __enter__(self) -> RoutingTrace:
@@ -69,8 +75,61 @@ class RoutingTrace:
     def _keep_ids(self, name):
         def hook(mod, args, kwargs):
             self.ids[name].append(_ids_of(args, kwargs).clone())
+            self.routing[name].append(tuple(_arg(args, kwargs, i, k).detach().clone() for i, k in _ROUTING_ARGS))
 
         return hook
+
+
+_ROUTING_ARGS = ((1, "top_k_index"), (2, "top_k_weights"))
+
+
+def _arg(args, kwargs, index: int, name: str):
+    return args[index] if len(args) > index else kwargs[name]
+
+
+class ForcedRouting:
+    """While entered: each MoE block of `model` routes as `reference` (a RoutingTrace of another run of
+    the same inputs) did on the same call. `complete` says, after, whether every block with recorded
+    routing had every call forced."""
+
+    def __init__(self, model: torch.nn.Module, reference: RoutingTrace):
+        self.blocks = moe_blocks(model)
+        self.reference = reference
+        self.forced: dict[str, int] = {n: 0 for n, _, _ in self.blocks}
+        self._handles: list = []
+
+    def __enter__(self) -> ForcedRouting:
+        for name, _, experts in self.blocks:
+            if self.reference.routing.get(name):
+                self._handles.append(experts.register_forward_pre_hook(self._force(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _force(self, name):
+        def hook(mod, args, kwargs):
+            calls = self.reference.routing[name]
+            n = self.forced[name]
+            if n >= len(calls):
+                return args, kwargs
+            self.forced[name] = n + 1
+            args, kwargs = list(args), dict(kwargs)
+            for (index, key), value in zip(_ROUTING_ARGS, calls[n]):
+                if len(args) > index:
+                    args[index] = value
+                else:
+                    kwargs[key] = value
+            return tuple(args), kwargs
+
+        return hook
+
+    @property
+    def complete(self) -> bool:
+        want = {n: len(c) for n, c in self.reference.routing.items() if c}
+        return bool(want) and all(self.forced.get(n, 0) == k for n, k in want.items())
 
 
 @dataclass
