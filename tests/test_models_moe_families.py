@@ -319,3 +319,19 @@ def test_preset_expert_shapes_match_the_built_model(preset):
     assert (key.model_dim, key.inter_dim, key.expert - key.shared_expert) == (H, two_i // 2, E + folded)
     if folded:
         assert key.topk == block.gate.top_k + folded
+
+
+def test_mla_prefill_expansion_equals_transformers_expand_kv():
+    """The prefill path's keys and values (models/mla._expand: [B, S, H, .] buffers read as [B, H, S, .])
+    hold exactly what transformers' expand_kv builds."""
+    from gemmtune.models import mla
+
+    attn = build("deepseek-v3").model.layers[0].self_attn
+    spec = mla.plan(attn)
+    g = torch.Generator().manual_seed(8)
+    lat = torch.randn(2, 1, 7, attn.kv_lora_rank, generator=g)
+    k_rot = torch.randn(2, 1, 7, attn.qk_rope_head_dim, generator=g)
+    with torch.no_grad():
+        got_k, got_v = mla._expand(attn, spec, lat, k_rot)
+        want_k, want_v = attn.expand_kv(lat, k_rot)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)

@@ -64,11 +64,17 @@ def _run_cases(cases, device: str) -> dict:
         sin = torch.randn(cb, S, r, generator=gen).to(dtype).to(device)
         qo, ko = R.rope(q, k, cos, sin, impl="triton", interleaved=il)
         qr, kr = R.rope_ref(q, k, cos, sin, interleaved=il)
+        inplace = 0.0
+        if lay == "mla":  # q_rot written back into the projection's output, in place
+            qi, _ = R.rope(q, k, cos, sin, impl="triton", interleaved=il, out_q=q)
+            same = qi.data_ptr() == q.data_ptr()
+            inplace = (q.float() - qr.float()).abs().max().item() if same else float("inf")
         out[name] = {
             "shape_ok": qo.shape == q.shape and ko.shape == k.shape and qo.is_contiguous() and ko.is_contiguous(),
             "nan": bool(torch.isnan(qo).any().item() or torch.isnan(ko).any().item()),
             "err": max((qo.float() - qr.float()).abs().max().item(), (ko.float() - kr.float()).abs().max().item())
             / max(qr.float().abs().max().item(), kr.float().abs().max().item(), 1e-30),
+            "inplace_err": inplace / max(qr.float().abs().max().item(), 1e-30),
         }
     return out
 
@@ -84,6 +90,7 @@ def test_kernel_matches_reference(case, results):
     assert r["shape_ok"] and not r["nan"], r
     # Same roundings as the reference (exact in fp16/bf16); in fp32 an FMA may move the last bit.
     assert r["err"] <= {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[case[-1]], r
+    assert r["inplace_err"] <= {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[case[-1]], r
 
 
 def test_reference_is_transformers_apply_rotary_pos_emb():

@@ -74,7 +74,7 @@ if HAS_TRITON:
     def _rope_kernel(
         Q, K, COS, SIN, QO, KO,
         S, HQ, HKV, D, R,
-        sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s,
+        sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s, soq_b, soq_s, soq_h,
         BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False,
         INTERLEAVED: tl.constexpr = False,
     ):  # fmt: skip
@@ -82,6 +82,8 @@ if HAS_TRITON:
             gdc_launch_dependents()
             gdc_wait()
         b, s, is_q, is_k, src, dst = head_rows(S, HQ, HKV, D, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, BLOCK_H)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        qdst = b * soq_b + s * soq_s + tl.where(is_q, heads, 0) * soq_h  # q's output may be any [B, S, H, D] view
         half = R // 2
         j = tl.arange(0, HALF)
         jm = j < half
@@ -103,8 +105,8 @@ if HAS_TRITON:
         # (x * cos) + (rotate_half(x) * sin), each op rounded to the model dtype like torch does
         o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
         o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
-        tl.store(QO + dst[:, None] + j[None, :], o1.to(dt), mask=mq)
-        tl.store(QO + dst[:, None] + half + j[None, :], o2.to(dt), mask=mq)
+        tl.store(QO + qdst[:, None] + j[None, :], o1.to(dt), mask=mq)
+        tl.store(QO + qdst[:, None] + half + j[None, :], o2.to(dt), mask=mq)
         tl.store(KO + dst[:, None] + j[None, :], o1.to(dt), mask=mk)
         tl.store(KO + dst[:, None] + half + j[None, :], o2.to(dt), mask=mk)
         if BLOCK_P > 0:  # partial rotary: copy the features past R
@@ -112,7 +114,7 @@ if HAS_TRITON:
             pm = p < D
             xq = tl.load(Q + src[:, None] + p[None, :], mask=is_q[:, None] & pm[None, :], other=0.0)
             xk = tl.load(K + src[:, None] + p[None, :], mask=is_k[:, None] & pm[None, :], other=0.0)
-            tl.store(QO + dst[:, None] + p[None, :], xq, mask=is_q[:, None] & pm[None, :])
+            tl.store(QO + qdst[:, None] + p[None, :], xq, mask=is_q[:, None] & pm[None, :])
             tl.store(KO + dst[:, None] + p[None, :], xk, mask=is_k[:, None] & pm[None, :])
 
 
@@ -121,9 +123,10 @@ def _heads_view_ok(x: torch.Tensor) -> bool:
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "auto",
-         interleaved: bool = False):  # fmt: skip
+         interleaved: bool = False, out_q: torch.Tensor | None = None):  # fmt: skip
     """(q_rot, k_rot), contiguous [B, S, H, D]; q [B, S, Hq, D], k [B, S, Hkv, D], cos/sin [b, S, R].
-    interleaved: rope_ref's interleaved form (full rotary only; not under torch.compile's custom op)."""
+    interleaved: rope_ref's interleaved form (full rotary only; not under torch.compile's custom op).
+    out_q: a [B, S, Hq, D] view (unit last stride) q_rot is written to and returned as; it may be q itself."""
     B, S, HQ, D = q.shape
     if k.shape[0] != B or k.shape[1] != S or k.shape[3] != D or cos.shape != sin.shape or cos.dim() != 3:
         raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit")
@@ -132,14 +135,19 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit q {tuple(q.shape)} (need [1|B, S, R<=D])")
     if interleaved and R != D:
         raise ValueError(f"rope: interleaved rotary needs R == D, got cos {tuple(cos.shape)}, q {tuple(q.shape)}")
+    if out_q is not None and (out_q.shape != q.shape or out_q.dtype != q.dtype or out_q.stride(-1) != 1):
+        raise ValueError(f"rope: out_q {out_q.dtype} {tuple(out_q.shape)} is not a {q.dtype} {tuple(q.shape)} view "
+                         "with a unit last stride")  # fmt: skip
     ok = triton_installed() and kernel_fits(q, k, cos, sin)
     if impl == "auto" and _is_compiling():
-        return rope_ref(q, k, cos, sin, interleaved) if interleaved else _traced(q, k, cos, sin)
-    if impl == "ref" or (impl == "auto" and not (ok and triton_on_gpu(q.device))):
-        return rope_ref(q, k, cos, sin, interleaved)
-    if not ok:
+        qo, ko = rope_ref(q, k, cos, sin, interleaved) if interleaved or out_q is not None else _traced(q, k, cos, sin)
+    elif impl == "ref" or (impl == "auto" and not (ok and triton_on_gpu(q.device))):
+        qo, ko = rope_ref(q, k, cos, sin, interleaved)
+    elif not ok:
         raise ValueError(f"rope: the Triton kernel cannot run q {q.dtype} {tuple(q.stride())}, cos {cos.dtype}")
-    return _launch(q, k, cos, sin, interleaved)
+    else:
+        return _launch(q, k, cos, sin, interleaved, out_q)
+    return (qo if out_q is None else out_q.copy_(qo)), ko
 
 
 def kernel_fits(q, k, cos, sin) -> bool:
@@ -153,8 +161,8 @@ def kernel_fits(q, k, cos, sin) -> bool:
     )
 
 
-def _launch(q, k, cos, sin, interleaved: bool = False):
-    signature = (tuple(tensor_signature(t) for t in (q, k, cos, sin)), interleaved)
+def _launch(q, k, cos, sin, interleaved: bool = False, out_q: torch.Tensor | None = None):
+    signature = (tuple(tensor_signature(t) for t in (q, k, cos, sin, out_q)), interleaved)
     B, S, HQ, D = q.shape
     HKV = k.shape[2]
     R = cos.shape[-1]
@@ -163,7 +171,7 @@ def _launch(q, k, cos, sin, interleaved: bool = False):
     if sin.stride() != cos.stride():
         sin = sin.contiguous()
         cos = cos.contiguous()
-    qo = _empty((B, S, HQ, D), q)
+    qo = _empty((B, S, HQ, D), q) if out_q is None else out_q
     ko = _empty((B, S, HKV, D), k)
     if B * S == 0:
         return qo, ko
@@ -177,7 +185,7 @@ def _launch(q, k, cos, sin, interleaved: bool = False):
         q, k, cos, sin, qo, ko,
         S, HQ, HKV, D, R,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),
-        BLOCK_H=block_h, HALF=half, BLOCK_P=block_p, INTERLEAVED=interleaved,
+        qo.stride(0), qo.stride(1), qo.stride(2), BLOCK_H=block_h, HALF=half, BLOCK_P=block_p, INTERLEAVED=interleaved,
         num_warps=4 if block_h * half >= 512 else 2,
         enable_fp_fusion=False,  # every product rounded, as torch rounds it (qk_norm_rope.py)
         **_pdl_kwargs(q.device),

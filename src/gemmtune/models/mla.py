@@ -246,20 +246,21 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     q = q.view(B, L, s.heads, s.nope + s.rope)
     kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [s.rank, s.rope], dim=-1)
     kv_latent = self.kv_a_layernorm(kv_latent).view(B, 1, L, s.rank)
-    q_rot, k_rot = _rotate(self, s, q[..., s.nope :], k_rot.view(B, L, 1, s.rope), position_embeddings)
+    k_rot = _rotate(self, s, q[..., s.nope :], k_rot.view(B, L, 1, s.rope), position_embeddings)
     k_rot = k_rot.transpose(1, 2)  # [B, 1, L, dr], as stock caches it
     if cache is not None:
         # 5.24 hands the layer's kwargs to the cache (its layers may read them); earlier releases did not
         extra = {"kwargs": kwargs} if s.cache_arg == "cache" else {}
         kv_latent, k_rot = static_cache.update(cache, kv_latent, k_rot, self.layer_idx, **extra)
     if absorb:
-        out = absorbed_attention(self, q[..., : s.nope].transpose(1, 2), q_rot.transpose(1, 2), kv_latent, k_rot,
-                                 self.kv_b_proj.weight, s.v, self.scaling, attention_mask)  # fmt: skip
+        q = q.transpose(1, 2)
+        out = absorbed_attention(self, q[..., : s.nope], q[..., s.nope :], kv_latent, k_rot, self.kv_b_proj.weight,
+                                 s.v, self.scaling, attention_mask)  # fmt: skip
         return self.o_proj(out.reshape(B, L, s.heads * s.v)), None
-    # prefill: stock's math, the roped features written back into the projection's output, where stock
-    # concatenates the query anew
-    q[..., s.nope :].copy_(q_rot)
-    key_states, value_states = self.expand_kv(kv_latent, k_rot)
+    # prefill: stock's math with the roped features written back into the query projection's output (stock
+    # concatenates a new query) and the keys built in the expansion's [B, S, H, .] order (stock's copies
+    # transpose); the same values
+    key_states, value_states = _expand(self, s, kv_latent, k_rot)
     if not _interface:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -270,13 +271,26 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     return self.o_proj(out.reshape(B, L, -1).contiguous()), weights
 
 
+def _expand(self, s: MlaSpec, kv_latent, k_rot):
+    """transformers' expand_kv (kv_b_proj over every cached latent; keys [k_nope | k_rot], values) as views
+    [B, H, S, .] of [B, S, H, .] tensors."""
+    B, S = kv_latent.shape[0], kv_latent.shape[2]
+    kv = self.kv_b_proj(kv_latent).view(B, S, s.heads, s.nope + s.v)
+    key = kv.new_empty(B, S, s.heads, s.nope + s.rope)
+    key[..., : s.nope].copy_(kv[..., : s.nope])
+    key[..., s.nope :].copy_(k_rot[:, 0, :, None, :].expand(B, S, s.heads, s.rope))
+    return key.transpose(1, 2), kv[..., s.nope :].transpose(1, 2)
+
+
 def _rotate(self, s: MlaSpec, q_rot, k_rot, position_embeddings):
-    """The rotary on [B, L, H, dr] / [B, L, 1, dr] views: kernels/rope in one launch where it matched the
+    """The rotary on [B, L, H, dr] / [B, L, 1, dr] views: q_rot is rotated in place (a view into the query
+    projection's output), the rotated k_rot returned. kernels/rope in one launch where it matched the
     modeling module's function (plan), else that function."""
     cos, sin = position_embeddings
     interleaved = bool(getattr(self.config, "rope_interleave", False))
     if s.rope_kernel:
-        return krope.rope(q_rot, k_rot, cos, sin, interleaved=interleaved)
+        return krope.rope(q_rot, k_rot, cos, sin, interleaved=interleaved, out_q=q_rot)[1]
     rotary = s.rotary_interleave if interleaved else s.rotary
-    q_rot, k_rot = rotary(q_rot.transpose(1, 2), k_rot.transpose(1, 2), cos, sin)
-    return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+    q_new, k_new = rotary(q_rot.transpose(1, 2), k_rot.transpose(1, 2), cos, sin)
+    q_rot.copy_(q_new.transpose(1, 2))
+    return k_new.transpose(1, 2)
