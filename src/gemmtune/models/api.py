@@ -517,7 +517,7 @@ def optimize(
     reported (its cost is in the report's notes).
     mla_absorb: DeepSeek-V2/V3's MLA decodes (<= 16 new tokens) on the latent cache with kv_b_proj
     absorbed (models/mla.py), where transformers expands the whole cache every step: a 4-layer
-    DeepSeek-V3's CUDA-graph decode 1.48x (b=1) / 1.92x (b=8) over stock instead of 1.19x / 1.10x
+    DeepSeek-V3's CUDA-graph decode 1.54x (b=1) / 1.95x (b=8) over stock instead of 1.19x / 1.10x
     (H100). False keeps its own forward.
     Returns an OptimizeReport; gemmtune.restore(model) (or report.undo()) gives the original back.
     """

@@ -23,8 +23,8 @@ the latent decode kernel (kernels/mla_decode.py) where it can, the reference els
 
 On by default (optimize(mla_absorb=False) keeps the stock forward). Measured on an H100, 4-layer
 DeepSeek-V3 (1 dense + 3 MoE layers, random weights, bf16, CUDA-graph decode at 1024 cached tokens): b=1
-2.82 ms and b=8 7.24 ms vs stock's 4.17 / 13.92 (1.48x / 1.92x; MLA stock 1.19x / 1.10x;
-benchmarks/results/h100/fused_moe_op/bench_model_moe_families.md). It is no less exact than stock (one
+2.70 ms and b=8 7.12 ms vs stock's 4.16 / 13.91 (1.54x / 1.95x; MLA stock 1.19x / 1.10x), prefill 2048 1.32x
+(1.26x; benchmarks/results/h100/fused_moe_op/bench_model_moe_families.md). It is no less exact than stock (one
 layer against an fp64 evaluation of the same bf16 weights, its fp32 form: 0.49-0.53% vs stock's 0.51-0.55%;
 benchmarks/experiments/exp_mla_precision.py), but it rounds elsewhere, and the ~1% that leaves between the
 two models' hidden states flips near-tied expert choices of a random-weight router on some decode steps.
