@@ -73,6 +73,18 @@ def splits_for(batch_heads: int, keys: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def softmax_step(s, seen, m_i, l_i):
+        """One key block of an online softmax: the scores `s` where `seen`, the running row max `m_i` and sum
+        `l_i` -> (probabilities, the factor for what was accumulated, the new max, the new sum). A row with
+        nothing seen yet stays at 0."""
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
     def merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, unit, split, splits, ROWS: tl.constexpr,
                      BLOCK_D: tl.constexpr):  # fmt: skip
         """A split program's end: store its partial ([accumulator, max, sum] per row, in L2 (.cg)) and count
@@ -143,12 +155,7 @@ if HAS_TRITON:
             if HAS_MASK:
                 mk = tl.load(m_ptr + b * sm_b + lq[:, None] * sm_l + cols[None, :] * sm_s, mask=seen, other=0)
                 seen = seen & (mk != 0)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
-            p = tl.exp(s - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_new, l_i = softmax_step(s, seen, m_i, l_i)
             vt = tl.load(v_base + cols[:, None] * sv_s + d[None, :] * sv_d, mask=c_ok[:, None] & d_ok[None, :],
                          other=0.0)  # fmt: skip
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)

@@ -26,7 +26,7 @@ from ._common import empty_out as _empty
 from .launch import Plans, cached_launch, tensor_signature
 
 if HAS_TRITON:
-    from .decode_attention import merge_splits
+    from .decode_attention import merge_splits, softmax_step
 
 MAX_Q = 16  # query tokens a call may have
 MAX_LATENT = 512  # R the kernel's accumulator holds
@@ -126,12 +126,7 @@ if HAS_TRITON:
             if HAS_MASK:
                 mk = tl.load(m_ptr + b * sm_b + lq[:, None] * sm_l + cols[None, :] * sm_s, mask=seen, other=0)
                 seen = seen & (mk != 0)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
-            p = tl.exp(s - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_new, l_i = softmax_step(s, seen, m_i, l_i)
             acc = acc * alpha[:, None] + tl.dot(p.to(ct.dtype), ct, input_precision=PREC)
             m_i = m_new
         last, out = merge_splits(acc, m_i, l_i, part_ptr, lock_ptr, bhb, split, splits, ROWS, BLOCK_R)
