@@ -39,13 +39,16 @@ from gemmtune.kernels import fused_moe as kmoe
 
 @triton.jit
 def _one_launch_moe(x_ptr, w1_ptr, w2_ptr, tw_ptr, ids_ptr, inter_ptr, stage_ptr, out_ptr, ready_ptr, done_ptr,
-                    finished_ptr, H, INTER, TOPK, S, NT1, NT2, P1, P_ALL, BN1: tl.constexpr, BK1: tl.constexpr,
-                    BN2: tl.constexpr, BK2: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+                    finished_ptr, part_ptr, lock1_ptr, H, INTER, TOPK, S, NT1, NT2, P1, P_ALL, BN1: tl.constexpr,
+                    BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, PREFETCH: tl.constexpr,
+                    SPLIT: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     if pid < P1:
-        s = pid // NT1
-        n = pid % NT1
+        tile = pid // SPLIT  # (slot, I tile); its SPLIT programs each take a run of H
+        ks = pid % SPLIT
+        s = tile // NT1
+        n = tile % NT1
         t = s // TOPK
         e = tl.load(ids_ptr + s).to(tl.int64)
         rows = n * BN1 + tl.arange(0, BN1)
@@ -53,7 +56,8 @@ def _one_launch_moe(x_ptr, w1_ptr, w2_ptr, tw_ptr, ids_ptr, inter_ptr, stage_ptr
         gate = tl.zeros((BN1,), tl.float32)
         up = tl.zeros((BN1,), tl.float32)
         base = w1_ptr + e * 2 * INTER * H
-        for k0 in range(0, H, BK1):
+        per = tl.cdiv(tl.cdiv(H, BK1), SPLIT) * BK1
+        for k0 in range(ks * per, tl.minimum(H, ks * per + per), BK1):
             k = k0 + tl.arange(0, BK1)
             k_ok = k < H
             xk = tl.load(x_ptr + t * H + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -62,10 +66,30 @@ def _one_launch_moe(x_ptr, w1_ptr, w2_ptr, tw_ptr, ids_ptr, inter_ptr, stage_ptr
             wu = tl.load(base + (INTER + rows[:, None]) * H + k[None, :], mask=m, other=0.0).to(tl.float32)
             gate += tl.sum(wg * xk[None, :], axis=1)
             up += tl.sum(wu * xk[None, :], axis=1)
-        h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up
-        tl.store(inter_ptr + s * INTER + rows, h.to(dt), mask=row_ok)
-        tl.debug_barrier()  # the row is stored before one thread counts it in
-        tl.atomic_add(ready_ptr + s, 1, sem="release", scope="gpu")
+        j = tl.arange(0, BN1)
+        if SPLIT > 1:  # partial sums in L2; the last split of the tile adds them up in split order
+            prow = part_ptr + (tile * SPLIT + ks).to(tl.int64) * 2 * BN1
+            tl.store(prow + j, gate, cache_modifier=".cg")
+            tl.store(prow + BN1 + j, up, cache_modifier=".cg")
+            tl.debug_barrier()
+            arrived = tl.atomic_add(lock1_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                gate = tl.zeros((BN1,), tl.float32)
+                up = tl.zeros((BN1,), tl.float32)
+                for i in range(0, SPLIT):
+                    pi = part_ptr + (tile * SPLIT + i).to(tl.int64) * 2 * BN1
+                    gate += tl.load(pi + j, cache_modifier=".cg")
+                    up += tl.load(pi + BN1 + j, cache_modifier=".cg")
+                h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up
+                tl.store(inter_ptr + s * INTER + rows, h.to(dt), mask=row_ok)
+                tl.atomic_xchg(lock1_ptr + tile, 0, sem="relaxed", scope="gpu")
+                tl.debug_barrier()  # the row is stored before one thread counts it in
+                tl.atomic_add(ready_ptr + s, 1, sem="release", scope="gpu")
+        else:
+            h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up
+            tl.store(inter_ptr + s * INTER + rows, h.to(dt), mask=row_ok)
+            tl.debug_barrier()  # the row is stored before one thread counts it in
+            tl.atomic_add(ready_ptr + s, 1, sem="release", scope="gpu")
     else:
         q = pid - P1
         s = q // NT2
@@ -112,13 +136,15 @@ class OneLaunch:
     """fused_moe (gated SiLU, no expert map) for one key's shapes, in one launch; counters kept zero between calls."""
 
     def __init__(self, T: int, H: int, inter: int, topk: int, device, dtype, bn1=32, bk1=128, bn2=64, bk2=128,
-                 prefetch=True):  # fmt: skip
+                 prefetch=True, split=1):  # fmt: skip
         self.T, self.H, self.I, self.topk = T, H, inter, topk
         S = T * topk
         self.S, self.nt1, self.nt2 = S, triton.cdiv(inter, bn1), triton.cdiv(H, bn2)
-        self.p1 = S * self.nt1
+        self.p1 = S * self.nt1 * split
         self.p_all = self.p1 + S * self.nt2
-        self.cfg = dict(BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, PREFETCH=prefetch)
+        self.cfg = dict(BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, PREFETCH=prefetch, SPLIT=split)
+        self.part = torch.empty(S * self.nt1 * split * 2 * bn1, device=device, dtype=torch.float32)
+        self.lock1 = torch.zeros(S * self.nt1, device=device, dtype=torch.int32)
         self.inter = torch.empty(S, inter, device=device, dtype=dtype)
         self.stage = torch.empty(S, H, device=device, dtype=torch.float32)
         self.ready = torch.zeros(S, device=device, dtype=torch.int32)
@@ -130,8 +156,8 @@ class OneLaunch:
         ids = topk_ids.reshape(-1).contiguous()
         tw = topk_w.reshape(-1).contiguous()
         _one_launch_moe[(self.p_all,)](x, w1, w2, tw, ids, self.inter, self.stage, out, self.ready, self.done,
-                                       self.finished, self.H, self.I, self.topk, self.S, self.nt1, self.nt2,
-                                       self.p1, self.p_all, num_warps=4, **self.cfg)  # fmt: skip
+                                       self.finished, self.part, self.lock1, self.H, self.I, self.topk, self.S,
+                                       self.nt1, self.nt2, self.p1, self.p_all, num_warps=4, **self.cfg)  # fmt: skip
         return out
 
 
@@ -144,15 +170,19 @@ def check(device: str) -> bool:
         w1 = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(device=device, dtype=dtype)
         w2 = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(device=device, dtype=dtype)
         w, ids = fmoe.route(torch.randn(T, E, generator=g).to(device), topk)
-        run = OneLaunch(T, H, inter, topk, device, dtype, bn1=16, bk1=32, bn2=16, bk2=16)
         ref = kmoe.fused_moe_ref(x.float(), w1.float(), w2.float(), w, ids)
-        for call in range(2):  # the second call on the counters the first re-armed
-            y = run(x, w1, w2, w, ids).float()
-            err = ((y - ref).norm() / ref.norm()).item()
-            good = err < (1e-5 if dtype == torch.float32 else 1.6e-2)
-            armed = not (run.ready.any() or run.done.any() or run.finished.any())
-            print(f"T={T} H={H} I={inter} E={E} top{topk} call {call}: rel err {err:.2e}, counters re-armed {armed}")
-            ok &= good and armed
+        for split in (1, 3):
+            run = OneLaunch(T, H, inter, topk, device, dtype, bn1=16, bk1=16, bn2=16, bk2=16, split=split)
+            for call in range(2):  # the second call on the counters the first re-armed
+                y = run(x, w1, w2, w, ids).float()
+                err = ((y - ref).norm() / ref.norm()).item()
+                good = err < (1e-5 if dtype == torch.float32 else 1.6e-2)
+                armed = not (run.ready.any() or run.done.any() or run.finished.any() or run.lock1.any())
+                print(
+                    f"T={T} H={H} I={inter} E={E} top{topk} split {split} call {call}: rel err {err:.2e}, "
+                    f"counters re-armed {armed}"
+                )
+                ok &= good and armed
     return ok
 
 
@@ -176,7 +206,10 @@ def bench() -> None:
                 sets.append((x, w1, w2, w, ids, None))
             backend, sol = backends.default("fmoe", key, dev)
             default = backend.make_runner(sol, key, dev)
-            fused = {f"one_launch bn2 {bn2}": OneLaunch(T, H, inter, topk, dev, dt, bn2=bn2) for bn2 in (32, 64)}
+            fused = {
+                f"one_launch split {sp}": OneLaunch(T, H, inter, topk, dev, dt, bn1=32, bk1=128, bn2=64, split=sp)
+                for sp in (1, 4, 8)
+            }
             ref = kmoe.fused_moe_ref(*[t.float() if t.is_floating_point() and t.dim() > 1 else t for t in sets[0][:3]],
                                      sets[0][3], sets[0][4])  # fmt: skip
             calls = {"default": default, **fused}
