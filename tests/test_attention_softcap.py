@@ -479,7 +479,7 @@ def test_masked_prefill_without_softcap_goes_to_the_kernel(kernel_on_cpu, monkey
     from test_attention_flex import hf_mask, qkv, reference
 
     attn_mod, calls = kernel_on_cpu
-    env_mode = lambda: attn_mod._env_mode("GEMMTUNE_MASKED_PREFILL", attn_mod.MASKED_PREFILL_MODES, "triton")  # noqa: E731
+    env_mode = lambda: attn_mod.env_mode("GEMMTUNE_MASKED_PREFILL", attn_mod.MASKED_PREFILL_MODES, "triton")  # noqa: E731
     q, k, v = qkv(2, 4, 2, 20, 33, 64)
     mask = hf_mask(2, 20, 33, 9, (0, 5))
     want = reference(q, k, v, mask, None, 0.1)

@@ -194,7 +194,7 @@ def test_decode_kernel_setting(monkeypatch):
     from gemmtune.models import attention as attn_mod
 
     def read():
-        return attn_mod._env_mode("GEMMTUNE_DECODE_ATTENTION", attn_mod.DECODE_KERNEL_MODES, "triton")
+        return attn_mod.env_mode("GEMMTUNE_DECODE_ATTENTION", attn_mod.DECODE_KERNEL_MODES, "triton")
 
     monkeypatch.delenv("GEMMTUNE_DECODE_ATTENTION", raising=False)
     assert read() == "triton"

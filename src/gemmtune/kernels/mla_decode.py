@@ -54,18 +54,23 @@ def mla_decode_ref(q_lat, q_rot, latent, k_rot, mask, scale: float) -> torch.Ten
 
 def takes(q_lat, q_rot, latent, k_rot, mask) -> str:
     """Why mla_decode cannot compute this call ("" when it can)."""
-    if q_lat.dim() != 4 or q_rot.dim() != 4 or latent.dim() != 3 or k_rot.dim() != 3:
-        return (f"q_lat {tuple(q_lat.shape)}, q_rot {tuple(q_rot.shape)}, latent {tuple(latent.shape)}, k_rot "
+    return takes_shape(tuple(q_lat.shape), q_lat.dtype, q_rot, latent, k_rot, mask)
+
+
+def takes_shape(q_lat_shape: tuple, dtype: torch.dtype, q_rot, latent, k_rot, mask) -> str:
+    """takes() for a q_lat of this shape and dtype, before it is computed."""
+    if len(q_lat_shape) != 4 or q_rot.dim() != 4 or latent.dim() != 3 or k_rot.dim() != 3:
+        return (f"q_lat {tuple(q_lat_shape)}, q_rot {tuple(q_rot.shape)}, latent {tuple(latent.shape)}, k_rot "
                 f"{tuple(k_rot.shape)} are not [B, H, L, R], [B, H, L, dr], [B, S, R], [B, S, dr]")  # fmt: skip
-    B, H, L, R = q_lat.shape
+    B, H, L, R = q_lat_shape
     S, dr = latent.shape[1], k_rot.shape[2]
     if q_rot.shape[:3] != (B, H, L) or latent.shape != (B, S, R) or k_rot.shape[:2] != (B, S) or q_rot.shape[3] != dr:
-        return (f"q_lat {tuple(q_lat.shape)}, q_rot {tuple(q_rot.shape)}, latent {tuple(latent.shape)} and k_rot "
+        return (f"q_lat {tuple(q_lat_shape)}, q_rot {tuple(q_rot.shape)}, latent {tuple(latent.shape)} and k_rot "
                 f"{tuple(k_rot.shape)} do not fit together")  # fmt: skip
     if not 1 <= L <= MAX_Q or R > MAX_LATENT or dr > MAX_ROPE:
         return f"{L} query tokens, latent {R}, rope {dr}: beyond the MLA decode kernel"
-    if len({q_lat.dtype, q_rot.dtype, latent.dtype, k_rot.dtype}) != 1:
-        return f"dtypes differ: {q_lat.dtype}, {q_rot.dtype}, {latent.dtype}, {k_rot.dtype}"
+    if len({dtype, q_rot.dtype, latent.dtype, k_rot.dtype}) != 1:
+        return f"dtypes differ: {dtype}, {q_rot.dtype}, {latent.dtype}, {k_rot.dtype}"
     if mask is None and L != 1:
         return f"{L} query tokens and no mask"
     if mask is not None:

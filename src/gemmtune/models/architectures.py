@@ -277,11 +277,17 @@ def _eager_default(*args, **kwargs):
 _interface: list = []  # transformers' ALL_ATTENTION_FUNCTIONS, imported on first use
 
 
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+def attention_function(config, default=_eager_default):
+    """The attention function `config._attn_implementation` names in transformers' registry (`default`
+    for "eager"), as the stock attention forwards look it up."""
     if not _interface:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         _interface.append(ALL_ATTENTION_FUNCTIONS)
+    return _interface[0].get_interface(config._attn_implementation, default)
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     s = self._gemmtune_attn
     cache = pop_cache(kwargs, s.cache_arg)
     input_shape = hidden_states.shape[:-1]
@@ -311,7 +317,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         # 5.24 hands the layer's kwargs to the cache (its layers may read them); earlier releases did not
         cache_extra = {"kwargs": kwargs} if s.cache_arg == "cache" else {}
         k, v = static_cache.update(cache, k, v, self.layer_idx, **cache_extra)
-    fn = _interface[0].get_interface(self.config._attn_implementation, _eager_default)
+    fn = attention_function(self.config)
     extra = {"softcap": self.attn_logit_softcapping} if s.pass_softcap else {}
     out, weights = fn(
         self, q, k, v, attention_mask,

@@ -106,7 +106,7 @@ MASKED_DECODE = _default_masked_decode()
 DECODE_KERNEL_MODES = ("sdpa", "triton")
 
 
-def _env_mode(var: str, modes: tuple[str, ...], default: str) -> str:
+def env_mode(var: str, modes: tuple[str, ...], default: str) -> str:
     """The mode environment variable `var` names (lower case), `default` when unset."""
     env = os.environ.get(var, "").strip().lower()
     if env and env not in modes:
@@ -114,12 +114,12 @@ def _env_mode(var: str, modes: tuple[str, ...], default: str) -> str:
     return env or default
 
 
-DECODE_KERNEL = _env_mode("GEMMTUNE_DECODE_ATTENTION", DECODE_KERNEL_MODES, "triton")
+DECODE_KERNEL = env_mode("GEMMTUNE_DECODE_ATTENTION", DECODE_KERNEL_MODES, "triton")
 DECODE_VENDORS = (_device.NVIDIA,)  # measured there; ROCm keeps SDPA
 _decode_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-MASKED_PREFILL = _env_mode("GEMMTUNE_MASKED_PREFILL", MASKED_PREFILL_MODES, "triton")
+MASKED_PREFILL = env_mode("GEMMTUNE_MASKED_PREFILL", MASKED_PREFILL_MODES, "triton")
 
 _flash_cache: list = []
 

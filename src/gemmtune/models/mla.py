@@ -49,8 +49,8 @@ from ..kernels import mla_decode as kmla
 from ..kernels import rope as krope
 from ..kernels._common import ArrivalCounters
 from . import static_cache
-from .architectures import attention_call
-from .attention import _env_mode
+from .architectures import attention_call, attention_function
+from .attention import env_mode
 from .hf_cache import pop_cache
 
 ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
@@ -59,9 +59,8 @@ ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
 # fp32 PyTorch form (absorbed_attention_ref), which also serves everywhere the kernel does not.
 # GEMMTUNE_MLA_DECODE=triton|torch picks.
 MLA_DECODE_MODES = ("torch", "triton")
-MLA_DECODE = _env_mode("GEMMTUNE_MLA_DECODE", MLA_DECODE_MODES, "triton")
+MLA_DECODE = env_mode("GEMMTUNE_MLA_DECODE", MLA_DECODE_MODES, "triton")
 _counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per attention module: one call at a time
-_interface: list = []  # transformers' ALL_ATTENTION_FUNCTIONS, imported on first use
 UNDO_ATTRS = ("forward", "_gemmtune_mla")
 _ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "expand_kv", "scaling", "layer_idx")
 _DIMS = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
@@ -182,10 +181,8 @@ def _kernel_takes(q_nope, q_rot, kv_latent, k_rot, mask) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q_nope, q_rot, kv_latent, k_rot)):
         return False
-    B, H, L, _ = q_nope.shape
-    R = kv_latent.shape[-1]
-    q_lat = torch.empty((B, H, L, R), dtype=q_nope.dtype, device="meta")  # takes() reads shapes and dtypes only
-    return kmla.takes(q_lat, q_rot, kv_latent[:, 0], k_rot[:, 0], mask) == ""
+    q_lat_shape = (*q_nope.shape[:3], kv_latent.shape[-1])  # what the key-rows GEMM will make
+    return kmla.takes_shape(q_lat_shape, q_nope.dtype, q_rot, kv_latent[:, 0], k_rot[:, 0], mask) == ""
 
 
 def _absorbed_kernel(owner, q_nope, q_rot, kv_latent, k_rot, w_kv_b, v_dim: int, scaling: float, mask):
@@ -261,11 +258,7 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     # concatenates a new query) and the keys built in the expansion's [B, S, H, .] order (stock's copies
     # transpose); the same values
     key_states, value_states = _expand(self, s, kv_latent, k_rot)
-    if not _interface:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        _interface.append(ALL_ATTENTION_FUNCTIONS)
-    fn = _interface[0].get_interface(self.config._attn_implementation, s.eager)
+    fn = attention_function(self.config, s.eager)
     out, weights = fn(self, q.transpose(1, 2), key_states, value_states, attention_mask, dropout=0.0,
                       scaling=self.scaling, **kwargs)  # fmt: skip
     return self.o_proj(out.reshape(B, L, -1).contiguous()), weights
