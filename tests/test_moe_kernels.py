@@ -12,7 +12,9 @@ same kinds of cases at decode sizes, with splits that leave a split no K step, w
 stage 2, twice (the arrival counters re-arm: the second call is bit-identical), and alone against the
 stage-1 reference as the tuner checks it. The direct grid over slots (fewer slots than experts) runs
 with experts hit by several slots (tokens sharing experts, up to two BLOCK_M chunks of one expert) and
-with no expert hit twice, split and unsplit.
+with no expert hit twice, split and unsplit. Stage 2 by token (a program per token and N tile that sums
+the token's experts itself) runs every kind of routing column, split over them or not, twice (its split's
+counters re-arm).
 """
 
 from __future__ import annotations
@@ -109,6 +111,33 @@ SLOT_GRID_CASES = [
     (("fp32", 4, 72, 36, 40, 8, "rep", True, 16, 1, ""), "sk2", "gm"),
 ]
 SLOT_GRID_ALONE = [SLOT_GRID_CASES[1], SLOT_GRID_CASES[8], SLOT_GRID_CASES[10]]
+# Stage 2 by token ("tokN": a program per token and N tile sums the token's experts, split N ways over its
+# routing columns; the last split sums the partials): every kind of routing column (other rank, bad id,
+# shared expert, doweight), tokens sharing experts, a split past the columns (tok3 of topk 2), splits
+# that leave a split one column or none, N and K past a block, after a Triton or GM stage 1.
+TOKEN_CASES = [
+    (("fp32", 7, 40, 36, 5, 2, "random", True, 16, 1, ""), "tri", "tok1"),
+    (("fp32", 7, 40, 36, 5, 2, "random", True, 16, 1, ""), "tri", "tok2"),
+    (("fp16", 1, 72, 40, 7, 1, "random", True, 16, 1, ""), "tri", "tok1"),
+    (("fp32", 5, 73, 37, 11, 8, "random", True, 16, 1, ""), "tri", "tok4"),
+    (("fp32", 5, 73, 37, 11, 8, "random", True, 16, 1, ""), "tri", "tok3"),
+    (("fp16", 5, 48, 20, 11, 8, "low", True, 16, 1, ""), "tri", "tok2"),
+    (("fp32", 4, 73, 37, 40, 8, "rep", True, 16, 1, ""), "sk2", "tok2"),
+    (("fp32", 6, 40, 28, 5, 2, "random", True, 16, 1, "ungated"), "tri", "tok2"),
+    (("fp32", 6, 40, 28, 5, 2, "random", True, 16, 1, "doweight"), "tri", "tok3"),
+    (("fp32", 10, 40, 28, 3, 2, "random", True, 16, 1, "ep"), "tri", "tok2"),
+    (("fp32", 4, 40, 28, 5, 2, "random", True, 16, 1, "shared"), "tri", "tok2"),
+    (("fp32", 4, 40, 28, 5, 2, "random", True, 16, 1, "badid"), "tri", "tok2"),
+    (("fp32", 4, 72, 36, 5, 2, "random", True, 16, 1, "shared"), "gm", "tok4"),
+]
+GPU_TOKEN_CASES = [
+    (("bf16", 1, 2047, 383, 128, 8, "random", True, 16, 1, ""), "tri", "tok4"),  # the default's split at T = 1
+    (("bf16", 4, 2048, 384, 128, 8, "random", True, 16, 1, ""), "tri", "tok1"),
+    (("bf16", 2, 7168, 256, 256, 8, "random", True, 16, 1, "shared"), "tri", "tok2"),
+    (("bf16", 8, 1000, 520, 64, 6, "rep", True, 16, 1, "doweight"), "tri", "tok1"),
+    (("bf16", 3, 1024, 384, 3, 2, "random", True, 16, 1, "ep"), "tri", "tok2"),
+    (("bf16", 2, 1024, 384, 16, 4, "random", True, 16, 1, "badid"), "tri", "tok4"),
+]
 GPU_MIX_CASES = [
     (GPU_CASES[2], "tri", "gm"),
     (GPU_CASES[3], "gm", "tri"),
@@ -143,11 +172,14 @@ def run_case(case, device="cpu", s1="tri", s2="tri") -> dict:
     _, _, _, _, _, _, _, direct, bm, sk, extra = case
     key, inputs = make_case(case, device)
     c1 = stage1_of(s1, direct, bm, 32, 32, 2)
-    c2 = MoeGemmConfig(2, direct, bm, 64, 32, sk, 4, 2) if s2 == "tri" else GM
+    if s2.startswith("tok"):
+        c2 = MoeGemmConfig(2, True, 16, 16, 32, int(s2[3:]), 4, 2, by_token=True)
+    else:
+        c2 = MoeGemmConfig(2, direct, bm, 64, 32, sk, 4, 2) if s2 == "tri" else GM
     run = pair_runner(key, c1, c2)
     with nan_buffers():
         y = run(*inputs)
-        y2 = run(*inputs) if s1.startswith("sk") else None
+        y2 = run(*inputs) if s1.startswith("sk") or s2.startswith("tok") else None
     # bit-identical, NaN rows (a bad id's token) included
     repeat_equal = bool(((y == y2) | (y.isnan() & y2.isnan())).all()) if y2 is not None else None
     hidden, w1, w2, tw, ids, emap = (t if t is None else t.cpu() for t in inputs)
@@ -179,7 +211,7 @@ def run_stage1_alone(case, s1: str, device="cpu") -> dict:
 def _interp_main() -> None:
     for case in INTERP_CASES:
         print(json.dumps({"case": list(case), **run_case(case)}), flush=True)
-    for case, s1, s2 in MIX_CASES + SPLIT1_CASES + SLOT_GRID_CASES:
+    for case, s1, s2 in MIX_CASES + SPLIT1_CASES + SLOT_GRID_CASES + TOKEN_CASES:
         print(json.dumps({"case": [*case, s1, s2], **run_case(case, "cpu", s1, s2)}), flush=True)
     for case, s1, _ in ALONE_CASES + SLOT_GRID_ALONE:
         print(json.dumps({"case": [*case, s1, "alone"], **run_stage1_alone(case, s1)}), flush=True)
@@ -266,6 +298,25 @@ def test_interpreter_slot_grid_matches_fp32_reference(mix, interp_results):
     assert r["repeat_equal"] in (None, True)
 
 
+@pytest.mark.parametrize("mix", TOKEN_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+def test_interpreter_by_token_stage2_matches_fp32_reference(mix, interp_results):
+    case, s1, s2 = mix
+    r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
+    _check(case, r)
+    assert r["repeat_equal"]  # a split's counters re-arm: the second call is bit-identical
+
+
+def test_by_token_configs_parse_and_only_as_stage_2():
+    from gemmtune.kernels.fused_moe import MoeGemmConfig
+
+    name = "moe2_token_bm16_bn64_bk128_sk4_w4_s4"
+    c = MoeGemmConfig.parse(name)
+    assert c is not None and c.by_token and c.direct and c.split_k == 4 and c.name == name
+    assert MoeGemmConfig.parse("moe1_token_bm16_bn64_bk128_sk1_w4_s4") is None  # stage 1 has no by-token form
+    assert MoeGemmConfig.parse("moe2_token_bm32_bn64_bk128_sk1_w4_s4") is None  # BLOCK_M is a dot's least M
+    assert not MoeGemmConfig.parse("moe2_direct_bm16_bn64_bk128_sk1_w4_s4").by_token
+
+
 @pytest.mark.parametrize("mix", ALONE_CASES + SLOT_GRID_ALONE, ids=lambda m: f"{m[1]}-{_case_id(m[0])}")
 def test_interpreter_split_stage1_alone_matches_stage_reference(mix, interp_results):
     case, s1, _ = mix
@@ -291,6 +342,15 @@ def test_gpu_mixed_stages_match_fp32_reference(mix, gpu):
         pytest.skip("torch._grouped_mm has no capturable path on this GPU (sm90/sm100, bf16)")
     case, s1, s2 = mix
     _check(case, run_case(case, "cuda", s1, s2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", GPU_TOKEN_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+def test_gpu_by_token_stage2_matches_fp32_reference(mix, gpu):
+    case, s1, s2 = mix
+    r = run_case(case, "cuda", s1, s2)
+    _check(case, r)
+    assert r["repeat_equal"]
 
 
 @pytest.mark.gpu

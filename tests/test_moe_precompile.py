@@ -24,6 +24,7 @@ import torch
 
 from gemmtune.backends.fmoe import launches
 from gemmtune.backends.fmoe import precompile as pc
+from gemmtune.backends.fmoe import stages as mst
 from gemmtune.backends.fmoe import triton as mtr
 from gemmtune.backends.fmoe.policy import prefers_grouped_mm
 from gemmtune.backends.fmoe.precompile import GLUE, ItemBuilder, describe_item, parse_item, stand_in
@@ -108,10 +109,11 @@ def record(monkeypatch):
     from gemmtune.kernels import fused_moe as kmoe
 
     monkeypatch.setattr(fmoe, "generator", lambda device, seed: None)
+    monkeypatch.setattr(mst, "pdl_enabled", lambda device: True)  # as on an sm90 GPU: PDL launches specialize
     backend = make_backend(GPUTarget("cuda", 90, 32))
     log: list = []
-    for k in (kmoe._moe_gemm_direct, kmoe._moe_gemm_sorted, kmoe._combine, moe_route._expert_sort_kernel,
-              activations._act_mul_kernel):  # fmt: skip
+    for k in (kmoe._moe_gemm_direct, kmoe._moe_gemm_sorted, kmoe._moe_down_by_token, kmoe._combine,
+              moe_route._expert_sort_kernel, activations._act_mul_kernel):  # fmt: skip
         if not isinstance(k, JITFunction):
             pytest.skip("Triton's interpreter is on in this process")
         binder = create_function_from_signature(k.signature, k.params, backend)

@@ -493,11 +493,13 @@ def test_untuned_gpu_default_is_grouped_mm_for_prefill_and_triton_for_decode():
 @pytest.mark.parametrize("tokens, want", [(1, (1, 3)), (2, (1, 3)), (4, (0, 0))])
 def test_direct_stages_take_pdl_only_at_few_slots(tokens, want, monkeypatch):
     """On a device with programmatic dependent launch, the direct pair launches stage 1 with pdl 1 and
-    stage 2 with pdl 3 up to PDL_MAX_SLOTS slots (top 8: 2 tokens); more slots keep the plain launch."""
+    stage 2 (by token up to 16 slots on 16 experts) with pdl 3 up to PDL_MAX_SLOTS slots (top 8: 2
+    tokens); more slots keep the plain launch."""
     key, inputs = make_case(("fp32", tokens, 32, 24, 16, 8, "random", 0, 0, 0, ""), "cpu")
     seen = []
     monkeypatch.setattr(mst, "pdl_enabled", lambda device: True)
     monkeypatch.setattr(mst.kmoe, "moe_gemm", lambda *a, pdl=0, **kw: seen.append(pdl))
+    monkeypatch.setattr(mst.kmoe, "moe_down_by_token", lambda *a, pdl=0, **kw: seen.append(pdl))
     monkeypatch.setattr(mst.kmoe, "combine", lambda *a, **kw: None)
     cfg = mtr.heuristic_configs(key, 132)
     assert all(c.direct for c in cfg)
@@ -508,11 +510,32 @@ def test_direct_stages_take_pdl_only_at_few_slots(tokens, want, monkeypatch):
 @pytest.mark.parametrize("key,narrow", [
     (DSV3_TP8, True),  # 8 experts x 4 N tiles of 64 = 32 programs < 132 SMs
     (MoeKey(1, 2048, 1408, 60, 4), True),  # Qwen2-MoE: 4 x 22 = 88
-    (MoeKey(4, 2048, 384, 128, 8), False),  # 32 x 6 = 192
+    (MoeKey(4, 2048, 384, 128, 8), True),  # 32 x 6 = 192 < 2 waves, fine-grained experts
+    (MoeKey(2, 2048, 1408, 60, 4), False),  # 8 x 22 = 176 < 2 waves, but I > 512
     (MoeKey(1, 4096, 14336, 8, 2), False),  # 2 x 224 = 448
     (MoeKey(4096, 2048, 768, 128, 8), False),  # sorted
 ])  # fmt: skip
 def test_few_stage1_programs_take_narrow_tiles_with_long_k_steps(key, narrow):
     c1, _ = mtr.heuristic_configs(key, sms=132)
     assert ((c1.block_n, c1.block_k) == (32, 128)) == narrow, c1.name
-    assert (mtr.stage1_programs(key, c1.block_m, 64) < 132) == narrow
+    waves = mtr.NARROW_STAGE1_WAVES if key.inter_dim <= mtr.BY_TOKEN.max_i else 1
+    assert (mtr.stage1_programs(key, c1.block_m, 64) < waves * 132) == narrow
+    if narrow:  # 4 pipeline stages below one wave, 3 past it
+        assert c1.stages == (4 if mtr.stage1_programs(key, c1.block_m, 64) < 132 else 3)
+
+
+@pytest.mark.parametrize("key,want", [
+    (MoeKey(1, 2048, 384, 128, 8), "moe2_token_bm16_bn64_bk128_sk4_w4_s4"),  # 32 N tiles x 4 splits = 128
+    (MoeKey(2, 2048, 384, 128, 8), "moe2_token_bm16_bn64_bk128_sk2_w4_s4"),
+    (MoeKey(8, 2048, 384, 128, 8), "moe2_token_bm16_bn64_bk128_sk1_w4_s3"),  # 256 programs: 3 stages
+    (MoeKey(1, 7168, 256, 256, 8), "moe2_token_bm16_bn64_bk128_sk1_w4_s4"),  # 112 N tiles: no split
+    (MoeKey(1, 2048, 1408, 60, 4, shared_expert=1), "moe2_token_bm16_bn64_bk128_sk4_w4_s4"),  # 5 columns
+    (MoeKey(1, 5120, 1024, 128, 1), "moe2_token_bm16_bn64_bk128_sk1_w4_s4"),  # top 1: nothing to split
+    (MoeKey(2, 2048, 1408, 60, 4), None),  # past one token: I > 512
+    (MoeKey(1, 4096, 4096, 8, 2), None),  # coarse experts
+    (MoeKey(16, 2048, 384, 128, 8), None),  # past 8 tokens
+    (MoeKey(8, 2048, 384, 32, 8), None),  # more slots than experts
+])  # fmt: skip
+def test_the_default_stage_2_is_by_token_at_fine_grained_decode(key, want):
+    _, c2 = mtr.heuristic_configs(key, sms=132)
+    assert (c2.name if c2.by_token else None) == want, c2.name

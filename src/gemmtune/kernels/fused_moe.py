@@ -22,6 +22,10 @@ Two ways to find a program's rows:
   at decode the grid holds the experts hit rather than every expert.
 - sorted (many slots): moe_align.py sorts slots by expert into BLOCK_M-padded blocks on the device;
   the grid is (block, N tiles, K splits) and a block's padding rows (slot id == n_slots) are masked.
+Stage 2 has a third form at decode, by token (`moe_down_by_token`, `moe2_token_...` configs): a program
+per (token, N tile) walks the token's routing columns and their K steps as one loop and sums the
+weighted results itself, so no combine kernel runs after it. Its split divides the token's columns
+over programs (the last to arrive sums the fp32 partials in split order).
 
 Split-K: each split's fp32 partial sum is stored without the epilogue (the activation is not linear).
 Stage 2's splits go to C[split] and the combine kernel sums them with the topk columns:
@@ -60,7 +64,7 @@ def _empty(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch
 
 
 # ---- configs ------------------------------------------------------------------------------------
-_NAME = re.compile(r"^moe([12])_(direct|sorted)_bm(\d+)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)$")
+_NAME = re.compile(r"^moe([12])_(direct|sorted|token)_bm(\d+)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,13 @@ class MoeGemmConfig:
     split_k: int = 1
     warps: int = 4
     stages: int = 3
+    # stage 2 only: a program per (token, N tile) walks the token's experts and sums them itself (no
+    # combine kernel; moe_down_by_token). Direct: it reads the router's ids, nothing sorted.
+    by_token: bool = False
 
     @property
     def name(self) -> str:
-        mode = "direct" if self.direct else "sorted"
+        mode = "token" if self.by_token else "direct" if self.direct else "sorted"
         return (f"moe{self.stage}_{mode}_bm{self.block_m}_bn{self.block_n}_bk{self.block_k}_sk{self.split_k}"
                 f"_w{self.warps}_s{self.stages}")  # fmt: skip
 
@@ -88,13 +95,14 @@ class MoeGemmConfig:
         if not m:
             return None
         st, mode, bm, bn, bk, sk, w, s = m.groups()
-        cfg = cls(int(st), mode == "direct", int(bm), int(bn), int(bk), int(sk), int(w), int(s))
+        cfg = cls(int(st), mode != "sorted", int(bm), int(bn), int(bk), int(sk), int(w), int(s), mode == "token")
         return cfg if cfg.valid() else None
 
     def valid(self) -> bool:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.block_k, self.warps))
         return (pow2 and self.block_m >= 16 and self.block_n >= 16 and self.block_k >= 16 and self.split_k >= 1
-                and self.stages >= 1 and self.stage in (1, 2))  # fmt: skip
+                and self.stages >= 1 and self.stage in (1, 2)
+                and (not self.by_token or (self.stage == 2 and self.direct and self.block_m == 16)))  # fmt: skip
 
     def fits(self, n_slots: int) -> bool:
         split_ok = self.stage != 1 or self.split_k == 1 or n_slots <= SPLIT1_MAX_SLOTS
@@ -385,6 +393,78 @@ if HAS_TRITON:
                   stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP,
                   GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
 
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _moe_down_by_token(a_ptr, b_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_tokens, N, K, TK,
+                           TOPK, num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
+                           stride_be, stride_bk, stride_bn, stride_wt, stride_wj, stride_ot, TK_P2: tl.constexpr,
+                           HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr,
+                           SPLIT: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+        """out[t, n tile] = sum_j w[t, j] * A[t * TK + j] @ B[e(t, j)][:, n tile]: stage 2 and the combine in
+        one program per (token, N tile), walking the token's experts and their K steps as one loop (long
+        enough to keep the weight loads pipelined). A's row rides row 0 of a BLOCK_M-row tile (the tensor
+        cores' least M); the other rows stay zero."""
+        pid = tl.program_id(0)
+        t = pid % n_tokens  # tokens fastest: programs of one N tile run together and share their experts in L2
+        pid_n = pid // n_tokens
+        pid_s = tl.program_id(1)  # split: this program's share of the token's routing columns
+        per_split = tl.cdiv(TK, SPLIT)
+        j_lo = pid_s * per_split
+        j_hi = tl.minimum(TK, j_lo + per_split)
+        j = tl.arange(0, TK_P2)
+        e_all = slot_expert(t * TK + j, j < TK, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+                            num_local_routed, HAS_MAP)  # fmt: skip
+        live = e_all >= 0
+        if MUL_WEIGHT:  # shared experts' columns (j >= TOPK) weigh 1
+            w_all = tl.load(w_ptr + t * stride_wt + j * stride_wj, mask=live & (j < TOPK), other=1.0).to(tl.float32)
+        else:
+            w_all = tl.full((TK_P2,), 1.0, tl.float32)
+        w_all = tl.where(live, w_all, 0.0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        rows = tl.arange(0, BLOCK_M)
+        k_steps = tl.cdiv(K, BLOCK_K)
+        if PDL > 1:  # pull the first expert's first weight tiles into L2 while stage 1 finishes
+            e0 = tl.sum(tl.where(j == j_lo, e_all, 0), axis=0)
+            _prefetch(b_ptr, e0, pid_n, 0, N, K, stride_be, stride_bk, stride_bn, BLOCK_N, BLOCK_K, 1, PDL - 1)
+            gdc_wait()
+            gdc_launch_dependents()
+        a_base = a_ptr + t.to(tl.int64) * stride_at
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in range(j_lo * k_steps, j_hi * k_steps):
+            jj = i // k_steps
+            k0 = (i % k_steps) * BLOCK_K
+            e = tl.sum(tl.where(j == jj, e_all, 0), axis=0)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < tl.where(e >= 0, K, 0)  # a slot with no local expert reads nothing
+            a = tl.load(a_base + jj * stride_aj + rows[:, None] * 0 + offs_k[None, :] * stride_ak,
+                        mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0)  # fmt: skip
+            b_tile = b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_be
+            b = tl.load(b_tile + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            last = (i % k_steps) == k_steps - 1  # the expert's last K step: weigh its sum into the total
+            w = tl.sum(tl.where(j == jj, w_all, 0.0), axis=0)
+            total += tl.where(last, acc * w, 0.0)
+            acc = tl.where(last, 0.0, acc)
+        y = tl.sum(total, axis=0)  # rows past 0 are zero
+        out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs_n
+        bad = tl.sum((e_all == -2).to(tl.int32), axis=0) > 0
+        if SPLIT == 1:
+            tl.store(out_ptrs, tl.where(bad, float("nan"), y).to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:  # the split that arrives last sums the fp32 partials in split order (arrival order never shows)
+            p_ptrs = part_ptr + t.to(tl.int64) * N + offs_n
+            tl.store(p_ptrs + pid_s * n_tokens * N, y, mask=n_ok, cache_modifier=".cg")
+            tl.debug_barrier()  # every thread's partial is stored before one thread publishes the arrival
+            arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s in range(0, SPLIT):
+                    y += tl.load(p_ptrs + s * n_tokens * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, tl.where(bad, float("nan"), y).to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
+
     @triton.jit
     def _combine(c_ptr, w_ptr, ids_ptr, map_ptr, row_ptr, out_ptr, N, TK, TOPK, num_routed, num_local_routed,
                  stride_it, stride_ij, stride_wt, stride_wj, stride_cs, stride_cm, stride_ot, SPLITS: tl.constexpr,
@@ -454,6 +534,8 @@ def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b:
     kernel before anything (stage 1). n > 1 (stage 2 after a direct stage 1 launched with pdl 1, or after
     any kernel that finishes before it starts): read the routing, pull the first n - 1 weight tiles into
     L2, then wait: the routing was written before the kernel just before this one, which waited for it."""
+    if cfg.by_token:
+        raise ValueError(f"{cfg.name} runs through moe_down_by_token, not moe_gemm")
     n = b.shape[2] // 2 if gated else b.shape[2]
     k = b.shape[1]
     fixup = cfg.split_k > 1 and c.dim() == 2
@@ -512,3 +594,40 @@ def combine(c: torch.Tensor, routing: Routing, topk_weights: torch.Tensor | None
                    c3.stride(1), out.stride(0), SPLITS=c3.shape[0], TK_P2=max(2, triton.next_power_of_2(routing.tk)),
                    HAS_MAP=routing.expert_map is not None, MUL_WEIGHT=topk_weights is not None,
                    HAS_ROWS=rows is not None, BLOCK_N=block, num_warps=4)  # fmt: skip
+
+
+def by_token_splits(split_k: int, tk: int) -> int:
+    """The programs a by-token launch splits each token's tk routing columns over: at most split_k, each
+    with cdiv(tk, split_k) columns, none left without one (tk 5 over 4: 3 splits of 2, 2 and 1)."""
+    per = -(-max(1, tk) // max(1, split_k))
+    return -(-max(1, tk) // per)
+
+
+def moe_down_by_token(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b: torch.Tensor,
+                      routing: Routing, weights: torch.Tensor | None, out: torch.Tensor,
+                      counters: ArrivalCounters | None = None, pdl: int = 0) -> None:  # fmt: skip
+    """Stage 2 and the combine in one launch (a `by_token` config): out (T, N) = sum over each token's slots
+    of w * A[slot] @ B[e(slot)], B (E, K, N) with any strides, A read as moe_gemm reads it. weights None:
+    applied in stage 1. A token with an out-of-range id gets NaN; slots of other ranks add nothing.
+    cfg.split_k > 1 splits each token's routing columns over that many programs (`counters` count their
+    arrivals; the last sums the partials). pdl > 1 as moe_gemm's (stage 2 after a PDL stage 1)."""
+    ids = routing.topk_ids
+    emap = routing.expert_map if routing.expert_map is not None else ids
+    w = weights if weights is not None else out
+    ws = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
+    n, k = b.shape[2], b.shape[1]
+    t = ids.shape[0]
+    split = by_token_splits(cfg.split_k, routing.tk)
+    grid = (t * triton.cdiv(n, cfg.block_n), split)
+    if grid[0] == 0:
+        return
+    part = _empty((split, t, n), out, torch.float32) if split > 1 else out
+    locks = _locks(counters, grid[0], out) if split > 1 else out
+    _moe_down_by_token[grid](a, b, w, out, part, locks, ids, emap, t, n, k, routing.tk, routing.topk,
+                             routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1), *a_strides,
+                             a.stride(-1), b.stride(0), b.stride(1), b.stride(2), *ws, out.stride(0),
+                             TK_P2=max(2, triton.next_power_of_2(routing.tk)),
+                             HAS_MAP=routing.expert_map is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             BLOCK_K=cfg.block_k, MUL_WEIGHT=weights is not None, PREC=_prec(a.dtype), SPLIT=split,
+                             num_warps=cfg.warps, num_stages=cfg.stages,
+                             **({"PDL": pdl, "launch_pdl": True} if pdl else {}))  # fmt: skip

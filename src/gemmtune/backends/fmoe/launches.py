@@ -10,9 +10,10 @@ decides the binary it loads (its compile signature):
 Two launches with one description load one binary; the precompile (precompile.py) dedupes and picks
 stand-in keys by it. It mirrors the launchers as stages.py calls them on the family's inputs, as made
 (form "") or in one of the other call forms the tuner's full check calls a solution with (FORMS: the
-family's check_variants), through kernels/fused_moe.py moe_gemm and combine, kernels/moe_route.py
-expert_sort, kernels/activations.py act_mul (a device's PDL launch option is the same for every key and
-left out); tests/test_moe_precompile.py records the real launches to hold it to them.
+family's check_variants), through kernels/fused_moe.py moe_gemm, moe_down_by_token and combine,
+kernels/moe_route.py expert_sort, kernels/activations.py act_mul (a device's PDL launch option is the same
+for every key and left out; which launches take it where the device runs PDL is told);
+tests/test_moe_precompile.py records the real launches to hold it to them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ...families.fmoe import MoeKey, act_name
 from ...kernels import fused_moe as kmoe
 from ...kernels import moe_route
 from ...kernels.activations import ACTIVATIONS as ACT_MUL_ACTS
+from .stages import PDL_MAX_SLOTS
 
 # The call forms of the full check (families/fmoe.py check_variants, by its labels), as item names spell
 # them: the hidden state a view of a wider buffer (4 elements in: its address off 16 bytes in 16-bit),
@@ -130,6 +132,28 @@ def gemm_launch(key: MoeKey, cfg: kmoe.MoeGemmConfig, form: str = "") -> Launch:
     return Launch("_moe_gemm_sorted", (*pointers, "int32", "int32"), ints + strides, common)
 
 
+def by_token_launch(key: MoeKey, cfg: kmoe.MoeGemmConfig, form: str = "") -> Launch:
+    """moe_down_by_token's launch: stage 2 and the combine in one (a `by_token` stage-2 config)."""
+    c = _Call.of(key, form)
+    H, I = c.H, c.I  # noqa: E741
+    split = kmoe.by_token_splits(cfg.split_k, c.tk)
+    weighted = not key.doweight_stage1
+    w, w_str = (c.weights, (c.topk, 1)) if weighted else (c.dt, (0, 0))
+    b = (H * I, H, 1) if c.ekn else (H * I, 1, I)  # w2 (E, H, I) read as (E, I, H)
+    part, lock = ("float32", "int32") if split > 1 else (c.dt, c.dt)
+    pointers = (c.dt, c.dt, w, c.dt, part, lock, c.ids, c.map)
+    # n_tokens is not specialized (the kernel's do_not_specialize): its type only
+    ints = ("i32", *(spec(v) for v in (H, I, c.tk, c.topk, c.routed, c.local, c.topk, 1, c.tk * I, I, 1, *b, *w_str,
+                                       H)))  # fmt: skip
+    consts = (("TK_P2", max(2, _p2(c.tk))), ("HAS_MAP", c.has_map), ("BLOCK_M", cfg.block_m),
+              ("BLOCK_N", cfg.block_n), ("BLOCK_K", cfg.block_k), ("MUL_WEIGHT", weighted),
+              ("PREC", "ieee" if key.dtype == torch.float32 else "tf32"), ("SPLIT", split),
+              ("num_warps", cfg.warps), ("num_stages", cfg.stages),
+              # whether the launch is a PDL one where the device runs PDL (a direct moe_gemm's SLOTS tells it)
+              ("pdl_slots", c.S <= PDL_MAX_SLOTS))  # fmt: skip
+    return Launch("_moe_down_by_token", pointers, ints, consts)
+
+
 def combine_launch(key: MoeKey, splits: int, c_dtype: str, rows: bool, form: str = "") -> Launch:
     """combine's launch: `splits` partials of c_dtype, in slot order or (rows) sorted by expert."""
     c = _Call.of(key, form)
@@ -144,9 +168,11 @@ def combine_launch(key: MoeKey, splits: int, c_dtype: str, rows: bool, form: str
 
 def stage_launches(key: MoeKey, cfg: kmoe.MoeGemmConfig, form: str = "") -> tuple[Launch, ...]:
     """A Triton stage alone, or in a pair (the same launches): stage 1's GEMM; stage 2's GEMM and the
-    combine of its partials."""
+    combine of its partials, or the one by-token launch."""
     if cfg.stage == 1:
         return (gemm_launch(key, cfg, form),)
+    if cfg.by_token:
+        return (by_token_launch(key, cfg, form),)
     c_dtype = "float32" if cfg.split_k > 1 else _dt(key.dtype)
     return gemm_launch(key, cfg, form), combine_launch(key, cfg.split_k, c_dtype, False, form)
 

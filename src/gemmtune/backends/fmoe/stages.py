@@ -99,7 +99,7 @@ class Call:
                  triton_glue: bool | None = None, sort_plan: dict | None = None,
                  counters: kmoe.ArrivalCounters | None = None):  # fmt: skip
         self.key, self.hidden, self.w1, self.w2, self.topk_weights = key, hidden, w1, w2, topk_weights
-        self.counters = counters  # the runner's: a split stage 1 counts its programs' arrivals there
+        self.counters = counters  # the runner's: split programs of either stage count their arrivals there
         self.r = _routing(key, topk_ids, expert_map)
         # Triton kernels for what runs around torch._grouped_mm (the sort by expert, gated activation,
         # combine): they read the router's ids themselves, so the local-id tensor is never built
@@ -185,10 +185,15 @@ def _stage2(key: MoeKey, s2: Stage, call: Call, inter: StageOut) -> torch.Tensor
             return out
         return finish(key, y[srt.inv].float().view(*call.ids.shape, -1), call.ids, call.weights, hidden.dtype)
     h = inter.slot_order()
+    pdl = PDL_STAGE2 if _pdl(s2, r, hidden.device) else 0
+    if s2.by_token:
+        out = kmoe._empty(out_shape, hidden)
+        kmoe.moe_down_by_token(s2, h, (r.tk * h.stride(0), h.stride(0)), call.w2.transpose(1, 2), r, weights, out,
+                               call.counters, pdl=pdl)  # fmt: skip
+        return out
     c = kmoe._empty((s2.split_k, r.n_slots, key.model_dim), hidden, torch.float32 if s2.split_k > 1 else hidden.dtype)
     kmoe.moe_gemm(s2, h, (r.tk * h.stride(0), h.stride(0)), call.w2.transpose(1, 2), c, r, call.w2.shape[0], False,
-                  "none", None, None if s2.direct else call.blocks(s2.block_m),
-                  pdl=PDL_STAGE2 if _pdl(s2, r, hidden.device) else 0)  # fmt: skip
+                  "none", None, None if s2.direct else call.blocks(s2.block_m), pdl=pdl)  # fmt: skip
     out = kmoe._empty(out_shape, hidden)
     kmoe.combine(c, r, weights, out)
     return out
@@ -214,10 +219,11 @@ def stage_runner(key: MoeKey, stage: int, s: Stage, triton_glue: bool | None = N
     """One stage alone, as the tuner times it: stage 1 (*inputs) -> StageOut; stage 2
     (h (slots, I) in slot order, *inputs) -> (T, H). Each does its own routing work; triton_glue as
     pair_runner's."""
+    counters = kmoe.ArrivalCounters()
     if stage == 1:
-        counters = kmoe.ArrivalCounters()
         return lambda *inputs: _stage1(key, s, Call(key, *inputs, triton_glue=triton_glue, counters=counters))
-    return lambda h, *inputs: _stage2(key, s, Call(key, *inputs, triton_glue=triton_glue), StageOut(h))
+    return lambda h, *inputs: _stage2(key, s, Call(key, *inputs, triton_glue=triton_glue, counters=counters),
+                                      StageOut(h))  # fmt: skip
 
 
 def finish(key: MoeKey, contrib, ids, weights, out_dtype):

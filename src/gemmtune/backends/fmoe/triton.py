@@ -8,6 +8,7 @@ stage config or the glue in one call form, are built by precompile.ItemBuilder, 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +40,50 @@ class Stage1Split:
 
 
 STAGE1_SPLIT = Stage1Split()
+
+
+@dataclass(frozen=True)
+class ByToken:
+    """When the default's stage 2 is a by-token launch (kernels/fused_moe.py moe_down_by_token: a program per
+    (token, N tile) walks the token's experts and sums them, so no combine kernel runs), and its tiles.
+    Decode with fewer slots than experts, where a program's walk (its experts x I) stays short: one token
+    up to max_i_one_token, up to max_tokens tokens of fine-grained experts (I <= max_i). The token's
+    experts split over up to max_split programs while the grid stays within one wave of SMs (the last
+    split sums the partials); past one wave, 3 pipeline stages instead of 4 keep more programs resident.
+    Measured on an H100 against the slot-grid stage 2 and its combine (benchmarks/results/h100/
+    fused_moe_op/grid_default.md, A/B): 1.01-1.14x at 17 of the 18 grid points it takes (E=64 I=1024
+    top 8 at T = 1: 1.6% slower); in a first sweep it lost at T = 1 with I >= 4096 (E=8, E=16) and past
+    one token with I >= 1024."""
+
+    max_tokens: int = 8
+    max_i: int = 512
+    max_i_one_token: int = 1536
+    block_n: int = 64
+    block_k: int = 128
+    max_split: int = 4
+
+
+BY_TOKEN = ByToken()
+# Stage 1 of fine-grained experts (I <= BY_TOKEN.max_i) takes the narrow tiles while its BLOCK_N 64
+# programs fill fewer than this many waves of SMs (others below one wave), with 3 pipeline stages past one
+# wave. H100 (grid_default.md, A/B): E=128 I=384 top 8 at T = 4, 192 programs, 36.9 -> 35.2 us alone;
+# at I >= 1024 the same band lost up to 2.4% (E=64 I=1280 top 8 at T = 1) or won within noise.
+NARROW_STAGE1_WAVES = 2
+
+
+def by_token_stage2(key: MoeKey, sms: int) -> kmoe.MoeGemmConfig | None:
+    """The default's by-token stage 2 for `key`, or None where the slot-grid stage 2 and the combine stay."""
+    rule = BY_TOKEN
+    tk = key.topk + key.shared_expert
+    max_i = rule.max_i_one_token if key.token == 1 else rule.max_i
+    if key.token > rule.max_tokens or key.slots > key.expert or key.inter_dim > max_i:
+        return None
+    programs = key.token * -(-key.model_dim // rule.block_n)
+    split = 1
+    while split * 2 <= min(rule.max_split, tk) and programs * split * 2 <= sms:
+        split *= 2
+    stages = 4 if programs * split <= sms else 3
+    return kmoe.MoeGemmConfig(2, True, 16, rule.block_n, rule.block_k, split, 4, stages, by_token=True)
 
 
 def stage1_programs(key: MoeKey, block_m: int, block_n: int) -> int:
@@ -98,13 +143,15 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     if crowded:
         bm1 = max(bm1, 32)
     c1 = kmoe.MoeGemmConfig(1, direct, bm1, bn1, bk1, 1, 4 if bm1 < 128 else 8, stages1)
-    if direct and stage1_programs(key, bm1, 64) < sms:
-        # Fewer stage-1 programs than SMs (fine-grained experts at decode): narrow tiles (twice the
-        # programs, each walking H in long K steps), then the split over H. Measured on an H100 against
-        # BLOCK_N 64 / BLOCK_K 64 or 128 (grid_default.md, A/B): 1.01-1.17x faster at 13 of the 14 grid
-        # points the rule changes, even at the 14th (E=128 I=1024 top 1 at T = 1: 23.1 -> 19.8 us;
-        # E=256 I=256 H=7168 top 8 at T = 1: 42.9 -> 41.2 us).
-        c1 = replace(c1, block_n=32, block_k=128, stages=4)
+    narrow_waves = NARROW_STAGE1_WAVES if key.inter_dim <= BY_TOKEN.max_i else 1
+    if direct and stage1_programs(key, bm1, 64) < narrow_waves * sms:
+        # Few stage-1 programs (fine-grained experts at decode): narrow tiles (twice the programs, each
+        # walking H in long K steps), then the split over H. Measured on an H100 against BLOCK_N 64 /
+        # BLOCK_K 64 or 128 (grid_default.md, A/B): below one wave 1.01-1.17x faster at 13 of the 14 grid
+        # points the rule changed, even at the 14th (E=128 I=1024 top 1 at T = 1: 23.1 -> 19.8 us; E=256
+        # I=256 H=7168 top 8 at T = 1: 42.9 -> 41.2 us); between one and two waves, where BLOCK_N 64 leaves
+        # the last wave part empty, see NARROW_STAGE1_WAVES.
+        c1 = replace(c1, block_n=32, block_k=128, stages=4 if stage1_programs(key, bm1, 64) < sms else 3)
     if direct:
         c1 = replace(c1, split_k=max(_full_wave_splits(key, c1, sms), default=1))
     n_tiles = -(-key.model_dim // 64)
@@ -123,7 +170,7 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
         # 133.0 / 245.9 -> 124.7 / 219.2 us; at I = 512 (E=512 top 10) it was up to 2.6% slower)
         bn2, bk2, stages2 = 128, 128, 4
     c2 = kmoe.MoeGemmConfig(2, direct, bm, bn2, bk2, sk, 4 if bm < 128 else 8, stages2)
-    return c1, c2
+    return c1, (by_token_stage2(key, sms) if direct else None) or c2
 
 
 def sweep_configs(key: MoeKey, sms: int = 132) -> list[tuple[kmoe.MoeGemmConfig, kmoe.MoeGemmConfig]]:
@@ -145,6 +192,11 @@ def sweep_configs(key: MoeKey, sms: int = 132) -> list[tuple[kmoe.MoeGemmConfig,
                         pair = (replace(c1, split_k=sk1), kmoe.MoeGemmConfig(2, direct, bm, bn, bk, sk, w, s))
                         if pair not in out:
                             out.append(pair)
+    if key.slots <= min(key.expert, kmoe.DIRECT_MAX_SLOTS):  # by-token stage 2 after the heuristic stage 1
+        for bn, sk in itertools.product((32, 64), (1, 2, 4)):
+            pair = (out[0][0], kmoe.MoeGemmConfig(2, True, 16, bn, 128, sk, 4, 4, by_token=True))
+            if pair not in out:
+                out.append(pair)
     # Nearest the heuristic first (block_m, then mode, then stage 1's split), so a short sweep tries the
     # likely winners.
     h1 = out[0][0]
