@@ -214,6 +214,7 @@ def fused_moe_ref(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk
 
 # ---- kernels --------------------------------------------------------------------------------------
 if HAS_TRITON:
+    from .triton_gemm import store_partial_arrive, sum_partials
 
     @triton.jit
     def slot_expert(slots, valid, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
@@ -454,14 +455,11 @@ if HAS_TRITON:
         if SPLIT == 1:
             tl.store(out_ptrs, tl.where(bad, float("nan"), y).to(out_ptr.dtype.element_ty), mask=n_ok)
         else:  # the split that arrives last sums the fp32 partials in split order (arrival order never shows)
-            p_ptrs = part_ptr + t.to(tl.int64) * N + offs_n
-            tl.store(p_ptrs + pid_s * n_tokens * N, y, mask=n_ok, cache_modifier=".cg")
-            tl.debug_barrier()  # every thread's partial is stored before one thread publishes the arrival
-            arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            unit_part = part_ptr + pid.to(tl.int64) * (SPLIT * BLOCK_N)  # this program's [SPLIT, BLOCK_N]
+            offs = tl.arange(0, BLOCK_N)
+            arrived = store_partial_arrive(y, unit_part, offs, pid_s, lock_ptr, pid, 1, BLOCK_N)
             if arrived == SPLIT - 1:
-                y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for s in range(0, SPLIT):
-                    y += tl.load(p_ptrs + s * n_tokens * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                y = sum_partials(unit_part, offs, SPLIT, 1, BLOCK_N, ".cg")
                 tl.store(out_ptrs, tl.where(bad, float("nan"), y).to(out_ptr.dtype.element_ty), mask=n_ok)
                 tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
 
@@ -621,7 +619,7 @@ def moe_down_by_token(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int,
     grid = (t * triton.cdiv(n, cfg.block_n), split)
     if grid[0] == 0:
         return
-    part = _empty((split, t, n), out, torch.float32) if split > 1 else out
+    part = _empty((grid[0], split, cfg.block_n), out, torch.float32) if split > 1 else out
     locks = _locks(counters, grid[0], out) if split > 1 else out
     _moe_down_by_token[grid](a, b, w, out, part, locks, ids, emap, t, n, k, routing.tk, routing.topk,
                              routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1), *a_strides,

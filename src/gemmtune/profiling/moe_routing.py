@@ -39,12 +39,32 @@ def moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch
     ]
 
 
+# the experts call's routing arguments: (position, keyword)
+_ROUTING_ARGS = ((1, "top_k_index"), (2, "top_k_weights"))
+
+
+def _arg(args, kwargs, index: int, name: str):
+    return args[index] if len(args) > index else kwargs[name]
+
+
 def _ids_of(args, kwargs) -> torch.Tensor:
-    ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+    ids = _arg(args, kwargs, *_ROUTING_ARGS[0])
     return ids.detach().sort(dim=-1).values  # a set per token: the order of the k is the router's own
 
 
-class RoutingTrace:
+class _Hooks:
+    """A context that removes the hooks it registered (self._handles) on exit."""
+
+    def __init__(self) -> None:
+        self._handles: list = []
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class RoutingTrace(_Hooks):
     """Records, per forward of each MoE block: its input and the experts its router chose (sorted per
     token). Entries are appended in call order; `calls[name]` indexes them per forward of the model."""
 
@@ -53,18 +73,13 @@ class RoutingTrace:
         self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n, _, _ in self.blocks}
         self.ids: dict[str, list[torch.Tensor]] = {n: [] for n, _, _ in self.blocks}
         self.routing: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n, _, _ in self.blocks}
-        self._handles: list = []
+        super().__init__()
 
     def __enter__(self) -> RoutingTrace:
         for name, block, experts in self.blocks:
             self._handles.append(block.register_forward_pre_hook(self._keep_input(name)))
             self._handles.append(experts.register_forward_pre_hook(self._keep_ids(name), with_kwargs=True))
         return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def _keep_input(self, name):
         def hook(mod, args):
@@ -74,20 +89,14 @@ class RoutingTrace:
 
     def _keep_ids(self, name):
         def hook(mod, args, kwargs):
-            self.ids[name].append(_ids_of(args, kwargs).clone())
-            self.routing[name].append(tuple(_arg(args, kwargs, i, k).detach().clone() for i, k in _ROUTING_ARGS))
+            index, weights = (_arg(args, kwargs, i, k).detach().clone() for i, k in _ROUTING_ARGS)
+            self.routing[name].append((index, weights))
+            self.ids[name].append(index.sort(dim=-1).values)
 
         return hook
 
 
-_ROUTING_ARGS = ((1, "top_k_index"), (2, "top_k_weights"))
-
-
-def _arg(args, kwargs, index: int, name: str):
-    return args[index] if len(args) > index else kwargs[name]
-
-
-class ForcedRouting:
+class ForcedRouting(_Hooks):
     """While entered: each MoE block of `model` routes as `reference` (a RoutingTrace of another run of
     the same inputs) did on the same call. `complete` says, after, whether every block with recorded
     routing had every call forced."""
@@ -96,18 +105,13 @@ class ForcedRouting:
         self.blocks = moe_blocks(model)
         self.reference = reference
         self.forced: dict[str, int] = {n: 0 for n, _, _ in self.blocks}
-        self._handles: list = []
+        super().__init__()
 
     def __enter__(self) -> ForcedRouting:
         for name, _, experts in self.blocks:
             if self.reference.routing.get(name):
                 self._handles.append(experts.register_forward_pre_hook(self._force(name), with_kwargs=True))
         return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def _force(self, name):
         def hook(mod, args, kwargs):

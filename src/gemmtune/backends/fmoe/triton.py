@@ -145,12 +145,11 @@ def heuristic_configs(key: MoeKey, sms: int = 132) -> tuple[kmoe.MoeGemmConfig, 
     c1 = kmoe.MoeGemmConfig(1, direct, bm1, bn1, bk1, 1, 4 if bm1 < 128 else 8, stages1)
     narrow_waves = NARROW_STAGE1_WAVES if key.inter_dim <= BY_TOKEN.max_i else 1
     if direct and stage1_programs(key, bm1, 64) < narrow_waves * sms:
-        # Few stage-1 programs (fine-grained experts at decode): narrow tiles (twice the programs, each
-        # walking H in long K steps), then the split over H. Measured on an H100 against BLOCK_N 64 /
-        # BLOCK_K 64 or 128 (grid_default.md, A/B): below one wave 1.01-1.17x faster at 13 of the 14 grid
-        # points the rule changed, even at the 14th (E=128 I=1024 top 1 at T = 1: 23.1 -> 19.8 us; E=256
-        # I=256 H=7168 top 8 at T = 1: 42.9 -> 41.2 us); between one and two waves, where BLOCK_N 64 leaves
-        # the last wave part empty, see NARROW_STAGE1_WAVES.
+        # Few stage-1 programs (fine-grained experts at decode): narrow tiles give twice the programs, each
+        # walking H in long K steps, then the split over H keeps the SMs streaming. Below one wave they
+        # are 1.01-1.17x faster than BLOCK_N 64 / BLOCK_K 64 or 128 at 13 of the 14 grid points measured
+        # (H100, grid_default.md: E=128 I=1024 top 1 at T = 1 23.1 -> 19.8 us); between one and two
+        # waves, where BLOCK_N 64 leaves the last wave part empty, see NARROW_STAGE1_WAVES.
         c1 = replace(c1, block_n=32, block_k=128, stages=4 if stage1_programs(key, bm1, 64) < sms else 3)
     if direct:
         c1 = replace(c1, split_k=max(_full_wave_splits(key, c1, sms), default=1))
