@@ -64,7 +64,7 @@ def _empty(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch
 
 
 # ---- configs ------------------------------------------------------------------------------------
-_NAME = re.compile(r"^moe([12])_(direct|sorted|token)_bm(\d+)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)$")
+_NAME = re.compile(r"^moe([12])_(direct|sorted|token|fused)_bm(\d+)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,13 @@ class MoeGemmConfig:
     # stage 2 only: a program per (token, N tile) walks the token's experts and sums them itself (no
     # combine kernel; moe_down_by_token). Direct: it reads the router's ids, nothing sorted.
     by_token: bool = False
+    # by token, in the same launch as stage 1 (moe_fused_decode; stage 1 a direct config over slots, its
+    # warps): stage 2's programs start as stage 1's end and wait only for the experts they read.
+    fused: bool = False
 
     @property
     def name(self) -> str:
-        mode = "token" if self.by_token else "direct" if self.direct else "sorted"
+        mode = "fused" if self.fused else "token" if self.by_token else "direct" if self.direct else "sorted"
         return (f"moe{self.stage}_{mode}_bm{self.block_m}_bn{self.block_n}_bk{self.block_k}_sk{self.split_k}"
                 f"_w{self.warps}_s{self.stages}")  # fmt: skip
 
@@ -95,14 +98,16 @@ class MoeGemmConfig:
         if not m:
             return None
         st, mode, bm, bn, bk, sk, w, s = m.groups()
-        cfg = cls(int(st), mode != "sorted", int(bm), int(bn), int(bk), int(sk), int(w), int(s), mode == "token")
+        cfg = cls(int(st), mode != "sorted", int(bm), int(bn), int(bk), int(sk), int(w), int(s),
+                  mode in ("token", "fused"), mode == "fused")  # fmt: skip
         return cfg if cfg.valid() else None
 
     def valid(self) -> bool:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.block_k, self.warps))
         return (pow2 and self.block_m >= 16 and self.block_n >= 16 and self.block_k >= 16 and self.split_k >= 1
                 and self.stages >= 1 and self.stage in (1, 2)
-                and (not self.by_token or (self.stage == 2 and self.direct and self.block_m == 16)))  # fmt: skip
+                and (not self.by_token or (self.stage == 2 and self.direct and self.block_m == 16))
+                and (not self.fused or self.by_token))  # fmt: skip
 
     def fits(self, n_slots: int) -> bool:
         split_ok = self.stage != 1 or self.split_k == 1 or n_slots <= SPLIT1_MAX_SLOTS
@@ -269,7 +274,8 @@ if HAS_TRITON:
         """C[slot] = epilogue(A[slot] @ B[e][:, n tile]) for BLOCK_M slots of one expert. Split (SPLIT_K > 1)
         without FIXUP: split pid_k's fp32 partial into C[pid_k], no epilogue. With FIXUP: the partial (gate,
         then up at column N + n) into part[pid_k]; the split that arrives last at lock_ptr[lock] sums all
-        of them in split order, so the result does not depend on arrival order, and stores the epilogue."""
+        of them in split order, so the result does not depend on arrival order, and stores the epilogue.
+        Returns 1 where this call left the rows finished (unsplit, or the last split), else 0."""
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -291,6 +297,7 @@ if HAS_TRITON:
             b_ptrs += SPLIT_K * BLOCK_K * stride_bk
         c_ptrs = c_ptr + slot64[:, None] * stride_cm + offs_n[None, :] * stride_cn
         mask = row_ok[:, None] & n_ok[None, :]
+        finished = pid_n * 0 + 1  # 1 where this call left the tile's rows finished (an int32 tensor either way)
         if SPLIT_K == 1:
             acc = _epilogue(acc, acc_up, w_ptr, slot, row_ok, TK, TOPK, stride_wt, stride_wj, GATED, ACT, MUL_WEIGHT)
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -303,6 +310,7 @@ if HAS_TRITON:
                 tl.store(p_ptrs + pid_k * stride_ps + N, acc_up, mask=mask, cache_modifier=".cg")
             tl.debug_barrier()  # every thread's partial is stored before one thread publishes the arrival
             arrived = tl.atomic_add(lock_ptr + lock, 1, sem="acq_rel", scope="gpu")
+            finished = (arrived == SPLIT_K - 1).to(tl.int32)
             if arrived == SPLIT_K - 1:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -314,6 +322,7 @@ if HAS_TRITON:
                                 MUL_WEIGHT)  # fmt: skip
                 tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(lock_ptr + lock, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
+        return finished
 
     @triton.jit
     def _prefetch(b_ptr, e, pid_n, pid_k, N, K, stride_be, stride_bk, stride_bn, BLOCK_N: tl.constexpr,
@@ -327,6 +336,39 @@ if HAS_TRITON:
                 offs_k = (pid_k + i * SPLIT_K) * BLOCK_K + tl.arange(0, BLOCK_K)
                 tl.load(base + offs_k[:, None] * stride_bk, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
                         volatile=True)  # fmt: skip
+
+    @triton.jit
+    def _slot_program_expert(pid, ids, slots):
+        """A direct launch's grid over slots: program p takes slot p's expert, unless an earlier slot has it
+        (then that slot's program does, and p gets -1)."""
+        e = tl.sum(tl.where(slots == pid, ids, 0), axis=0)
+        earlier = tl.sum(((ids == e) & (slots < pid)).to(tl.int32), axis=0)
+        return tl.where(earlier == 0, e, -1)
+
+    @triton.jit
+    def _expert_rows(e, ids, slots, pid, pid_n, pid_k, n_tiles_n, a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, N,
+                     K, TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs,
+                     stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, SLOTS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     FIXUP: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                     PREC: tl.constexpr):  # fmt: skip
+        """A direct program's work: the slots routed to expert e (ids: every slot's), BLOCK_M at a time, one
+        _tile each (none for e < 0). Returns how many of those row chunks it left finished."""
+        hit = ((ids == e) & (e >= 0)).to(tl.int32)
+        count = tl.sum(hit, axis=0)
+        rank = tl.cumsum(hit, axis=0) - 1
+        finished = count * 0
+        # Gather this expert's slots BLOCK_M at a time: row r of a chunk is the slot whose rank is r.
+        for r0 in range(0, count, BLOCK_M):
+            r = r0 + tl.arange(0, BLOCK_M)
+            match = (hit[None, :] > 0) & (rank[None, :] == r[:, None])
+            slot = tl.sum(tl.where(match, slots[None, :], 0), axis=1)
+            lock = (pid * n_tiles_n + pid_n) * ((SLOTS + BLOCK_M - 1) // BLOCK_M) + r0 // BLOCK_M
+            finished += _tile(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, lock, slot, r < count, e, pid_n, pid_k,
+                              N, K, TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn,
+                              stride_cs, stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M,
+                              BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
+        return finished
 
     # n_slots is never specialized: Triton 3.6 miscompiles this kernel when it specializes n_slots = 32
     # (divisible by 16) with SLOTS = 32 at 4 warps. On an H100 at 4 tokens of top 8 with H, I multiples
@@ -350,10 +392,8 @@ if HAS_TRITON:
         slots = tl.arange(0, SLOTS)
         ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
                            num_local_routed, HAS_MAP)  # fmt: skip
-        if BY_SLOT:  # program p: slot p's expert, unless an earlier slot has it (then that slot's program does)
-            e = tl.sum(tl.where(slots == pid, ids, 0), axis=0)
-            earlier = tl.sum(((ids == e) & (slots < pid)).to(tl.int32), axis=0)
-            e = tl.where(earlier == 0, e, -1)
+        if BY_SLOT:
+            e = _slot_program_expert(pid, ids, slots)
         else:
             e = pid
         if PDL > 1:  # stage 2 (moe_gemm's pdl): pull its first weight tiles into L2 while stage 1 finishes
@@ -361,19 +401,10 @@ if HAS_TRITON:
                       PDL - 1)  # fmt: skip
             gdc_wait()
             gdc_launch_dependents()
-        hit = ((ids == e) & (e >= 0)).to(tl.int32)
-        count = tl.sum(hit, axis=0)
-        rank = tl.cumsum(hit, axis=0) - 1
-        # Gather this expert's slots BLOCK_M at a time: row r of a chunk is the slot whose rank is r.
-        for r0 in range(0, count, BLOCK_M):
-            r = r0 + tl.arange(0, BLOCK_M)
-            match = (hit[None, :] > 0) & (rank[None, :] == r[:, None])
-            slot = tl.sum(tl.where(match, slots[None, :], 0), axis=1)
-            lock = (pid * tl.num_programs(1) + pid_n) * ((SLOTS + BLOCK_M - 1) // BLOCK_M) + r0 // BLOCK_M
-            _tile(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, lock, slot, r < count, e, pid_n, pid_k, N, K, TK,
-                  TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm,
-                  stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP,
-                  GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
+        _expert_rows(e, ids, slots, pid, pid_n, pid_k, tl.num_programs(1), a_ptr, b_ptr, c_ptr, w_ptr, part_ptr,
+                     lock_ptr, N, K, TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn,
+                     stride_cs, stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, SLOTS, BLOCK_M,
+                     BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
 
     @triton.jit
     def _moe_gemm_sorted(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, sorted_ptr, block_expert_ptr, n_slots, N, K,
@@ -394,21 +425,29 @@ if HAS_TRITON:
                   stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP,
                   GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
 
-    @triton.jit(do_not_specialize=["n_tokens"])
-    def _moe_down_by_token(a_ptr, b_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_tokens, N, K, TK,
-                           TOPK, num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
-                           stride_be, stride_bk, stride_bn, stride_wt, stride_wj, stride_ot, TK_P2: tl.constexpr,
-                           HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr,
-                           SPLIT: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
-        """out[t, n tile] = sum_j w[t, j] * A[t * TK + j] @ B[e(t, j)][:, n tile]: stage 2 and the combine in
-        one program per (token, N tile), walking the token's experts and their K steps as one loop (long
-        enough to keep the weight loads pipelined). A's row rides row 0 of a BLOCK_M-row tile (the tensor
-        cores' least M); the other rows stay zero."""
-        pid = tl.program_id(0)
-        t = pid % n_tokens  # tokens fastest: programs of one N tile run together and share their experts in L2
-        pid_n = pid // n_tokens
-        pid_s = tl.program_id(1)  # split: this program's share of the token's routing columns
+    @triton.jit
+    def _nap(x):
+        """Sleep a few hundred ns (x is passed through: an asm statement needs an operand)."""
+        return tl.inline_asm_elementwise("nanosleep.u32 256;\n mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                         is_pure=False, pack=1)  # fmt: skip
+
+    @triton.jit
+    def _by_token_unit(pid, t, pid_n, pid_s, a_ptr, b_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, N, K,
+                       TK, TOPK, num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
+                       stride_be, stride_bk, stride_bn, stride_wt, stride_wj, stride_ot, ready_ptr, n_slots, n_tiles1,
+                       TK_P2: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+                       STAGES: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr, SLOTS: tl.constexpr,
+                       BLOCK_M1: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+        """out[t, n tile] = sum_j w[t, j] * A[t * TK + j] @ B[e(t, j)][:, n tile] over split pid_s's share of the
+        token's routing columns: stage 2 and the combine as one walk over the token's experts and their K
+        steps (long enough to keep the weight loads pipelined). A's row rides row 0 of a BLOCK_M-row tile
+        (the tensor cores' least M); the other rows stay zero. Split: the last of the token's SPLIT programs
+        to arrive at lock_ptr[pid] sums the partials in split order.
+        WAIT (stage 1 in the same launch, _moe_fused_decode): A's rows are not written yet. Pull the first
+        PREFETCH weight tiles of the walk into L2, then wait until each column's expert is finished: the
+        program of its first slot (its owner, stage 1's grid over slots) counts its finished row chunks of
+        BLOCK_M1 at ready_ptr[owner], n_tiles1 N tiles of them."""
         per_split = tl.cdiv(TK, SPLIT)
         j_lo = pid_s * per_split
         j_hi = tl.minimum(TK, j_lo + per_split)
@@ -430,17 +469,38 @@ if HAS_TRITON:
             _prefetch(b_ptr, e0, pid_n, 0, N, K, stride_be, stride_bk, stride_bn, BLOCK_N, BLOCK_K, 1, PDL - 1)
             gdc_wait()
             gdc_launch_dependents()
+        if WAIT:
+            for i in tl.static_range(PREFETCH):  # the walk's first tiles, into L2 while stage 1 finishes
+                jj = j_lo + i // k_steps
+                e = tl.sum(tl.where(j == jj, e_all, 0), axis=0)
+                e = tl.where(jj < j_hi, e, -1)
+                _prefetch(b_ptr, e, pid_n, i % k_steps, N, K, stride_be, stride_bk, stride_bn, BLOCK_N, BLOCK_K, 1, 1)
+            slots = tl.arange(0, SLOTS)
+            ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+                              num_local_routed, HAS_MAP)  # fmt: skip
+            # every column's count polled at once: one round trip to L2 per poll, not one per column
+            mine = (j >= j_lo) & (j < j_hi) & live
+            match = ids[None, :] == e_all[:, None]
+            owner = tl.min(tl.where(match, slots[None, :], SLOTS - 1), axis=1)
+            want = tl.cdiv(tl.sum(match.to(tl.int32), axis=1), BLOCK_M1) * n_tiles1
+            seen = tl.atomic_add(ready_ptr + owner, 0, mask=mine, sem="acquire", scope="gpu")
+            short = tl.sum((mine & (seen < want)).to(tl.int32), axis=0)
+            while short > 0:  # (never loops under the interpreter: one program at a time)
+                short = _nap(short)  # polls spaced out, off the atomics stage 1 publishes with
+                seen = tl.atomic_add(ready_ptr + owner, 0, mask=mine, sem="acquire", scope="gpu")
+                short = tl.sum((mine & (seen < want)).to(tl.int32), axis=0)
         a_base = a_ptr + t.to(tl.int64) * stride_at
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(j_lo * k_steps, j_hi * k_steps):
+        for i in tl.range(j_lo * k_steps, j_hi * k_steps, num_stages=STAGES):
             jj = i // k_steps
             k0 = (i % k_steps) * BLOCK_K
             e = tl.sum(tl.where(j == jj, e_all, 0), axis=0)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < tl.where(e >= 0, K, 0)  # a slot with no local expert reads nothing
+            # .cg: in a fused launch another program wrote A's rows during this kernel
             a = tl.load(a_base + jj * stride_aj + rows[:, None] * 0 + offs_k[None, :] * stride_ak,
-                        mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0)  # fmt: skip
+                        mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
             b_tile = b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_be
             b = tl.load(b_tile + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
@@ -462,6 +522,81 @@ if HAS_TRITON:
                 y = sum_partials(unit_part, offs, SPLIT, 1, BLOCK_N, ".cg")
                 tl.store(out_ptrs, tl.where(bad, float("nan"), y).to(out_ptr.dtype.element_ty), mask=n_ok)
                 tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _moe_down_by_token(a_ptr, b_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_tokens, N, K, TK,
+                           TOPK, num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
+                           stride_be, stride_bk, stride_bn, stride_wt, stride_wj, stride_ot, TK_P2: tl.constexpr,
+                           HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr,
+                           SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+        """Stage 2 and the combine: a program per (token, N tile) and split of the token's columns
+        (_by_token_unit)."""
+        pid = tl.program_id(0)
+        # tokens fastest: programs of one N tile run together and share their experts in L2
+        _by_token_unit(pid, pid % n_tokens, pid // n_tokens, tl.program_id(1), a_ptr, b_ptr, w_ptr, out_ptr, part_ptr,
+                       lock_ptr, ids_ptr, map_ptr, N, K, TK, TOPK, num_routed, num_local_routed, stride_it, stride_ij,
+                       stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_wt, stride_wj,
+                       stride_ot, lock_ptr, 0, 0, TK_P2, HAS_MAP, BLOCK_M, BLOCK_N, BLOCK_K, MUL_WEIGHT, PREC, SPLIT,
+                       STAGES, PDL, False, 16, 16, 0)  # fmt: skip
+
+    # n_slots and n_tokens are not specialized, as in _moe_gemm_direct and _moe_down_by_token.
+    @triton.jit(do_not_specialize=["n_slots", "n_tokens"])
+    def _moe_fused_decode(x_ptr, w1_ptr, h_ptr, w2_ptr, wt_ptr, out_ptr, part1_ptr, part2_ptr, cnt_ptr, ids_ptr,
+                          map_ptr, n_slots, n_tokens, hidden, inter, TK, TOPK, num_routed, num_local_routed, stride_it,
+                          stride_ij, stride_xt, stride_xk, stride_1e, stride_1k, stride_1n, stride_2e, stride_2k,
+                          stride_2n, stride_wt, stride_wj, stride_ot, stride_ps, stride_pm, SLOTS: tl.constexpr,
+                          TK_P2: tl.constexpr, HAS_MAP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr,
+                          BK1: tl.constexpr, SPLIT1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
+                          SPLIT2: tl.constexpr, STAGES2: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                          WEIGHT1: tl.constexpr, WEIGHT2: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
+                          PDL: tl.constexpr = 0):  # fmt: skip
+        """Both stages in one launch (moe_fused_decode). Each program takes a ticket (cnt[0]) when it starts:
+        the first tickets are stage 1's programs of a direct grid over slots (x @ w1 into h's rows), the
+        rest stage 2's by-token programs (h @ w2, summed per token into out), which wait for the experts
+        they read (_by_token_unit's WAIT). A ticket is taken only by a running program, and every stage-1
+        ticket before any stage-2 one, so a waiting program waits only on running ones. The last program
+        to finish (cnt[1]) re-arms the tickets and stage 1's counts for the next call.
+        cnt: [tickets, finished, ready (n_slots), stage 2's split locks (its programs), stage 1's]."""
+        if PDL == 1:  # the routing and the hidden state may come from the kernel just before
+            gdc_wait()
+            gdc_launch_dependents()
+        ticket = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+        n_tiles1 = tl.cdiv(inter, BN1)
+        work1 = n_slots * n_tiles1 * SPLIT1
+        units2 = n_tokens * tl.cdiv(hidden, BN2)
+        ready_ptr = cnt_ptr + 2
+        lock2_ptr = ready_ptr + n_slots
+        if ticket < work1:  # stage 1, as _moe_gemm_direct's program (p, pid_n, pid_k) of its grid over slots
+            p = ticket % n_slots
+            pid_n = (ticket // n_slots) % n_tiles1
+            pid_k = ticket // (n_slots * n_tiles1)
+            slots = tl.arange(0, SLOTS)
+            ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+                              num_local_routed, HAS_MAP)  # fmt: skip
+            e = _slot_program_expert(p, ids, slots)
+            finished = _expert_rows(e, ids, slots, p, pid_n, pid_k, n_tiles1, x_ptr, w1_ptr, h_ptr, wt_ptr,
+                                    part1_ptr, lock2_ptr + units2, inter, hidden, TK, TOPK, stride_xt, 0, stride_xk,
+                                    stride_1e, stride_1k, stride_1n, 0, inter, 1, stride_wt, stride_wj, stride_ps,
+                                    stride_pm, SLOTS, BM1, BN1, BK1, SPLIT1, SPLIT1 > 1, GATED, ACT, WEIGHT1,
+                                    PREC)  # fmt: skip
+            if finished > 0:
+                tl.debug_barrier()  # every thread's rows are stored before one thread publishes them
+                tl.atomic_add(ready_ptr + p, finished, sem="release", scope="gpu")
+        else:  # stage 2 by token, as _moe_down_by_token's program (pid, pid_s)
+            u = ticket - work1
+            pid = u % units2
+            _by_token_unit(pid, pid % n_tokens, pid // n_tokens, u // units2, h_ptr, w2_ptr, wt_ptr, out_ptr,
+                           part2_ptr, lock2_ptr, ids_ptr, map_ptr, hidden, inter, TK, TOPK, num_routed,
+                           num_local_routed, stride_it, stride_ij, TK * inter, inter, 1, stride_2e, stride_2k,
+                           stride_2n, stride_wt, stride_wj, stride_ot, ready_ptr, n_slots, n_tiles1, TK_P2, HAS_MAP,
+                           16, BN2, BK2, WEIGHT2, PREC, SPLIT2, STAGES2, 0, True, SLOTS, BM1, PREFETCH)  # fmt: skip
+        done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if done == work1 + units2 * SPLIT2 - 1:  # the last program: every other one has finished
+            offs = tl.arange(0, SLOTS)
+            tl.store(ready_ptr + offs, 0, mask=offs < n_slots)
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _combine(c_ptr, w_ptr, ids_ptr, map_ptr, row_ptr, out_ptr, N, TK, TOPK, num_routed, num_local_routed,
@@ -533,7 +668,7 @@ def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b:
     any kernel that finishes before it starts): read the routing, pull the first n - 1 weight tiles into
     L2, then wait: the routing was written before the kernel just before this one, which waited for it."""
     if cfg.by_token:
-        raise ValueError(f"{cfg.name} runs through moe_down_by_token, not moe_gemm")
+        raise ValueError(f"{cfg.name} runs through moe_down_by_token or moe_fused_decode, not moe_gemm")
     n = b.shape[2] // 2 if gated else b.shape[2]
     k = b.shape[1]
     fixup = cfg.split_k > 1 and c.dim() == 2
@@ -609,6 +744,8 @@ def moe_down_by_token(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int,
     applied in stage 1. A token with an out-of-range id gets NaN; slots of other ranks add nothing.
     cfg.split_k > 1 splits each token's routing columns over that many programs (`counters` count their
     arrivals; the last sums the partials). pdl > 1 as moe_gemm's (stage 2 after a PDL stage 1)."""
+    if cfg.fused:
+        raise ValueError(f"{cfg.name} runs in stage 1's launch (moe_fused_decode)")
     ids = routing.topk_ids
     emap = routing.expert_map if routing.expert_map is not None else ids
     w = weights if weights is not None else out
@@ -627,5 +764,60 @@ def moe_down_by_token(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int,
                              TK_P2=max(2, triton.next_power_of_2(routing.tk)),
                              HAS_MAP=routing.expert_map is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                              BLOCK_K=cfg.block_k, MUL_WEIGHT=weights is not None, PREC=_prec(a.dtype), SPLIT=split,
-                             num_warps=cfg.warps, num_stages=cfg.stages,
+                             STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages,
                              **({"PDL": pdl, "launch_pdl": True} if pdl else {}))  # fmt: skip
+
+
+# Stage-2 weight tiles each by-token program of a fused launch pulls into L2 before it waits for stage 1.
+FUSED_PREFETCH = 2
+FUSED_MAXNREG = 0  # a register cap for the fused launch (0: none)
+
+
+def fused_fits(c1: MoeGemmConfig, c2: MoeGemmConfig, n_slots: int, num_experts: int) -> bool:
+    """Stage 1 c1 and fused stage 2 c2 run in one launch (moe_fused_decode): c1 a direct config whose grid
+    runs over slots (fewer slots than experts), with c2's warps."""
+    return (c2.fused and c1.stage == 1 and c1.direct and not c1.by_token and c1.warps == c2.warps
+            and 0 < n_slots < num_experts and c1.fits(n_slots) and c2.fits(n_slots))  # fmt: skip
+
+
+def moe_fused_decode(c1: MoeGemmConfig, c2: MoeGemmConfig, hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     routing: Routing, num_experts: int, gated: bool, activation: str,
+                     stage1_weights: torch.Tensor | None, stage2_weights: torch.Tensor | None, out: torch.Tensor,
+                     counters: ArrivalCounters | None, pdl: int = 0) -> None:  # fmt: skip
+    """Both stages in one launch (a `fused` stage-2 config c2 after direct stage-1 config c1, fused_fits):
+    out (T, H) = moe_down_by_token(c2) of moe_gemm(c1)'s rows, without a kernel boundary between them, so
+    stage 2's programs start as stage 1's finish. w1 (E, H, gI) and w2 (E, I, H) logically, any strides,
+    as moe_gemm's b; the routing weights go to stage 1 (stage1_weights, doweight_stage1) or stage 2.
+    Stage 1's rows go to a scratch buffer. pdl 1: wait for the kernel before (as moe_gemm's stage 1)."""
+    if not fused_fits(c1, c2, routing.n_slots, num_experts):
+        raise ValueError(f"{c1.name}|{c2.name} does not run as one launch at {routing.n_slots} slots of "
+                         f"{num_experts} experts")  # fmt: skip
+    if counters is None:
+        raise ValueError("moe_fused_decode needs ArrivalCounters")
+    ids = routing.topk_ids
+    emap = routing.expert_map if routing.expert_map is not None else ids
+    n_slots, t = routing.n_slots, ids.shape[0]
+    n, k = w1.shape[2] // 2 if gated else w1.shape[2], w1.shape[1]
+    h = _empty((n_slots, n), hidden)
+    slots_p2 = max(16, triton.next_power_of_2(n_slots))
+    n_tiles1 = triton.cdiv(n, c1.block_n)
+    work1 = n_slots * n_tiles1 * c1.split_k
+    split2 = by_token_splits(c2.split_k, routing.tk)
+    units2 = t * triton.cdiv(k, c2.block_n)
+    locks1 = n_slots * n_tiles1 * triton.cdiv(slots_p2, c1.block_m) if c1.split_k > 1 else 0
+    cnt = counters.get(2 + n_slots + units2 + locks1, out.device)
+    part1 = _empty((c1.split_k, n_slots, (2 if gated else 1) * n), out, torch.float32) if c1.split_k > 1 else h
+    part2 = _empty((units2, split2, c2.block_n), out, torch.float32) if split2 > 1 else out
+    weights = stage1_weights if stage1_weights is not None else stage2_weights  # at most one is given
+    ws = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
+    _moe_fused_decode[(work1 + units2 * split2,)](
+        hidden, w1, h, w2, weights if weights is not None else out, out, part1, part2, cnt, ids, emap, n_slots, t,
+        k, n, routing.tk, routing.topk, routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1),
+        hidden.stride(0), hidden.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), w2.stride(0), w2.stride(1),
+        w2.stride(2), *ws, out.stride(0), part1.stride(0), part1.stride(1), SLOTS=slots_p2,
+        TK_P2=max(2, triton.next_power_of_2(routing.tk)), HAS_MAP=routing.expert_map is not None, BM1=c1.block_m,
+        BN1=c1.block_n, BK1=c1.block_k, SPLIT1=c1.split_k, BN2=c2.block_n, BK2=c2.block_k, SPLIT2=split2,
+        STAGES2=c2.stages, GATED=gated, ACT=ACTS[activation], WEIGHT1=stage1_weights is not None,
+        WEIGHT2=stage2_weights is not None, PREC=_prec(hidden.dtype), PREFETCH=FUSED_PREFETCH, num_warps=c1.warps,
+        num_stages=c1.stages, **({"PDL": pdl, "launch_pdl": True} if pdl else {}),
+        **({"maxnreg": FUSED_MAXNREG} if FUSED_MAXNREG else {}))  # fmt: skip
