@@ -270,12 +270,13 @@ if HAS_TRITON:
               stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn,
               stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr, GATED: tl.constexpr,
-              ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+              ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr, A_CG: tl.constexpr = False):  # fmt: skip
         """C[slot] = epilogue(A[slot] @ B[e][:, n tile]) for BLOCK_M slots of one expert. Split (SPLIT_K > 1)
         without FIXUP: split pid_k's fp32 partial into C[pid_k], no epilogue. With FIXUP: the partial (gate,
         then up at column N + n) into part[pid_k]; the split that arrives last at lock_ptr[lock] sums all
         of them in split order, so the result does not depend on arrival order, and stores the epilogue.
-        Returns 1 where this call left the rows finished (unsplit, or the last split), else 0."""
+        Returns 1 where this call left the rows finished (unsplit, or the last split), else 0. A_CG: A is
+        read past L1."""
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -287,7 +288,10 @@ if HAS_TRITON:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
             k_ok = (offs_k + (k0 - pid_k * BLOCK_K)) < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if A_CG:  # A's rows written during this launch (moe_fused_decode): past L1, which may hold stale lines
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PREC)
             if GATED:
@@ -351,7 +355,7 @@ if HAS_TRITON:
                      stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, SLOTS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      FIXUP: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                     PREC: tl.constexpr):  # fmt: skip
+                     PREC: tl.constexpr, A_CG: tl.constexpr = False):  # fmt: skip
         """A direct program's work: the slots routed to expert e (ids: every slot's), BLOCK_M at a time, one
         _tile each (none for e < 0). Returns how many of those row chunks it left finished."""
         hit = ((ids == e) & (e >= 0)).to(tl.int32)
@@ -367,7 +371,7 @@ if HAS_TRITON:
             finished += _tile(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, lock, slot, r < count, e, pid_n, pid_k,
                               N, K, TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn,
                               stride_cs, stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M,
-                              BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
+                              BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, GATED, ACT, MUL_WEIGHT, PREC, A_CG)  # fmt: skip
         return finished
 
     # n_slots is never specialized: Triton 3.6 miscompiles this kernel when it specializes n_slots = 32
@@ -431,23 +435,21 @@ if HAS_TRITON:
         return tl.inline_asm_elementwise("nanosleep.u32 256;\n mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
                                          is_pure=False, pack=1)  # fmt: skip
 
-    @triton.jit
-    def _by_token_unit(pid, t, pid_n, pid_s, a_ptr, b_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, N, K,
-                       TK, TOPK, num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
-                       stride_be, stride_bk, stride_bn, stride_wt, stride_wj, stride_ot, ready_ptr, n_slots, n_tiles1,
-                       TK_P2: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
-                       STAGES: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr, SLOTS: tl.constexpr,
-                       BLOCK_M1: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-        """out[t, n tile] = sum_j w[t, j] * A[t * TK + j] @ B[e(t, j)][:, n tile] over split pid_s's share of the
-        token's routing columns: stage 2 and the combine as one walk over the token's experts and their K
-        steps (long enough to keep the weight loads pipelined). A's row rides row 0 of a BLOCK_M-row tile
-        (the tensor cores' least M); the other rows stay zero. Split: the last of the token's SPLIT programs
-        to arrive at lock_ptr[pid] sums the partials in split order.
-        WAIT (stage 1 in the same launch, _moe_fused_decode): A's rows are not written yet. Pull the first
-        PREFETCH weight tiles of the walk into L2, then wait until each column's expert is finished: the
-        program of its first slot (its owner, stage 1's grid over slots) counts its finished row chunks of
-        BLOCK_M1 at ready_ptr[owner], n_tiles1 N tiles of them."""
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _moe_down_by_token(a_ptr, b_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_tokens, N, K, TK,
+                           TOPK, num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
+                           stride_be, stride_bk, stride_bn, stride_wt, stride_wj, stride_ot, TK_P2: tl.constexpr,
+                           HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr,
+                           SPLIT: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+        """out[t, n tile] = sum_j w[t, j] * A[t * TK + j] @ B[e(t, j)][:, n tile]: stage 2 and the combine in
+        one program per (token, N tile), walking the token's experts and their K steps as one loop (long
+        enough to keep the weight loads pipelined). A's row rides row 0 of a BLOCK_M-row tile (the tensor
+        cores' least M); the other rows stay zero."""
+        pid = tl.program_id(0)
+        t = pid % n_tokens  # tokens fastest: programs of one N tile run together and share their experts in L2
+        pid_n = pid // n_tokens
+        pid_s = tl.program_id(1)  # split: this program's share of the token's routing columns
         per_split = tl.cdiv(TK, SPLIT)
         j_lo = pid_s * per_split
         j_hi = tl.minimum(TK, j_lo + per_split)
@@ -469,38 +471,17 @@ if HAS_TRITON:
             _prefetch(b_ptr, e0, pid_n, 0, N, K, stride_be, stride_bk, stride_bn, BLOCK_N, BLOCK_K, 1, PDL - 1)
             gdc_wait()
             gdc_launch_dependents()
-        if WAIT:
-            for i in tl.static_range(PREFETCH):  # the walk's first tiles, into L2 while stage 1 finishes
-                jj = j_lo + i // k_steps
-                e = tl.sum(tl.where(j == jj, e_all, 0), axis=0)
-                e = tl.where(jj < j_hi, e, -1)
-                _prefetch(b_ptr, e, pid_n, i % k_steps, N, K, stride_be, stride_bk, stride_bn, BLOCK_N, BLOCK_K, 1, 1)
-            slots = tl.arange(0, SLOTS)
-            ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
-                              num_local_routed, HAS_MAP)  # fmt: skip
-            # every column's count polled at once: one round trip to L2 per poll, not one per column
-            mine = (j >= j_lo) & (j < j_hi) & live
-            match = ids[None, :] == e_all[:, None]
-            owner = tl.min(tl.where(match, slots[None, :], SLOTS - 1), axis=1)
-            want = tl.cdiv(tl.sum(match.to(tl.int32), axis=1), BLOCK_M1) * n_tiles1
-            seen = tl.atomic_add(ready_ptr + owner, 0, mask=mine, sem="acquire", scope="gpu")
-            short = tl.sum((mine & (seen < want)).to(tl.int32), axis=0)
-            while short > 0:  # (never loops under the interpreter: one program at a time)
-                short = _nap(short)  # polls spaced out, off the atomics stage 1 publishes with
-                seen = tl.atomic_add(ready_ptr + owner, 0, mask=mine, sem="acquire", scope="gpu")
-                short = tl.sum((mine & (seen < want)).to(tl.int32), axis=0)
         a_base = a_ptr + t.to(tl.int64) * stride_at
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in tl.range(j_lo * k_steps, j_hi * k_steps, num_stages=STAGES):
+        for i in range(j_lo * k_steps, j_hi * k_steps):
             jj = i // k_steps
             k0 = (i % k_steps) * BLOCK_K
             e = tl.sum(tl.where(j == jj, e_all, 0), axis=0)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < tl.where(e >= 0, K, 0)  # a slot with no local expert reads nothing
-            # .cg: in a fused launch another program wrote A's rows during this kernel
             a = tl.load(a_base + jj * stride_aj + rows[:, None] * 0 + offs_k[None, :] * stride_ak,
-                        mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+                        mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0)  # fmt: skip
             b_tile = b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_be
             b = tl.load(b_tile + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
@@ -523,80 +504,123 @@ if HAS_TRITON:
                 tl.store(out_ptrs, tl.where(bad, float("nan"), y).to(out_ptr.dtype.element_ty), mask=n_ok)
                 tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
 
-    @triton.jit(do_not_specialize=["n_tokens"])
-    def _moe_down_by_token(a_ptr, b_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_tokens, N, K, TK,
-                           TOPK, num_routed, num_local_routed, stride_it, stride_ij, stride_at, stride_aj, stride_ak,
-                           stride_be, stride_bk, stride_bn, stride_wt, stride_wj, stride_ot, TK_P2: tl.constexpr,
-                           HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr,
-                           SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
-        """Stage 2 and the combine: a program per (token, N tile) and split of the token's columns
-        (_by_token_unit)."""
-        pid = tl.program_id(0)
-        # tokens fastest: programs of one N tile run together and share their experts in L2
-        _by_token_unit(pid, pid % n_tokens, pid // n_tokens, tl.program_id(1), a_ptr, b_ptr, w_ptr, out_ptr, part_ptr,
-                       lock_ptr, ids_ptr, map_ptr, N, K, TK, TOPK, num_routed, num_local_routed, stride_it, stride_ij,
-                       stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_wt, stride_wj,
-                       stride_ot, lock_ptr, 0, 0, TK_P2, HAS_MAP, BLOCK_M, BLOCK_N, BLOCK_K, MUL_WEIGHT, PREC, SPLIT,
-                       STAGES, PDL, False, 16, 16, 0)  # fmt: skip
+    @triton.jit
+    def _token_arrivals(e, ids, slots, pid_n, n_tiles, slot_out_ptr, out_ptr, lock_ptr, N, TK, stride_ot,
+                        SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """After expert e's stage-2 rows (fp32, weighted) of N tile pid_n are stored at slot_out[slot]: count one
+        arrival per token at lock[token, pid_n]; the arrival that completes a token (every column with a local
+        expert) sums its rows in column order (arrival order never shows), stores out[token] (NaN with a bad
+        id) and re-arms the count."""
+        tl.debug_barrier()  # every thread's rows are stored before they are published
+        hit = ((ids == e) & (e >= 0)).to(tl.int32)
+        count = tl.sum(hit, axis=0)
+        rank = tl.cumsum(hit, axis=0) - 1
+        tok_of = slots // TK
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        for r0 in range(0, count, BLOCK_M):
+            r = r0 + tl.arange(0, BLOCK_M)
+            row_ok = r < count
+            slot = tl.sum(tl.where((hit[None, :] > 0) & (rank[None, :] == r[:, None]), slots[None, :], 0), axis=1)
+            tok = slot // TK
+            same = tok_of[None, :] == tok[:, None]
+            live = tl.sum((same & (ids[None, :] >= 0)).to(tl.int32), axis=1)
+            bad = tl.sum((same & (ids[None, :] == -2)).to(tl.int32), axis=1) > 0
+            locks = lock_ptr + tok * n_tiles + pid_n
+            old = tl.atomic_add(locks, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+            last = row_ok & (old == live - 1)
+            if tl.sum(last.to(tl.int32), axis=0) > 0:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for jj in range(0, TK):
+                    s2 = tok * TK + jj
+                    e2 = tl.sum(tl.where(slots[None, :] == s2[:, None], ids[None, :], 0), axis=1)
+                    rows = slot_out_ptr + s2.to(tl.int64)[:, None] * N + offs_n[None, :]
+                    acc += tl.load(rows, mask=(last & (e2 >= 0))[:, None] & n_ok[None, :], other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
+                acc = tl.where(bad[:, None], float("nan"), acc)
+                tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
+                         acc.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_ok[None, :])  # fmt: skip
+                tl.atomic_xchg(locks, 0, mask=last, sem="relaxed", scope="gpu")  # re-armed for the next call
 
     # n_slots and n_tokens are not specialized, as in _moe_gemm_direct and _moe_down_by_token.
     @triton.jit(do_not_specialize=["n_slots", "n_tokens"])
-    def _moe_fused_decode(x_ptr, w1_ptr, h_ptr, w2_ptr, wt_ptr, out_ptr, part1_ptr, part2_ptr, cnt_ptr, ids_ptr,
+    def _moe_fused_decode(x_ptr, w1_ptr, h_ptr, w2_ptr, wt_ptr, out_ptr, part1_ptr, slot_out_ptr, cnt_ptr, ids_ptr,
                           map_ptr, n_slots, n_tokens, hidden, inter, TK, TOPK, num_routed, num_local_routed, stride_it,
                           stride_ij, stride_xt, stride_xk, stride_1e, stride_1k, stride_1n, stride_2e, stride_2k,
                           stride_2n, stride_wt, stride_wj, stride_ot, stride_ps, stride_pm, SLOTS: tl.constexpr,
-                          TK_P2: tl.constexpr, HAS_MAP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr,
-                          BK1: tl.constexpr, SPLIT1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-                          SPLIT2: tl.constexpr, STAGES2: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                          WEIGHT1: tl.constexpr, WEIGHT2: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
-                          PDL: tl.constexpr = 0):  # fmt: skip
-        """Both stages in one launch (moe_fused_decode). Each program takes a ticket (cnt[0]) when it starts:
-        the first tickets are stage 1's programs of a direct grid over slots (x @ w1 into h's rows), the
-        rest stage 2's by-token programs (h @ w2, summed per token into out), which wait for the experts
-        they read (_by_token_unit's WAIT). A ticket is taken only by a running program, and every stage-1
-        ticket before any stage-2 one, so a waiting program waits only on running ones. The last program
-        to finish (cnt[1]) re-arms the tickets and stage 1's counts for the next call.
-        cnt: [tickets, finished, ready (n_slots), stage 2's split locks (its programs), stage 1's]."""
+                          HAS_MAP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
+                          SPLIT1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, GATED: tl.constexpr,
+                          ACT: tl.constexpr, WEIGHT1: tl.constexpr, WEIGHT2: tl.constexpr, PREC: tl.constexpr,
+                          PREFETCH: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+        """Both stages in one persistent launch (moe_fused_decode). Work units in one order: stage 1's
+        (slot p's expert, as _moe_gemm_direct's grid over slots; N tile; split), then stage 2's (slot p's
+        expert, H tile), expert by expert, so experts finish one after another and stage 2 streams the
+        first experts' weights while stage 1 reads the last ones'. Program g takes units g, g + G, ...: every
+        program is resident at once (the launcher's grid), and each finishes its stage-1 units, which wait
+        for nothing, before its stage-2 ones, which wait for their expert's rows (ready[p] counts the
+        finished row chunks). Stage 2 stores each slot's weighted fp32 rows, and the last expert of a token
+        to arrive sums them (_token_arrivals). The last program to finish re-arms the counts and writes the
+        tokens with no local expert (zero; NaN with a bad id).
+        cnt: [finished programs, ready (n_slots), token arrivals (n_tokens x H tiles), stage 1's split locks]."""
         if PDL == 1:  # the routing and the hidden state may come from the kernel just before
             gdc_wait()
             gdc_launch_dependents()
-        ticket = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
         n_tiles1 = tl.cdiv(inter, BN1)
-        work1 = n_slots * n_tiles1 * SPLIT1
-        units2 = n_tokens * tl.cdiv(hidden, BN2)
-        ready_ptr = cnt_ptr + 2
+        per_expert1 = n_tiles1 * SPLIT1
+        work1 = n_slots * per_expert1
+        n_tiles2 = tl.cdiv(hidden, BN2)
+        ready_ptr = cnt_ptr + 1
         lock2_ptr = ready_ptr + n_slots
-        if ticket < work1:  # stage 1, as _moe_gemm_direct's program (p, pid_n, pid_k) of its grid over slots
-            p = ticket % n_slots
-            pid_n = (ticket // n_slots) % n_tiles1
-            pid_k = ticket // (n_slots * n_tiles1)
-            slots = tl.arange(0, SLOTS)
-            ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
-                              num_local_routed, HAS_MAP)  # fmt: skip
-            e = _slot_program_expert(p, ids, slots)
-            finished = _expert_rows(e, ids, slots, p, pid_n, pid_k, n_tiles1, x_ptr, w1_ptr, h_ptr, wt_ptr,
-                                    part1_ptr, lock2_ptr + units2, inter, hidden, TK, TOPK, stride_xt, 0, stride_xk,
-                                    stride_1e, stride_1k, stride_1n, 0, inter, 1, stride_wt, stride_wj, stride_ps,
-                                    stride_pm, SLOTS, BM1, BN1, BK1, SPLIT1, SPLIT1 > 1, GATED, ACT, WEIGHT1,
-                                    PREC)  # fmt: skip
-            if finished > 0:
-                tl.debug_barrier()  # every thread's rows are stored before one thread publishes them
-                tl.atomic_add(ready_ptr + p, finished, sem="release", scope="gpu")
-        else:  # stage 2 by token, as _moe_down_by_token's program (pid, pid_s)
-            u = ticket - work1
-            pid = u % units2
-            _by_token_unit(pid, pid % n_tokens, pid // n_tokens, u // units2, h_ptr, w2_ptr, wt_ptr, out_ptr,
-                           part2_ptr, lock2_ptr, ids_ptr, map_ptr, hidden, inter, TK, TOPK, num_routed,
-                           num_local_routed, stride_it, stride_ij, TK * inter, inter, 1, stride_2e, stride_2k,
-                           stride_2n, stride_wt, stride_wj, stride_ot, ready_ptr, n_slots, n_tiles1, TK_P2, HAS_MAP,
-                           16, BN2, BK2, WEIGHT2, PREC, SPLIT2, STAGES2, 0, True, SLOTS, BM1, PREFETCH)  # fmt: skip
-        done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if done == work1 + units2 * SPLIT2 - 1:  # the last program: every other one has finished
-            offs = tl.arange(0, SLOTS)
-            tl.store(ready_ptr + offs, 0, mask=offs < n_slots)
+        lock1_ptr = lock2_ptr + n_tokens * n_tiles2
+        slots = tl.arange(0, SLOTS)
+        ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
+                          num_local_routed, HAS_MAP)  # fmt: skip
+        for u in range(tl.program_id(0), work1 + n_slots * n_tiles2, tl.num_programs(0)):
+            if u < work1:  # stage 1: x @ w1 into h's rows
+                p = u // per_expert1
+                pid_n = (u % per_expert1) % n_tiles1
+                pid_k = (u % per_expert1) // n_tiles1
+                e = _slot_program_expert(p, ids, slots)
+                finished = _expert_rows(e, ids, slots, p, pid_n, pid_k, n_tiles1, x_ptr, w1_ptr, h_ptr, wt_ptr,
+                                        part1_ptr, lock1_ptr, inter, hidden, TK, TOPK, stride_xt, 0, stride_xk,
+                                        stride_1e, stride_1k, stride_1n, 0, inter, 1, stride_wt, stride_wj, stride_ps,
+                                        stride_pm, SLOTS, BM1, BN1, BK1, SPLIT1, SPLIT1 > 1, GATED, ACT, WEIGHT1,
+                                        PREC)  # fmt: skip
+                if finished > 0:
+                    tl.debug_barrier()  # every thread's rows are stored before one thread publishes them
+                    tl.atomic_add(ready_ptr + p, finished, sem="release", scope="gpu")
+            else:  # stage 2: h @ w2 of one expert's slots, weighted, into slot_out; tokens summed as they finish
+                p = (u - work1) // n_tiles2
+                pid_n = (u - work1) % n_tiles2
+                e = _slot_program_expert(p, ids, slots)
+                if e >= 0:
+                    _prefetch(w2_ptr, e, pid_n, 0, hidden, inter, stride_2e, stride_2k, stride_2n, BN2, BK2, 1,
+                              PREFETCH)  # fmt: skip
+                    want = tl.cdiv(tl.sum((ids == e).to(tl.int32), axis=0), BM1) * n_tiles1
+                    seen = tl.atomic_add(ready_ptr + p, 0, sem="acquire", scope="gpu")
+                    while seen < want:  # (never loops under the interpreter: its programs run one by one)
+                        seen = _nap(seen)  # polls spaced out, off the atomics stage 1 publishes with
+                        seen = tl.atomic_add(ready_ptr + p, 0, sem="acquire", scope="gpu")
+                    _expert_rows(e, ids, slots, p, pid_n, 0, n_tiles2, h_ptr, w2_ptr, slot_out_ptr, wt_ptr,
+                                 slot_out_ptr, lock1_ptr, hidden, inter, TK, TOPK, TK * inter, inter, 1, stride_2e,
+                                 stride_2k, stride_2n, 0, hidden, 1, stride_wt, stride_wj, 0, 0, SLOTS, 16, BN2, BK2,
+                                 1, False, False, 0, WEIGHT2, PREC, True)  # fmt: skip
+                    _token_arrivals(e, ids, slots, pid_n, n_tiles2, slot_out_ptr, out_ptr, lock2_ptr, hidden, TK,
+                                    stride_ot, SLOTS, 16, BN2)  # fmt: skip
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:  # the last program: every other one has finished
+            tl.store(ready_ptr + slots, 0, mask=slots < n_slots)
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed", scope="gpu")
+            tok_of = slots // TK
+            for t in range(0, n_tokens):
+                mine = tok_of == t
+                if tl.sum((mine & (ids >= 0)).to(tl.int32), axis=0) == 0:  # no local expert: no arrival wrote it
+                    bad = tl.sum((mine & (ids == -2)).to(tl.int32), axis=0) > 0
+                    for n0 in range(0, hidden, BN2):
+                        offs = n0 + tl.arange(0, BN2)
+                        y = tl.where(bad, float("nan"), tl.zeros((BN2,), dtype=tl.float32))
+                        tl.store(out_ptr + t * stride_ot + offs, y.to(out_ptr.dtype.element_ty),
+                                 mask=offs < hidden)  # fmt: skip
 
     @triton.jit
     def _combine(c_ptr, w_ptr, ids_ptr, map_ptr, row_ptr, out_ptr, N, TK, TOPK, num_routed, num_local_routed,
@@ -764,12 +788,12 @@ def moe_down_by_token(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int,
                              TK_P2=max(2, triton.next_power_of_2(routing.tk)),
                              HAS_MAP=routing.expert_map is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                              BLOCK_K=cfg.block_k, MUL_WEIGHT=weights is not None, PREC=_prec(a.dtype), SPLIT=split,
-                             STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages,
+                             num_warps=cfg.warps, num_stages=cfg.stages,
                              **({"PDL": pdl, "launch_pdl": True} if pdl else {}))  # fmt: skip
 
 
-# Stage-2 weight tiles each by-token program of a fused launch pulls into L2 before it waits for stage 1.
-FUSED_PREFETCH = 2
+# Stage-2 weight tiles each unit of a fused launch pulls into L2 before it waits for its expert's rows.
+FUSED_PREFETCH = 0
 FUSED_MAXNREG = 0  # a register cap for the fused launch (0: none)
 
 
@@ -780,15 +804,24 @@ def fused_fits(c1: MoeGemmConfig, c2: MoeGemmConfig, n_slots: int, num_experts: 
             and 0 < n_slots < num_experts and c1.fits(n_slots) and c2.fits(n_slots))  # fmt: skip
 
 
+def fused_programs_per_sm(warps: int) -> int:
+    """Programs of a fused launch every SM holds at once whatever the kernel's registers (255 a thread at
+    most, 64K a SM) and shared memory (the fused configs' stay under half a SM's): its grid never holds
+    more, so every program is resident and none waits on one that cannot start."""
+    return max(1, 65536 // (warps * 32 * 255))
+
+
 def moe_fused_decode(c1: MoeGemmConfig, c2: MoeGemmConfig, hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      routing: Routing, num_experts: int, gated: bool, activation: str,
                      stage1_weights: torch.Tensor | None, stage2_weights: torch.Tensor | None, out: torch.Tensor,
-                     counters: ArrivalCounters | None, pdl: int = 0) -> None:  # fmt: skip
-    """Both stages in one launch (a `fused` stage-2 config c2 after direct stage-1 config c1, fused_fits):
-    out (T, H) = moe_down_by_token(c2) of moe_gemm(c1)'s rows, without a kernel boundary between them, so
-    stage 2's programs start as stage 1's finish. w1 (E, H, gI) and w2 (E, I, H) logically, any strides,
-    as moe_gemm's b; the routing weights go to stage 1 (stage1_weights, doweight_stage1) or stage 2.
-    Stage 1's rows go to a scratch buffer. pdl 1: wait for the kernel before (as moe_gemm's stage 1)."""
+                     counters: ArrivalCounters | None, sms: int | None, pdl: int = 0) -> None:  # fmt: skip
+    """Both stages in one persistent launch (a `fused` stage-2 config c2 after direct stage-1 config c1,
+    fused_fits): out (T, H) = the pair's result, stage 2 reading each expert's rows as soon as stage 1 has
+    finished them. w1 (E, H, gI) and w2 (E, I, H) logically, any strides, as moe_gemm's b; the routing
+    weights go to stage 1 (stage1_weights, doweight_stage1) or stage 2. Scratch: stage 1's rows and stage
+    2's weighted fp32 rows per slot. sms: the device's SMs (the grid holds fused_programs_per_sm of them
+    each); None (the interpreter, which runs programs one by one) a program per unit. pdl 1: wait for the
+    kernel before (as moe_gemm's stage 1)."""
     if not fused_fits(c1, c2, routing.n_slots, num_experts):
         raise ValueError(f"{c1.name}|{c2.name} does not run as one launch at {routing.n_slots} slots of "
                          f"{num_experts} experts")  # fmt: skip
@@ -799,25 +832,24 @@ def moe_fused_decode(c1: MoeGemmConfig, c2: MoeGemmConfig, hidden: torch.Tensor,
     n_slots, t = routing.n_slots, ids.shape[0]
     n, k = w1.shape[2] // 2 if gated else w1.shape[2], w1.shape[1]
     h = _empty((n_slots, n), hidden)
+    slot_out = _empty((n_slots, k), out, torch.float32)
     slots_p2 = max(16, triton.next_power_of_2(n_slots))
     n_tiles1 = triton.cdiv(n, c1.block_n)
-    work1 = n_slots * n_tiles1 * c1.split_k
-    split2 = by_token_splits(c2.split_k, routing.tk)
-    units2 = t * triton.cdiv(k, c2.block_n)
+    n_tiles2 = triton.cdiv(k, c2.block_n)
+    units = n_slots * (n_tiles1 * c1.split_k + n_tiles2)
     locks1 = n_slots * n_tiles1 * triton.cdiv(slots_p2, c1.block_m) if c1.split_k > 1 else 0
-    cnt = counters.get(2 + n_slots + units2 + locks1, out.device)
+    cnt = counters.get(1 + n_slots + t * n_tiles2 + locks1, out.device)
     part1 = _empty((c1.split_k, n_slots, (2 if gated else 1) * n), out, torch.float32) if c1.split_k > 1 else h
-    part2 = _empty((units2, split2, c2.block_n), out, torch.float32) if split2 > 1 else out
     weights = stage1_weights if stage1_weights is not None else stage2_weights  # at most one is given
     ws = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
-    _moe_fused_decode[(work1 + units2 * split2,)](
-        hidden, w1, h, w2, weights if weights is not None else out, out, part1, part2, cnt, ids, emap, n_slots, t,
+    grid = min(units, fused_programs_per_sm(c1.warps) * sms) if sms else units
+    _moe_fused_decode[(grid,)](
+        hidden, w1, h, w2, weights if weights is not None else out, out, part1, slot_out, cnt, ids, emap, n_slots, t,
         k, n, routing.tk, routing.topk, routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1),
         hidden.stride(0), hidden.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), w2.stride(0), w2.stride(1),
         w2.stride(2), *ws, out.stride(0), part1.stride(0), part1.stride(1), SLOTS=slots_p2,
-        TK_P2=max(2, triton.next_power_of_2(routing.tk)), HAS_MAP=routing.expert_map is not None, BM1=c1.block_m,
-        BN1=c1.block_n, BK1=c1.block_k, SPLIT1=c1.split_k, BN2=c2.block_n, BK2=c2.block_k, SPLIT2=split2,
-        STAGES2=c2.stages, GATED=gated, ACT=ACTS[activation], WEIGHT1=stage1_weights is not None,
+        HAS_MAP=routing.expert_map is not None, BM1=c1.block_m, BN1=c1.block_n, BK1=c1.block_k, SPLIT1=c1.split_k,
+        BN2=c2.block_n, BK2=c2.block_k, GATED=gated, ACT=ACTS[activation], WEIGHT1=stage1_weights is not None,
         WEIGHT2=stage2_weights is not None, PREC=_prec(hidden.dtype), PREFETCH=FUSED_PREFETCH, num_warps=c1.warps,
         num_stages=c1.stages, **({"PDL": pdl, "launch_pdl": True} if pdl else {}),
         **({"maxnreg": FUSED_MAXNREG} if FUSED_MAXNREG else {}))  # fmt: skip

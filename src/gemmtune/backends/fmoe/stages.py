@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ...device import NVIDIA, capability, triton_installed, triton_runs_on, vendor
+from ...device import NVIDIA, capability, facts, triton_installed, triton_runs_on, vendor
 from ...families.fmoe import MoeKey, StageOut, act_name
 from ...kernels import fused_moe as kmoe
 from ...kernels import moe_route
@@ -216,6 +216,7 @@ def _fused(key: MoeKey, s1: kmoe.MoeGemmConfig, s2: kmoe.MoeGemmConfig, call: Ca
     kmoe.moe_fused_decode(s1, s2, hidden, call.w1.transpose(1, 2), call.w2.transpose(1, 2), r, call.w1.shape[0],
                           gated(key), act_name(key.act_type), w if key.doweight_stage1 else None,
                           None if key.doweight_stage1 else w, out, call.counters,
+                          facts(hidden.device).sms if hidden.device.type == "cuda" else None,
                           pdl=PDL_STAGE1 if _pdl(s1, r, hidden.device) else 0)  # fmt: skip
     return out
 
