@@ -5,9 +5,7 @@ pair, issue 29's fine-grained decode roofs.
 Per point (H, I, E, top-k, T): real top-k routing over 8 rotating input sets, CUDA-graph replays
 (gemmtune.tuner.timing.time_graphs). Timed: the untuned default pair; its stage 1 alone; the default
 stage 1 (or --stage1-config) with each by-token stage 2 (BLOCK_N 16/32/64, BLOCK_K 128/256, 3/4 pipeline
-stages, each token's experts split 1/2/4 ways; or the --configs given: `moe2_fused_...` ones run both stages
-in one launch, kernels/fused_moe.py moe_fused_decode, each at every --prefetch count of stage-2 weight tiles
-pulled into L2 before a program waits for stage 1). With --pdl-past-limit, past
+stages, each token's experts split 1/2/4 ways; or the --configs given). With --pdl-past-limit, past
 PDL_MAX_SLOTS all of them again with PDL launches. "% roof" is bench_moe's: the bytes of the experts hit
 and the activations over the measured read bandwidth (or the FLOPs over the bf16 ceiling, whichever is
 longer). A pair more than 2e-2 from the fp32 reference is dropped. --stage1: stage 1 alone over tiles,
@@ -15,8 +13,6 @@ warps and splits over H instead.
 
     PYTHONPATH=src python benchmarks/experiments/exp_moe_by_token.py 2048,384,128,8,1 7168,256,256,8,4
     PYTHONPATH=src python benchmarks/experiments/exp_moe_by_token.py --stage1 2048,384,128,8,4
-    PYTHONPATH=src python benchmarks/experiments/exp_moe_by_token.py --prefetch 0,2 \
-        --configs moe2_token_bm16_bn64_bk128_sk1_w4_s4,moe2_fused_bm16_bn64_bk128_sk1_w4_s4 2048,384,128,8,4
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from gemmtune.backends.fmoe import stages
 from gemmtune.backends.fmoe.stages import pair_runner, stage_runner
 from gemmtune.backends.fmoe.triton import heuristic_configs
 from gemmtune.families import fmoe
-from gemmtune.kernels import fused_moe as kmoe
 from gemmtune.kernels.fused_moe import MoeGemmConfig
 from gemmtune.tuner.timing import measure_ceilings, time_graphs
 
@@ -43,8 +38,6 @@ SETS = 8
 PDL_PAST_LIMIT = False
 STAGE1 = None  # a stage-1 config name in place of the default's (--stage1-config)
 CONFIGS: list[str] = []  # by-token configs to time instead of the sweep (--configs)
-PREFETCH = [kmoe.FUSED_PREFETCH]  # fused configs run at each of these (--prefetch)
-MAXNREG = [kmoe.FUSED_MAXNREG]  # and each of these register caps (--maxnreg)
 
 
 def token_configs() -> list[MoeGemmConfig]:
@@ -66,11 +59,7 @@ def run_point(H: int, I: int, E: int, topk: int, T: int, ceilings, device) -> No
     ref = fmoe.FAMILY.reference(key, ins[0])
     runs = {"default": pair_runner(key, h1, h2)}
     for c in token_configs():
-        if not c.fused:
-            runs[c.name] = pair_runner(key, h1, c)
-            continue
-        for pf, mr in itertools.product(PREFETCH, MAXNREG):  # read when the launch is made (graphs: at capture)
-            runs[f"{c.name} pf{pf} r{mr}"] = lambda *a, run=pair_runner(key, h1, c), o=(pf, mr): _with(o, run, a)
+        runs[c.name] = pair_runner(key, h1, c)
     ok = {}
     with torch.no_grad():
         for n, run in runs.items():
@@ -105,19 +94,10 @@ def run_point(H: int, I: int, E: int, topk: int, T: int, ceilings, device) -> No
     for n in ("default +pdl", "stage 1 alone +pdl"):
         if n in us:
             print(f"  {n} {us[n]:.1f} us ({100 * roof / us[n]:.0f}%)")
-    best = sorted((n for n in us if n.startswith(("moe2_token", "moe2_fused"))), key=us.get)
-    for n in best[: None if CONFIGS else 8]:
+    best = sorted((n for n in us if n.startswith("moe2_token")), key=us.get)
+    for n in best[:8]:
         print(f"  {h1.name}|{n} {us[n]:.1f} us ({100 * roof / us[n]:.0f}%)")
     print(f"  worst token config {best[-1]} {us[best[-1]]:.1f} us", flush=True)
-
-
-def _with(opts: tuple[int, int], run, args):
-    saved = kmoe.FUSED_PREFETCH, kmoe.FUSED_MAXNREG
-    kmoe.FUSED_PREFETCH, kmoe.FUSED_MAXNREG = opts
-    try:
-        return run(*args)
-    finally:
-        kmoe.FUSED_PREFETCH, kmoe.FUSED_MAXNREG = saved
 
 
 def stage1_sweep(H: int, I: int, E: int, topk: int, T: int, ceilings, device) -> None:  # noqa: E741
@@ -160,14 +140,8 @@ def main() -> None:
     ap.add_argument("--stage1-config", default=None, help="pair the stage-2 configs with this stage 1")
     ap.add_argument("--pdl-past-limit", action="store_true", help="also time every pair with PDL at any slots")
     ap.add_argument("--configs", default="", help="comma list of by-token stage-2 configs to time instead")
-    ap.add_argument("--prefetch", default=None, help="comma list of FUSED_PREFETCH values for fused configs")
-    ap.add_argument("--maxnreg", default=None, help="comma list of FUSED_MAXNREG values for fused configs")
     args = ap.parse_args()
-    global STAGE1, PDL_PAST_LIMIT, CONFIGS, PREFETCH, MAXNREG
-    if args.prefetch:
-        PREFETCH = [int(v) for v in args.prefetch.split(",")]
-    if args.maxnreg:
-        MAXNREG = [int(v) for v in args.maxnreg.split(",")]
+    global STAGE1, PDL_PAST_LIMIT, CONFIGS
     STAGE1, PDL_PAST_LIMIT = args.stage1_config, args.pdl_past_limit
     CONFIGS = [n for n in args.configs.split(",") if n]
     device = torch.device("cuda")

@@ -64,7 +64,7 @@ def _empty(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch
 
 
 # ---- configs ------------------------------------------------------------------------------------
-_NAME = re.compile(r"^moe([12])_(direct|sorted|token|fused)_bm(\d+)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)$")
+_NAME = re.compile(r"^moe([12])_(direct|sorted|token)_bm(\d+)_bn(\d+)_bk(\d+)_sk(\d+)_w(\d+)_s(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,10 @@ class MoeGemmConfig:
     # stage 2 only: a program per (token, N tile) walks the token's experts and sums them itself (no
     # combine kernel; moe_down_by_token). Direct: it reads the router's ids, nothing sorted.
     by_token: bool = False
-    # by token, in the same launch as stage 1 (moe_fused_decode; stage 1 a direct config over slots, its
-    # warps): stage 2's programs start as stage 1's end and wait only for the experts they read.
-    fused: bool = False
 
     @property
     def name(self) -> str:
-        mode = "fused" if self.fused else "token" if self.by_token else "direct" if self.direct else "sorted"
+        mode = "token" if self.by_token else "direct" if self.direct else "sorted"
         return (f"moe{self.stage}_{mode}_bm{self.block_m}_bn{self.block_n}_bk{self.block_k}_sk{self.split_k}"
                 f"_w{self.warps}_s{self.stages}")  # fmt: skip
 
@@ -98,16 +95,14 @@ class MoeGemmConfig:
         if not m:
             return None
         st, mode, bm, bn, bk, sk, w, s = m.groups()
-        cfg = cls(int(st), mode != "sorted", int(bm), int(bn), int(bk), int(sk), int(w), int(s),
-                  mode in ("token", "fused"), mode == "fused")  # fmt: skip
+        cfg = cls(int(st), mode != "sorted", int(bm), int(bn), int(bk), int(sk), int(w), int(s), mode == "token")
         return cfg if cfg.valid() else None
 
     def valid(self) -> bool:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.block_k, self.warps))
         return (pow2 and self.block_m >= 16 and self.block_n >= 16 and self.block_k >= 16 and self.split_k >= 1
                 and self.stages >= 1 and self.stage in (1, 2)
-                and (not self.by_token or (self.stage == 2 and self.direct and self.block_m == 16))
-                and (not self.fused or self.by_token))  # fmt: skip
+                and (not self.by_token or (self.stage == 2 and self.direct and self.block_m == 16)))  # fmt: skip
 
     def fits(self, n_slots: int) -> bool:
         split_ok = self.stage != 1 or self.split_k == 1 or n_slots <= SPLIT1_MAX_SLOTS
@@ -270,13 +265,11 @@ if HAS_TRITON:
               stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn,
               stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr, GATED: tl.constexpr,
-              ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr, A_CG: tl.constexpr = False):  # fmt: skip
+              ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
         """C[slot] = epilogue(A[slot] @ B[e][:, n tile]) for BLOCK_M slots of one expert. Split (SPLIT_K > 1)
         without FIXUP: split pid_k's fp32 partial into C[pid_k], no epilogue. With FIXUP: the partial (gate,
         then up at column N + n) into part[pid_k]; the split that arrives last at lock_ptr[lock] sums all
-        of them in split order, so the result does not depend on arrival order, and stores the epilogue.
-        Returns 1 where this call left the rows finished (unsplit, or the last split), else 0. A_CG: A is
-        read past L1."""
+        of them in split order, so the result does not depend on arrival order, and stores the epilogue."""
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -288,10 +281,7 @@ if HAS_TRITON:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
             k_ok = (offs_k + (k0 - pid_k * BLOCK_K)) < K
-            if A_CG:  # A's rows written during this launch (moe_fused_decode): past L1, which may hold stale lines
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PREC)
             if GATED:
@@ -301,7 +291,6 @@ if HAS_TRITON:
             b_ptrs += SPLIT_K * BLOCK_K * stride_bk
         c_ptrs = c_ptr + slot64[:, None] * stride_cm + offs_n[None, :] * stride_cn
         mask = row_ok[:, None] & n_ok[None, :]
-        finished = pid_n * 0 + 1  # 1 where this call left the tile's rows finished (an int32 tensor either way)
         if SPLIT_K == 1:
             acc = _epilogue(acc, acc_up, w_ptr, slot, row_ok, TK, TOPK, stride_wt, stride_wj, GATED, ACT, MUL_WEIGHT)
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -314,7 +303,6 @@ if HAS_TRITON:
                 tl.store(p_ptrs + pid_k * stride_ps + N, acc_up, mask=mask, cache_modifier=".cg")
             tl.debug_barrier()  # every thread's partial is stored before one thread publishes the arrival
             arrived = tl.atomic_add(lock_ptr + lock, 1, sem="acq_rel", scope="gpu")
-            finished = (arrived == SPLIT_K - 1).to(tl.int32)
             if arrived == SPLIT_K - 1:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -326,7 +314,6 @@ if HAS_TRITON:
                                 MUL_WEIGHT)  # fmt: skip
                 tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(lock_ptr + lock, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
-        return finished
 
     @triton.jit
     def _prefetch(b_ptr, e, pid_n, pid_k, N, K, stride_be, stride_bk, stride_bn, BLOCK_N: tl.constexpr,
@@ -340,39 +327,6 @@ if HAS_TRITON:
                 offs_k = (pid_k + i * SPLIT_K) * BLOCK_K + tl.arange(0, BLOCK_K)
                 tl.load(base + offs_k[:, None] * stride_bk, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
                         volatile=True)  # fmt: skip
-
-    @triton.jit
-    def _slot_program_expert(pid, ids, slots):
-        """A direct launch's grid over slots: program p takes slot p's expert, unless an earlier slot has it
-        (then that slot's program does, and p gets -1)."""
-        e = tl.sum(tl.where(slots == pid, ids, 0), axis=0)
-        earlier = tl.sum(((ids == e) & (slots < pid)).to(tl.int32), axis=0)
-        return tl.where(earlier == 0, e, -1)
-
-    @triton.jit
-    def _expert_rows(e, ids, slots, pid, pid_n, pid_k, n_tiles_n, a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, N,
-                     K, TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs,
-                     stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, SLOTS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                     FIXUP: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                     PREC: tl.constexpr, A_CG: tl.constexpr = False):  # fmt: skip
-        """A direct program's work: the slots routed to expert e (ids: every slot's), BLOCK_M at a time, one
-        _tile each (none for e < 0). Returns how many of those row chunks it left finished."""
-        hit = ((ids == e) & (e >= 0)).to(tl.int32)
-        count = tl.sum(hit, axis=0)
-        rank = tl.cumsum(hit, axis=0) - 1
-        finished = count * 0
-        # Gather this expert's slots BLOCK_M at a time: row r of a chunk is the slot whose rank is r.
-        for r0 in range(0, count, BLOCK_M):
-            r = r0 + tl.arange(0, BLOCK_M)
-            match = (hit[None, :] > 0) & (rank[None, :] == r[:, None])
-            slot = tl.sum(tl.where(match, slots[None, :], 0), axis=1)
-            lock = (pid * n_tiles_n + pid_n) * ((SLOTS + BLOCK_M - 1) // BLOCK_M) + r0 // BLOCK_M
-            finished += _tile(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, lock, slot, r < count, e, pid_n, pid_k,
-                              N, K, TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn,
-                              stride_cs, stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M,
-                              BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, GATED, ACT, MUL_WEIGHT, PREC, A_CG)  # fmt: skip
-        return finished
 
     # n_slots is never specialized: Triton 3.6 miscompiles this kernel when it specializes n_slots = 32
     # (divisible by 16) with SLOTS = 32 at 4 warps. On an H100 at 4 tokens of top 8 with H, I multiples
@@ -396,8 +350,10 @@ if HAS_TRITON:
         slots = tl.arange(0, SLOTS)
         ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
                            num_local_routed, HAS_MAP)  # fmt: skip
-        if BY_SLOT:
-            e = _slot_program_expert(pid, ids, slots)
+        if BY_SLOT:  # program p: slot p's expert, unless an earlier slot has it (then that slot's program does)
+            e = tl.sum(tl.where(slots == pid, ids, 0), axis=0)
+            earlier = tl.sum(((ids == e) & (slots < pid)).to(tl.int32), axis=0)
+            e = tl.where(earlier == 0, e, -1)
         else:
             e = pid
         if PDL > 1:  # stage 2 (moe_gemm's pdl): pull its first weight tiles into L2 while stage 1 finishes
@@ -405,10 +361,19 @@ if HAS_TRITON:
                       PDL - 1)  # fmt: skip
             gdc_wait()
             gdc_launch_dependents()
-        _expert_rows(e, ids, slots, pid, pid_n, pid_k, tl.num_programs(1), a_ptr, b_ptr, c_ptr, w_ptr, part_ptr,
-                     lock_ptr, N, K, TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn,
-                     stride_cs, stride_cm, stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, SLOTS, BLOCK_M,
-                     BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
+        hit = ((ids == e) & (e >= 0)).to(tl.int32)
+        count = tl.sum(hit, axis=0)
+        rank = tl.cumsum(hit, axis=0) - 1
+        # Gather this expert's slots BLOCK_M at a time: row r of a chunk is the slot whose rank is r.
+        for r0 in range(0, count, BLOCK_M):
+            r = r0 + tl.arange(0, BLOCK_M)
+            match = (hit[None, :] > 0) & (rank[None, :] == r[:, None])
+            slot = tl.sum(tl.where(match, slots[None, :], 0), axis=1)
+            lock = (pid * tl.num_programs(1) + pid_n) * ((SLOTS + BLOCK_M - 1) // BLOCK_M) + r0 // BLOCK_M
+            _tile(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, lock, slot, r < count, e, pid_n, pid_k, N, K, TK,
+                  TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm,
+                  stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP,
+                  GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
 
     @triton.jit
     def _moe_gemm_sorted(a_ptr, b_ptr, c_ptr, w_ptr, part_ptr, lock_ptr, sorted_ptr, block_expert_ptr, n_slots, N, K,
@@ -428,12 +393,6 @@ if HAS_TRITON:
                   TK, TOPK, stride_at, stride_aj, stride_ak, stride_be, stride_bk, stride_bn, stride_cs, stride_cm,
                   stride_cn, stride_wt, stride_wj, stride_ps, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP,
                   GATED, ACT, MUL_WEIGHT, PREC)  # fmt: skip
-
-    @triton.jit
-    def _nap(x):
-        """Sleep a few hundred ns (x is passed through: an asm statement needs an operand)."""
-        return tl.inline_asm_elementwise("nanosleep.u32 256;\n mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                         is_pure=False, pack=1)  # fmt: skip
 
     @triton.jit(do_not_specialize=["n_tokens"])
     def _moe_down_by_token(a_ptr, b_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, ids_ptr, map_ptr, n_tokens, N, K, TK,
@@ -505,124 +464,6 @@ if HAS_TRITON:
                 tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")  # re-armed for the next call
 
     @triton.jit
-    def _token_arrivals(e, ids, slots, pid_n, n_tiles, slot_out_ptr, out_ptr, lock_ptr, N, TK, stride_ot,
-                        SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-        """After expert e's stage-2 rows (fp32, weighted) of N tile pid_n are stored at slot_out[slot]: count one
-        arrival per token at lock[token, pid_n]; the arrival that completes a token (every column with a local
-        expert) sums its rows in column order (arrival order never shows), stores out[token] (NaN with a bad
-        id) and re-arms the count."""
-        tl.debug_barrier()  # every thread's rows are stored before they are published
-        hit = ((ids == e) & (e >= 0)).to(tl.int32)
-        count = tl.sum(hit, axis=0)
-        rank = tl.cumsum(hit, axis=0) - 1
-        tok_of = slots // TK
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        for r0 in range(0, count, BLOCK_M):
-            r = r0 + tl.arange(0, BLOCK_M)
-            row_ok = r < count
-            slot = tl.sum(tl.where((hit[None, :] > 0) & (rank[None, :] == r[:, None]), slots[None, :], 0), axis=1)
-            tok = slot // TK
-            same = tok_of[None, :] == tok[:, None]
-            live = tl.sum((same & (ids[None, :] >= 0)).to(tl.int32), axis=1)
-            bad = tl.sum((same & (ids[None, :] == -2)).to(tl.int32), axis=1) > 0
-            locks = lock_ptr + tok * n_tiles + pid_n
-            old = tl.atomic_add(locks, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-            last = row_ok & (old == live - 1)
-            if tl.sum(last.to(tl.int32), axis=0) > 0:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for jj in range(0, TK):
-                    s2 = tok * TK + jj
-                    e2 = tl.sum(tl.where(slots[None, :] == s2[:, None], ids[None, :], 0), axis=1)
-                    rows = slot_out_ptr + s2.to(tl.int64)[:, None] * N + offs_n[None, :]
-                    acc += tl.load(rows, mask=(last & (e2 >= 0))[:, None] & n_ok[None, :], other=0.0,
-                                   cache_modifier=".cg")  # fmt: skip
-                acc = tl.where(bad[:, None], float("nan"), acc)
-                tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
-                         acc.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_ok[None, :])  # fmt: skip
-                tl.atomic_xchg(locks, 0, mask=last, sem="relaxed", scope="gpu")  # re-armed for the next call
-
-    # n_slots and n_tokens are not specialized, as in _moe_gemm_direct and _moe_down_by_token.
-    @triton.jit(do_not_specialize=["n_slots", "n_tokens"])
-    def _moe_fused_decode(x_ptr, w1_ptr, h_ptr, w2_ptr, wt_ptr, out_ptr, part1_ptr, slot_out_ptr, cnt_ptr, ids_ptr,
-                          map_ptr, n_slots, n_tokens, hidden, inter, TK, TOPK, num_routed, num_local_routed, stride_it,
-                          stride_ij, stride_xt, stride_xk, stride_1e, stride_1k, stride_1n, stride_2e, stride_2k,
-                          stride_2n, stride_wt, stride_wj, stride_ot, stride_ps, stride_pm, SLOTS: tl.constexpr,
-                          HAS_MAP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
-                          SPLIT1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, GATED: tl.constexpr,
-                          ACT: tl.constexpr, WEIGHT1: tl.constexpr, WEIGHT2: tl.constexpr, PREC: tl.constexpr,
-                          PREFETCH: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
-        """Both stages in one persistent launch (moe_fused_decode). Work units in one order: stage 1's
-        (slot p's expert, as _moe_gemm_direct's grid over slots; N tile; split), then stage 2's (slot p's
-        expert, H tile), expert by expert, so experts finish one after another and stage 2 streams the
-        first experts' weights while stage 1 reads the last ones'. Program g takes units g, g + G, ...: every
-        program is resident at once (the launcher's grid), and each finishes its stage-1 units, which wait
-        for nothing, before its stage-2 ones, which wait for their expert's rows (ready[p] counts the
-        finished row chunks). Stage 2 stores each slot's weighted fp32 rows, and the last expert of a token
-        to arrive sums them (_token_arrivals). The last program to finish re-arms the counts and writes the
-        tokens with no local expert (zero; NaN with a bad id).
-        cnt: [finished programs, ready (n_slots), token arrivals (n_tokens x H tiles), stage 1's split locks]."""
-        if PDL == 1:  # the routing and the hidden state may come from the kernel just before
-            gdc_wait()
-            gdc_launch_dependents()
-        n_tiles1 = tl.cdiv(inter, BN1)
-        per_expert1 = n_tiles1 * SPLIT1
-        work1 = n_slots * per_expert1
-        n_tiles2 = tl.cdiv(hidden, BN2)
-        ready_ptr = cnt_ptr + 1
-        lock2_ptr = ready_ptr + n_slots
-        lock1_ptr = lock2_ptr + n_tokens * n_tiles2
-        slots = tl.arange(0, SLOTS)
-        ids = slot_expert(slots, slots < n_slots, ids_ptr, stride_it, stride_ij, map_ptr, TK, TOPK, num_routed,
-                          num_local_routed, HAS_MAP)  # fmt: skip
-        for u in range(tl.program_id(0), work1 + n_slots * n_tiles2, tl.num_programs(0)):
-            if u < work1:  # stage 1: x @ w1 into h's rows
-                p = u // per_expert1
-                pid_n = (u % per_expert1) % n_tiles1
-                pid_k = (u % per_expert1) // n_tiles1
-                e = _slot_program_expert(p, ids, slots)
-                finished = _expert_rows(e, ids, slots, p, pid_n, pid_k, n_tiles1, x_ptr, w1_ptr, h_ptr, wt_ptr,
-                                        part1_ptr, lock1_ptr, inter, hidden, TK, TOPK, stride_xt, 0, stride_xk,
-                                        stride_1e, stride_1k, stride_1n, 0, inter, 1, stride_wt, stride_wj, stride_ps,
-                                        stride_pm, SLOTS, BM1, BN1, BK1, SPLIT1, SPLIT1 > 1, GATED, ACT, WEIGHT1,
-                                        PREC)  # fmt: skip
-                if finished > 0:
-                    tl.debug_barrier()  # every thread's rows are stored before one thread publishes them
-                    tl.atomic_add(ready_ptr + p, finished, sem="release", scope="gpu")
-            else:  # stage 2: h @ w2 of one expert's slots, weighted, into slot_out; tokens summed as they finish
-                p = (u - work1) // n_tiles2
-                pid_n = (u - work1) % n_tiles2
-                e = _slot_program_expert(p, ids, slots)
-                if e >= 0:
-                    _prefetch(w2_ptr, e, pid_n, 0, hidden, inter, stride_2e, stride_2k, stride_2n, BN2, BK2, 1,
-                              PREFETCH)  # fmt: skip
-                    want = tl.cdiv(tl.sum((ids == e).to(tl.int32), axis=0), BM1) * n_tiles1
-                    seen = tl.atomic_add(ready_ptr + p, 0, sem="acquire", scope="gpu")
-                    while seen < want:  # (never loops under the interpreter: its programs run one by one)
-                        seen = _nap(seen)  # polls spaced out, off the atomics stage 1 publishes with
-                        seen = tl.atomic_add(ready_ptr + p, 0, sem="acquire", scope="gpu")
-                    _expert_rows(e, ids, slots, p, pid_n, 0, n_tiles2, h_ptr, w2_ptr, slot_out_ptr, wt_ptr,
-                                 slot_out_ptr, lock1_ptr, hidden, inter, TK, TOPK, TK * inter, inter, 1, stride_2e,
-                                 stride_2k, stride_2n, 0, hidden, 1, stride_wt, stride_wj, 0, 0, SLOTS, 16, BN2, BK2,
-                                 1, False, False, 0, WEIGHT2, PREC, True)  # fmt: skip
-                    _token_arrivals(e, ids, slots, pid_n, n_tiles2, slot_out_ptr, out_ptr, lock2_ptr, hidden, TK,
-                                    stride_ot, SLOTS, 16, BN2)  # fmt: skip
-        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:  # the last program: every other one has finished
-            tl.store(ready_ptr + slots, 0, mask=slots < n_slots)
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-            tok_of = slots // TK
-            for t in range(0, n_tokens):
-                mine = tok_of == t
-                if tl.sum((mine & (ids >= 0)).to(tl.int32), axis=0) == 0:  # no local expert: no arrival wrote it
-                    bad = tl.sum((mine & (ids == -2)).to(tl.int32), axis=0) > 0
-                    for n0 in range(0, hidden, BN2):
-                        offs = n0 + tl.arange(0, BN2)
-                        y = tl.where(bad, float("nan"), tl.zeros((BN2,), dtype=tl.float32))
-                        tl.store(out_ptr + t * stride_ot + offs, y.to(out_ptr.dtype.element_ty),
-                                 mask=offs < hidden)  # fmt: skip
-
-    @triton.jit
     def _combine(c_ptr, w_ptr, ids_ptr, map_ptr, row_ptr, out_ptr, N, TK, TOPK, num_routed, num_local_routed,
                  stride_it, stride_ij, stride_wt, stride_wj, stride_cs, stride_cm, stride_ot, SPLITS: tl.constexpr,
                  TK_P2: tl.constexpr, HAS_MAP: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_ROWS: tl.constexpr,
@@ -692,7 +533,7 @@ def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b:
     any kernel that finishes before it starts): read the routing, pull the first n - 1 weight tiles into
     L2, then wait: the routing was written before the kernel just before this one, which waited for it."""
     if cfg.by_token:
-        raise ValueError(f"{cfg.name} runs through moe_down_by_token or moe_fused_decode, not moe_gemm")
+        raise ValueError(f"{cfg.name} runs through moe_down_by_token, not moe_gemm")
     n = b.shape[2] // 2 if gated else b.shape[2]
     k = b.shape[1]
     fixup = cfg.split_k > 1 and c.dim() == 2
@@ -768,8 +609,6 @@ def moe_down_by_token(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int,
     applied in stage 1. A token with an out-of-range id gets NaN; slots of other ranks add nothing.
     cfg.split_k > 1 splits each token's routing columns over that many programs (`counters` count their
     arrivals; the last sums the partials). pdl > 1 as moe_gemm's (stage 2 after a PDL stage 1)."""
-    if cfg.fused:
-        raise ValueError(f"{cfg.name} runs in stage 1's launch (moe_fused_decode)")
     ids = routing.topk_ids
     emap = routing.expert_map if routing.expert_map is not None else ids
     w = weights if weights is not None else out
@@ -790,66 +629,3 @@ def moe_down_by_token(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int,
                              BLOCK_K=cfg.block_k, MUL_WEIGHT=weights is not None, PREC=_prec(a.dtype), SPLIT=split,
                              num_warps=cfg.warps, num_stages=cfg.stages,
                              **({"PDL": pdl, "launch_pdl": True} if pdl else {}))  # fmt: skip
-
-
-# Stage-2 weight tiles each unit of a fused launch pulls into L2 before it waits for its expert's rows.
-FUSED_PREFETCH = 0
-FUSED_MAXNREG = 0  # a register cap for the fused launch (0: none)
-
-
-def fused_fits(c1: MoeGemmConfig, c2: MoeGemmConfig, n_slots: int, num_experts: int) -> bool:
-    """Stage 1 c1 and fused stage 2 c2 run in one launch (moe_fused_decode): c1 a direct config whose grid
-    runs over slots (fewer slots than experts), with c2's warps."""
-    return (c2.fused and c1.stage == 1 and c1.direct and not c1.by_token and c1.warps == c2.warps
-            and 0 < n_slots < num_experts and c1.fits(n_slots) and c2.fits(n_slots))  # fmt: skip
-
-
-def fused_programs_per_sm(warps: int) -> int:
-    """Programs of a fused launch every SM holds at once whatever the kernel's registers (255 a thread at
-    most, 64K a SM) and shared memory (the fused configs' stay under half a SM's): its grid never holds
-    more, so every program is resident and none waits on one that cannot start."""
-    return max(1, 65536 // (warps * 32 * 255))
-
-
-def moe_fused_decode(c1: MoeGemmConfig, c2: MoeGemmConfig, hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     routing: Routing, num_experts: int, gated: bool, activation: str,
-                     stage1_weights: torch.Tensor | None, stage2_weights: torch.Tensor | None, out: torch.Tensor,
-                     counters: ArrivalCounters | None, sms: int | None, pdl: int = 0) -> None:  # fmt: skip
-    """Both stages in one persistent launch (a `fused` stage-2 config c2 after direct stage-1 config c1,
-    fused_fits): out (T, H) = the pair's result, stage 2 reading each expert's rows as soon as stage 1 has
-    finished them. w1 (E, H, gI) and w2 (E, I, H) logically, any strides, as moe_gemm's b; the routing
-    weights go to stage 1 (stage1_weights, doweight_stage1) or stage 2. Scratch: stage 1's rows and stage
-    2's weighted fp32 rows per slot. sms: the device's SMs (the grid holds fused_programs_per_sm of them
-    each); None (the interpreter, which runs programs one by one) a program per unit. pdl 1: wait for the
-    kernel before (as moe_gemm's stage 1)."""
-    if not fused_fits(c1, c2, routing.n_slots, num_experts):
-        raise ValueError(f"{c1.name}|{c2.name} does not run as one launch at {routing.n_slots} slots of "
-                         f"{num_experts} experts")  # fmt: skip
-    if counters is None:
-        raise ValueError("moe_fused_decode needs ArrivalCounters")
-    ids = routing.topk_ids
-    emap = routing.expert_map if routing.expert_map is not None else ids
-    n_slots, t = routing.n_slots, ids.shape[0]
-    n, k = w1.shape[2] // 2 if gated else w1.shape[2], w1.shape[1]
-    h = _empty((n_slots, n), hidden)
-    slot_out = _empty((n_slots, k), out, torch.float32)
-    slots_p2 = max(16, triton.next_power_of_2(n_slots))
-    n_tiles1 = triton.cdiv(n, c1.block_n)
-    n_tiles2 = triton.cdiv(k, c2.block_n)
-    units = n_slots * (n_tiles1 * c1.split_k + n_tiles2)
-    locks1 = n_slots * n_tiles1 * triton.cdiv(slots_p2, c1.block_m) if c1.split_k > 1 else 0
-    cnt = counters.get(1 + n_slots + t * n_tiles2 + locks1, out.device)
-    part1 = _empty((c1.split_k, n_slots, (2 if gated else 1) * n), out, torch.float32) if c1.split_k > 1 else h
-    weights = stage1_weights if stage1_weights is not None else stage2_weights  # at most one is given
-    ws = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
-    grid = min(units, fused_programs_per_sm(c1.warps) * sms) if sms else units
-    _moe_fused_decode[(grid,)](
-        hidden, w1, h, w2, weights if weights is not None else out, out, part1, slot_out, cnt, ids, emap, n_slots, t,
-        k, n, routing.tk, routing.topk, routing.num_routed, routing.num_local_routed, ids.stride(0), ids.stride(1),
-        hidden.stride(0), hidden.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), w2.stride(0), w2.stride(1),
-        w2.stride(2), *ws, out.stride(0), part1.stride(0), part1.stride(1), SLOTS=slots_p2,
-        HAS_MAP=routing.expert_map is not None, BM1=c1.block_m, BN1=c1.block_n, BK1=c1.block_k, SPLIT1=c1.split_k,
-        BN2=c2.block_n, BK2=c2.block_k, GATED=gated, ACT=ACTS[activation], WEIGHT1=stage1_weights is not None,
-        WEIGHT2=stage2_weights is not None, PREC=_prec(hidden.dtype), PREFETCH=FUSED_PREFETCH, num_warps=c1.warps,
-        num_stages=c1.stages, **({"PDL": pdl, "launch_pdl": True} if pdl else {}),
-        **({"maxnreg": FUSED_MAXNREG} if FUSED_MAXNREG else {}))  # fmt: skip

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ...device import NVIDIA, capability, facts, triton_installed, triton_runs_on, vendor
+from ...device import NVIDIA, capability, triton_installed, triton_runs_on, vendor
 from ...families.fmoe import MoeKey, StageOut, act_name
 from ...kernels import fused_moe as kmoe
 from ...kernels import moe_route
@@ -199,46 +199,17 @@ def _stage2(key: MoeKey, s2: Stage, call: Call, inter: StageOut) -> torch.Tensor
     return out
 
 
-def fused(s1: Stage, s2: Stage) -> bool:
-    """The pair runs as one launch (a `fused` stage-2 config after a Triton stage 1)."""
-    return isinstance(s2, kmoe.MoeGemmConfig) and s2.fused
-
-
-def fused_fits(key: MoeKey, s1: Stage, s2: Stage) -> bool:
-    """A fused pair runs at `key`: kernels/fused_moe.py fused_fits, on the key's slots and experts."""
-    return s1 != GM and kmoe.fused_fits(s1, s2, key.slots, key.expert)
-
-
-def _fused(key: MoeKey, s1: kmoe.MoeGemmConfig, s2: kmoe.MoeGemmConfig, call: Call) -> torch.Tensor:
-    hidden, r = call.hidden, call.r
-    out = kmoe._empty((hidden.shape[0], key.model_dim), hidden)
-    w = call.topk_weights
-    kmoe.moe_fused_decode(s1, s2, hidden, call.w1.transpose(1, 2), call.w2.transpose(1, 2), r, call.w1.shape[0],
-                          gated(key), act_name(key.act_type), w if key.doweight_stage1 else None,
-                          None if key.doweight_stage1 else w, out, call.counters,
-                          facts(hidden.device).sms if hidden.device.type == "cuda" else None,
-                          pdl=PDL_STAGE1 if _pdl(s1, r, hidden.device) else 0)  # fmt: skip
-    return out
-
-
 def pair_runner(key: MoeKey, s1: Stage, s2: Stage, triton_glue: bool | None = None) -> Runner:
-    """The whole call: stage s1, then stage s2 (Triton configs or GM), or both in one launch (`fused`).
-    triton_glue False keeps what runs around the grouped_mm stages in plain torch ops, True runs
-    gemmtune's Triton kernels there (the sort, activation and combine); None: Triton's where Triton runs
-    on the call's device."""
+    """The whole call: stage s1, then stage s2 (Triton configs or GM). triton_glue False keeps what runs
+    around the grouped_mm stages in plain torch ops, True runs gemmtune's Triton kernels there (the
+    sort, activation and combine); None: Triton's where Triton runs on the call's device."""
 
     # launch constants of the Triton sort, fixed by the key (tokens, topk, experts)
     plan = moe_route.sort_plan(key.slots, key.expert) if triton_installed() else None
     counters = kmoe.ArrivalCounters()
-    one_launch = fused(s1, s2)
-    if one_launch and not fused_fits(key, s1, s2):
-        raise ValueError(f"{stage_name(s1)}|{stage_name(s2)} does not run as one launch at {key.slots} slots of "
-                         f"{key.expert} experts")  # fmt: skip
 
     def run(hidden, w1, w2, topk_weights, topk_ids, expert_map=None):
         call = Call(key, hidden, w1, w2, topk_weights, topk_ids, expert_map, triton_glue, plan, counters)
-        if one_launch:
-            return _fused(key, s1, s2, call)
         return _stage2(key, s2, call, _stage1(key, s1, call))
 
     return run
@@ -248,8 +219,6 @@ def stage_runner(key: MoeKey, stage: int, s: Stage, triton_glue: bool | None = N
     """One stage alone, as the tuner times it: stage 1 (*inputs) -> StageOut; stage 2
     (h (slots, I) in slot order, *inputs) -> (T, H). Each does its own routing work; triton_glue as
     pair_runner's."""
-    if isinstance(s, kmoe.MoeGemmConfig) and s.fused:
-        raise ValueError(f"{s.name} runs only in its pair's one launch, not as a stage alone")
     counters = kmoe.ArrivalCounters()
     if stage == 1:
         return lambda *inputs: _stage1(key, s, Call(key, *inputs, triton_glue=triton_glue, counters=counters))
