@@ -64,6 +64,11 @@ def make_case(case, device):
     key = MoeKey(T, H, inter, e_all, topk, "ActivationType.Silu", _DT[dt], _DT[dt], _DT[dt], "QuantType.No",
                  gated == 2, extra == "doweight", 8 if extra == "ep" else 0, shared)  # fmt: skip
     to = lambda t: t.to(device)  # noqa: E731
-    inputs = (to(x.to(_DT[dt])), to(w1.to(_DT[dt])), to(w2.to(_DT[dt])), to(weights), to(ids.to(torch.int32)),
+    ids = to(ids.to(torch.int32))
+    if extra == "idsview":  # the router's ids a column slice of a wider buffer: their rows are not contiguous
+        wide = torch.full((T, topk + 3), -7, dtype=torch.int32, device=ids.device)
+        wide[:, 1 : 1 + topk] = ids
+        ids = wide[:, 1 : 1 + topk]
+    inputs = (to(x.to(_DT[dt])), to(w1.to(_DT[dt])), to(w2.to(_DT[dt])), to(weights), ids,
               None if expert_map is None else to(expert_map))  # fmt: skip
     return key, inputs

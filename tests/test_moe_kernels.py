@@ -33,7 +33,8 @@ from tiers import tiered
 # routing: "random" (softmax top-k of random logits), "one" (every token on expert E-1), "low" (ids
 # only among the first topk+1 experts: the others receive nothing), "rep" (topk+1 experts drawn from all
 # E, every token takes topk of them: each is hit by ~T slots), "spread" (no expert hit twice). extra: "",
-# "ungated", "doweight", "ep" (8 global experts, this rank holds E of them), "shared" (1 shared expert), "badid".
+# "ungated", "doweight", "ep" (8 global experts, this rank holds E of them), "shared" (1 shared expert), "badid",
+# "idsview" (the router's ids a column slice of a wider buffer: the direct kernel's id load is not flat).
 INTERP_CASES = [
     ("fp32", 7, 40, 36, 5, 2, "random", True, 16, 1, ""),
     ("fp32", 7, 40, 36, 5, 2, "random", False, 16, 2, ""),
@@ -49,6 +50,7 @@ INTERP_CASES = [
     ("fp32", 4, 40, 28, 5, 2, "random", True, 16, 1, "shared"),
     ("fp32", 4, 40, 28, 5, 2, "random", False, 16, 2, "shared"),
     ("fp32", 3, 41, 37, 11, 2, "one", True, 16, 1, ""),  # fewer slots than experts, two experts hit thrice
+    ("fp32", 7, 40, 36, 5, 2, "random", True, 16, 1, "idsview"),
     ("fp32", 4, 40, 28, 5, 2, "random", True, 16, 1, "badid"),
 ]
 GPU_CASES = [
@@ -109,6 +111,7 @@ SLOT_GRID_CASES = [
     (("fp32", 4, 73, 37, 40, 8, "spread", True, 16, 1, ""), "sk2", "tri"),
     (("fp16", 2, 73, 37, 64, 8, "spread", True, 16, 2, ""), "sk3", "tri"),
     (("fp32", 4, 72, 36, 40, 8, "rep", True, 16, 1, ""), "sk2", "gm"),
+    (("fp32", 4, 73, 37, 40, 8, "rep", True, 16, 1, "idsview"), "tri", "tri"),
 ]
 SLOT_GRID_ALONE = [SLOT_GRID_CASES[1], SLOT_GRID_CASES[8], SLOT_GRID_CASES[10]]
 # Stage 2 by token ("tokN": a program per token and N tile sums the token's experts, split N ways over its
@@ -304,6 +307,22 @@ def test_interpreter_by_token_stage2_matches_fp32_reference(mix, interp_results)
     r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
     _check(case, r)
     assert r["repeat_equal"]  # a split's counters re-arm: the second call is bit-identical
+
+
+def test_direct_id_load_is_flat_only_where_slot_s_id_is_at_s():
+    """The direct kernel reads slot s's id at s * stride(1) (FLAT_IDS) only without shared experts and with
+    contiguous id rows; one token's row is flat whatever its row stride."""
+    from gemmtune.backends.fmoe.stages import _routing
+    from gemmtune.kernels.fused_moe import flat_ids
+
+    def flat(case) -> bool:
+        key, inputs = make_case(case, "cpu")
+        return flat_ids(_routing(key, inputs[4], inputs[5]))
+
+    assert flat(INTERP_CASES[0])
+    assert not flat(("fp32", 7, 40, 36, 5, 2, "random", True, 16, 1, "idsview"))
+    assert not flat(("fp32", 4, 40, 28, 5, 2, "random", True, 16, 1, "shared"))
+    assert flat(("fp32", 1, 40, 36, 5, 2, "random", True, 16, 1, "idsview"))
 
 
 def test_by_token_configs_parse_and_only_as_stage_2():

@@ -127,7 +127,8 @@ def gemm_launch(key: MoeKey, cfg: kmoe.MoeGemmConfig, form: str = "") -> Launch:
         # n_slots is not specialized (the kernel's do_not_specialize): its type only
         ints = ("i32", *(spec(v) for v in (n, k, c.tk, c.topk, c.routed, c.local, c.topk, 1)))
         grid = (("SLOTS", max(16, _p2(S))), ("HAS_MAP", c.has_map), ("BY_SLOT", S < c.E))
-        return Launch("_moe_gemm_direct", (*pointers, c.ids, c.map), ints + strides, grid + common)
+        flat = (("FLAT_IDS", c.tk == c.topk),)  # every call form's ids are contiguous: flat without shared experts
+        return Launch("_moe_gemm_direct", (*pointers, c.ids, c.map), ints + strides, grid + common + flat)
     ints = tuple(spec(v) for v in (S, n, k, c.tk, c.topk))
     return Launch("_moe_gemm_sorted", (*pointers, "int32", "int32"), ints + strides, common)
 
