@@ -222,25 +222,22 @@ if HAS_TRITON:
         """Local expert id of each slot (-1 other rank / -2 bad id), as local_expert_ids computes it.
         FLAT: no shared experts and the ids' rows contiguous (stride_it == TK * stride_ij), so slot s's id
         is at s * stride_ij: no division on the way to it (a direct program's weights wait for it)."""
-        if FLAT:
-            raw = tl.load(ids_ptr + slots * stride_ij, mask=valid, other=0).to(tl.int32)
-            ok = (raw >= 0) & (raw < num_routed)
-            if HAS_MAP:
-                mapped = tl.load(map_ptr + raw, mask=valid & ok, other=-1).to(tl.int32)
-            else:
-                mapped = raw
-            return tl.where(valid, tl.where(ok, mapped, -2), -1)
-        t = slots // TK
-        j = slots % TK
-        routed = valid & (j < TOPK)
-        raw = tl.load(ids_ptr + t * stride_it + j * stride_ij, mask=routed, other=0).to(tl.int32)
+        if FLAT:  # every valid slot is a routed column
+            routed = valid
+            raw = tl.load(ids_ptr + slots * stride_ij, mask=routed, other=0).to(tl.int32)
+        else:
+            t = slots // TK
+            j = slots % TK
+            routed = valid & (j < TOPK)
+            raw = tl.load(ids_ptr + t * stride_it + j * stride_ij, mask=routed, other=0).to(tl.int32)
         ok = (raw >= 0) & (raw < num_routed)
         if HAS_MAP:
             mapped = tl.load(map_ptr + raw, mask=routed & ok, other=-1).to(tl.int32)
         else:
             mapped = raw
         e = tl.where(ok, mapped, -2)
-        e = tl.where(routed, e, num_local_routed + (j - TOPK))
+        if not FLAT:  # shared experts' columns
+            e = tl.where(routed, e, num_local_routed + (j - TOPK))
         return tl.where(valid, e, -1)
 
     @triton.jit
@@ -392,8 +389,8 @@ if HAS_TRITON:
         count = tl.sum(hit, axis=0)
         rank = tl.cumsum(hit, axis=0) - 1
         # Gather this expert's slots BLOCK_M at a time. At decode one chunk holds them (an expert's slots are
-        # at most its tokens), and it runs outside the loop: with the flat id load, 0.6 us of the 35 us
-        # stage 1 at E=128 I=384 top 8 T = 4 on an H100 (grid_default.md).
+        # at most its tokens), and it runs outside the loop: with the flat id load, E=128 I=384 top 8 at
+        # T = 4 went 55.3 -> 54.4 us on an H100 (grid_default.md).
         if count > 0:
             if count <= BLOCK_M:
                 _direct_chunk(0, hit, rank, slots, count, pid, pid_n, pid_k, e, a_ptr, b_ptr, c_ptr, w_ptr, part_ptr,
