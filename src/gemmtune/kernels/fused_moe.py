@@ -546,6 +546,19 @@ class Routing:
     def n_slots(self) -> int:
         return self.topk_ids.shape[0] * self.tk
 
+    @property
+    def map_arg(self) -> torch.Tensor:
+        """The expert map as a kernel's pointer argument; the ids stand in without one (never read then)."""
+        return self.expert_map if self.expert_map is not None else self.topk_ids
+
+
+def _weights_arg(weights: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The routing weights (T, topk) as a kernel's pointer and strides; stand_in and zero strides without
+    them (never read then: MUL_WEIGHT off)."""
+    if weights is None:
+        return stand_in, (0, 0)
+    return weights, (weights.stride(0), weights.stride(1))
+
 
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -569,8 +582,7 @@ def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b:
     k = b.shape[1]
     fixup = cfg.split_k > 1 and c.dim() == 2
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
-    w = weights if weights is not None else c3  # unused pointer when MUL_WEIGHT is off
-    ws = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
+    w, ws = _weights_arg(weights, c3)
     if cfg.split_k > 1 and not fixup and (weights is not None or activation != "none"):
         raise ValueError("split partials summed by the combine take no activation or routing weights")
     part = _empty((cfg.split_k, routing.n_slots, (2 if gated else 1) * n), c, torch.float32) if fixup else c3
@@ -581,8 +593,7 @@ def moe_gemm(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int, int], b:
                c3.stride(2), *ws, part.stride(0), part.stride(1))  # fmt: skip
     n_tiles = triton.cdiv(n, cfg.block_n)
     if cfg.direct:
-        ids = routing.topk_ids
-        emap = routing.expert_map if routing.expert_map is not None else ids
+        ids, emap = routing.topk_ids, routing.map_arg
         by_slot = routing.n_slots < num_experts  # a program per slot: the grid holds the experts hit, no more
         slots_p2 = max(16, triton.next_power_of_2(routing.n_slots))
         grid = (max(1, routing.n_slots) if by_slot else num_experts, n_tiles, cfg.split_k)
@@ -620,10 +631,8 @@ def combine(c: torch.Tensor, routing: Routing, topk_weights: torch.Tensor | None
     rows (S,): C holds slot s at row rows[s] instead of row s (rows of other slots are never read)."""
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
     n = c3.shape[2]
-    ids = routing.topk_ids
-    emap = routing.expert_map if routing.expert_map is not None else ids
-    w = topk_weights if topk_weights is not None else out
-    ws = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    ids, emap = routing.topk_ids, routing.map_arg
+    w, ws = _weights_arg(topk_weights, out)
     block = min(1024, max(64, triton.next_power_of_2(n)))
     grid = (ids.shape[0], triton.cdiv(n, block))
     _combine[grid](c3, w, ids, emap, rows if rows is not None else ids, out, n, routing.tk, routing.topk,
@@ -648,10 +657,8 @@ def moe_down_by_token(cfg: MoeGemmConfig, a: torch.Tensor, a_strides: tuple[int,
     applied in stage 1. A token with an out-of-range id gets NaN; slots of other ranks add nothing.
     cfg.split_k > 1 splits each token's routing columns over that many programs (`counters` count their
     arrivals; the last sums the partials). pdl > 1 as moe_gemm's (stage 2 after a PDL stage 1)."""
-    ids = routing.topk_ids
-    emap = routing.expert_map if routing.expert_map is not None else ids
-    w = weights if weights is not None else out
-    ws = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
+    ids, emap = routing.topk_ids, routing.map_arg
+    w, ws = _weights_arg(weights, out)
     n, k = b.shape[2], b.shape[1]
     t = ids.shape[0]
     split = by_token_splits(cfg.split_k, routing.tk)

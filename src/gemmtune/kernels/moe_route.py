@@ -283,8 +283,7 @@ def expert_sort(routing: Routing, num_experts: int, plan: dict | None = None) ->
     offs = _alloc((num_experts,), torch.int32, ids.device)
     p = plan or sort_plan(n, num_experts)
     if n:
-        emap = routing.expert_map if routing.expert_map is not None else ids
-        _expert_sort_kernel[p["grid"]](ids, emap, out, offs, n, routing.tk, routing.topk, routing.num_routed,
+        _expert_sort_kernel[p["grid"]](ids, routing.map_arg, out, offs, n, routing.tk, routing.topk, routing.num_routed,
                                        routing.num_local_routed, num_experts, ids.stride(0), ids.stride(1),
                                        HAS_MAP=routing.expert_map is not None, BINS=p["BINS"], CHUNK=p["CHUNK"],
                                        HIST=p["HIST"], SUB=p["SUB"], num_warps=p["num_warps"])  # fmt: skip

@@ -47,9 +47,12 @@ def _arg(args, kwargs, index: int, name: str):
     return args[index] if len(args) > index else kwargs[name]
 
 
-def _ids_of(args, kwargs) -> torch.Tensor:
-    ids = _arg(args, kwargs, *_ROUTING_ARGS[0])
+def _id_sets(ids: torch.Tensor) -> torch.Tensor:
     return ids.detach().sort(dim=-1).values  # a set per token: the order of the k is the router's own
+
+
+def _ids_of(args, kwargs) -> torch.Tensor:
+    return _id_sets(_arg(args, kwargs, *_ROUTING_ARGS[0]))
 
 
 class _Hooks:
@@ -91,7 +94,7 @@ class RoutingTrace(_Hooks):
         def hook(mod, args, kwargs):
             index, weights = (_arg(args, kwargs, i, k).detach().clone() for i, k in _ROUTING_ARGS)
             self.routing[name].append((index, weights))
-            self.ids[name].append(index.sort(dim=-1).values)
+            self.ids[name].append(_id_sets(index))
 
         return hook
 
