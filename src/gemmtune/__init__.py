@@ -37,6 +37,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'gemmtune' has no attribute {name!r}")
 
 
+def __dir__():
+    # The lazy names of __getattr__ are public too: dir() and tab completion list every entry of __all__.
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "ConfigTable",
     "check_tables_agree",

@@ -27,3 +27,20 @@ class NotRunnableError(GemmtuneError, NotImplementedError):
 
 class EnvVarError(GemmtuneError, ValueError):
     """An environment variable gemmtune reads has a value it cannot use; the message names both."""
+
+
+class MissingExtraError(GemmtuneError, ImportError):
+    """An optional dependency is not installed; the message names the gemmtune extra that brings it."""
+
+
+# The optional packages of pyproject.toml's extras, by top-level module name.
+EXTRA_OF_MODULE = {"transformers": "models", "triton": "triton", "nvmath": "blaslt"}
+
+
+def missing_extra(exc: ImportError, what: str) -> MissingExtraError | None:
+    """The MissingExtraError for `what` when exc is the import of an extra's package failing, else None."""
+    top = (getattr(exc, "name", None) or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if not isinstance(exc, ModuleNotFoundError) or extra is None:
+        return None
+    return MissingExtraError(f"{what} needs {top}, which is not installed: pip install 'gemmtune[{extra}]'")

@@ -10,7 +10,7 @@ import click
 import torch
 
 from ..device import parse_device
-from ..errors import GemmtuneError
+from ..errors import GemmtuneError, MissingExtraError, missing_extra
 from ..keys import parse_dtype
 
 GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -115,3 +115,21 @@ def nsets(ctx, param, value):
         return parse_nsets(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def missing_extra_usage(exc: MissingExtraError) -> click.UsageError:
+    """A missing optional dependency as a one-line usage error naming the extra to install."""
+    return click.UsageError(str(exc))
+
+
+def require_module(module: str, command: str) -> None:
+    """Import `module` (an extra's package) before the command runs, or fail naming the extra."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        missing = missing_extra(exc, command)
+        if missing is None:
+            raise
+        raise missing_extra_usage(missing) from None

@@ -47,7 +47,7 @@ def command(tuned, prefix, reps, device, seed, plugin, progress, ms) -> None:  #
     table in effect vs the family's default (F.linear, torch.bmm ..., timed twice for the noise) vs the
     roofline, one interleaved CUDA-graph run over cold weights per key: every row that applies here, or
     with --ms every shape at every M given. Prints a table and geomean speedups per M range; writes CSV,
-    JSON and a PNG plot (the PNG needs matplotlib: pip install 'gemmtune[plot]'). Example:
+    JSON and a PNG plot. Example:
 
         gemmtune bench tuned.csv -o results/llama8b --ms 1..4096,3,12,24,48,96,192,384,768,1536,3072
     """

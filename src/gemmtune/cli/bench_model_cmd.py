@@ -86,8 +86,8 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
     "--test-break",
     "test_break",
     default=None,
-    hidden=True,
-    help="Test hook: this contender's attention ignores its KV cache (decode parity must catch it).",
+    help="Check the parity check: this contender's attention ignores its KV cache, so decode parity must "
+    "fail it (exit 1).",
 )
 @click.option("-o", "--out", "out_dir", default=None, callback=v.output_folder,
               help="Report folder (default: bench-model-<model name>).")  # fmt: skip
@@ -105,6 +105,7 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
     """
     import os
 
+    v.require_module("transformers", "gemmtune bench-model")
     from ..device import default_device
     from ..errors import GemmtuneError
     from ..kernels.compile_mode import describe, parse

@@ -35,11 +35,14 @@ def command(out_dir, device, top, no_annotate, command) -> None:
 
         gemmtune profile -o prof -- python serve_one_batch.py --model ...
     """
+    from ..errors import MissingExtraError
     from ..profiling import profile_script
 
     trace = os.path.join(out_dir, "trace.json")
     try:
         prof, code = profile_script(list(command), device=device, trace=trace, annotate=not no_annotate)
+    except MissingExtraError as exc:
+        raise v.missing_extra_usage(exc) from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(prof.table(top))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..device import default_device
+from ..errors import missing_extra
 from .breakdown import SCRIPT, STEP, analyze
 from .gemms import annotate_gemms
 from .report import Profile
@@ -115,7 +116,8 @@ def _script_argv(command: list[str]) -> tuple[str, str, list[str]]:
 def profile_script(command: list[str], *, device=None, trace: str | None = None, annotate: bool = True):
     """Run `python script.py args` (or `python -m module args`) in-process under the profiler.
 
-    Returns (Profile, exit code of the script: 1 if it raised, after printing the traceback).
+    Returns (Profile, exit code of the script: 1 if it raised, after printing the traceback). A script
+    that fails importing the package of a gemmtune extra (transformers ...) raises MissingExtraError.
     """
     kind, target, argv = _script_argv(command)
     cuda = _cuda_in_use(device)
@@ -137,6 +139,12 @@ def profile_script(command: list[str], *, device=None, trace: str | None = None,
                         runpy.run_module(target, run_name="__main__", alter_sys=True)
                 except SystemExit as exc:
                     code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                except ImportError as exc:
+                    missing = missing_extra(exc, "the profiled script")
+                    if missing is not None:
+                        raise missing from None  # nothing worth profiling ran: say what to install
+                    traceback.print_exc()
+                    code = 1
                 except Exception:  # noqa: BLE001 - the profile of what ran is still written
                     traceback.print_exc()
                     code = 1
