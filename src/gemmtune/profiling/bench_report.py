@@ -261,5 +261,5 @@ def write(res: Result, out_dir: str, command: str = "") -> list[str]:
         plot(res, os.path.join(out_dir, "report.png"))
         notes.append(f"wrote {os.path.join(out_dir, 'report.png')}")
     except ImportError:
-        notes.append("matplotlib is not installed: no report.png (pip install 'gemmtune[plot]', or matplotlib)")
+        notes.append("matplotlib is not installed: no report.png (pip install matplotlib, a dependency of gemmtune)")
     return notes

@@ -162,7 +162,9 @@ class Profile:
             plot([(title, self)], png)
             notes.append(f"wrote {png}")
         except ImportError:
-            notes.append("matplotlib is not installed: no profile.png (pip install 'gemmtune[plot]', or matplotlib)")
+            notes.append(
+                "matplotlib is not installed: no profile.png (pip install matplotlib, a dependency of gemmtune)"
+            )
         return notes
 
 

@@ -397,7 +397,7 @@ def write_outputs(rows: list[BenchRow], summary: dict, prefix: str, meta: dict) 
         plot(rows, prefix + ".png", meta.get("title", "gemmtune bench"))
         notes.append(f"wrote {prefix}.png")
     except ImportError:
-        notes.append(f"matplotlib is not installed: no {prefix}.png (pip install 'gemmtune[plot]', or matplotlib)")
+        notes.append(f"matplotlib is not installed: no {prefix}.png (pip install matplotlib, a dependency of gemmtune)")
     return notes
 
 
