@@ -1,5 +1,6 @@
 """benchmarks/results holds one artifact set per figure of the README or docs/: few files, every folder
-cited there and holding the command that made it, and every results path the repository names exists."""
+cited on the results page (docs/results.md, which holds every figure) and holding the command that made
+it, every headline figure of the README naming its folder, and every results path the repository names exists."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+RESULTS_PAGE = REPO / "docs" / "results.md"
 MAX_FILES = 60
+MAX_HEADLINES = 8
 # A command line in a folder's README starts with one of these (after VAR=value assignments).
 LAUNCHERS = ("gemmtune", "python", "python3", "pip")
 RESULTS_PATH = re.compile(r"benchmarks/results(?:/[\w.*+-]+)*/?")
@@ -26,8 +29,14 @@ def _rel(path: Path) -> str:
     return path.relative_to(REPO).as_posix()
 
 
-def _docs_text() -> str:
-    return "\n".join(p.read_text(encoding="utf-8") for p in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))])
+def _docs_pages() -> list[Path]:
+    """Every page of the docs site, subfolders included."""
+    return sorted((REPO / "docs").rglob("*.md"))
+
+
+def _cited(text: str) -> list[str]:
+    """The files under benchmarks/results that text names neither by name nor by folder."""
+    return [_rel(p) for p in _files() if _rel(p) not in text and f"{_rel(p.parent)}/" not in text]
 
 
 def _section(text: str, heading: str) -> str:
@@ -60,10 +69,31 @@ def test_every_file_sits_in_a_folder_with_a_readme():
     assert loose == [], f"files outside a documented artifact folder: {loose}"
 
 
-def test_every_results_folder_is_cited_by_the_readme_or_docs():
-    text = _docs_text()
-    uncited = [_rel(p) for p in _files() if _rel(p) not in text and f"{_rel(p.parent)}/" not in text]
-    assert uncited == [], f"cited neither by name nor by folder in README.md or docs/*.md: {uncited}"
+def test_every_results_folder_is_cited_on_the_results_page():
+    uncited = _cited(RESULTS_PAGE.read_text(encoding="utf-8"))
+    assert uncited == [], f"cited neither by name nor by folder on {_rel(RESULTS_PAGE)}: {uncited}"
+
+
+def test_every_results_page_entry_names_its_artifact():
+    # An entry is a ### heading with its bullets; each says where its figure lives.
+    text = RESULTS_PAGE.read_text(encoding="utf-8")
+    entries = re.split(r"\n### ", text)
+    bare = [e.splitlines()[0] for e in entries[1:] if not RESULTS_PATH.search(e)]
+    assert len(entries) > 10 and bare == [], bare
+
+
+def test_readme_headline_figures_each_name_their_artifact():
+    section = _section((REPO / "README.md").read_text(encoding="utf-8"), "Headline figures")
+    rows = [r for r in section.splitlines() if r.startswith("| ") and not r.startswith("| what")]
+    assert 0 < len(rows) <= MAX_HEADLINES, rows
+    prefix = re.search(r"artifact under `(benchmarks/results/)`", section)
+    assert prefix, "the headline table's artifact column must say it is under benchmarks/results/"
+    for row in rows:
+        folders = re.findall(r"`([\w./-]+/)`", row.rsplit("|", 2)[1])
+        assert folders, f"headline row names no artifact folder: {row}"
+        for folder in folders:
+            path = REPO / prefix.group(1) / folder
+            assert path.is_dir() and f"{_rel(path)}/" in RESULTS_PAGE.read_text(encoding="utf-8"), (row, folder)
 
 
 def test_every_results_folder_records_its_command_gpu_and_files():
@@ -84,7 +114,7 @@ def test_every_results_folder_records_its_command_gpu_and_files():
 
 
 def test_results_paths_named_anywhere_exist():
-    sources = [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("src/**/*.py"), *REPO.glob("tests/*.py")]
+    sources = [REPO / "README.md", *_docs_pages(), *REPO.glob("src/**/*.py"), *REPO.glob("tests/*.py")]
     sources += [p for p in REPO.glob("benchmarks/**/*") if p.suffix in (".py", ".sh")]
     sources += list(RESULTS.rglob("README.md"))  # the artifacts themselves record where they were written
     missing = []
