@@ -372,3 +372,30 @@ def test_neighbours_of_a_real_triton_config_come_from_its_candidate_list():
     near = neighbours(pick, offered)
     assert near and len(near) <= donor_mod.MAX_NEIGHBOURS and pick not in near
     assert all(s in offered for s in near)
+
+
+def test_a_donor_row_naming_the_default_times_nothing_else(tiles, tmp_path, monkeypatch):
+    delays(monkeypatch, **{PICK: 0.0})
+    shapes = write_shapes(tmp_path / "shapes.csv", [KEY])
+    donor = tmp_path / "donor.csv"
+    ConfigTable(rows=[TunedRow("gfx942", 304, KEY, "torch", 0, 0, 9.0, "native")]).write(str(donor))
+    report = tune_file(shapes, str(tmp_path / "new.csv"), OPTS, CPU, progress=False, log=lambda m: None,
+                       donor=str(donor))  # fmt: skip
+    res = report.results[0]
+    assert res.donor == DEFAULT_KEPT and not [c for c in res.candidates if c.libtype == "tiles"]
+
+
+def test_the_precompile_builds_only_what_a_donor_tune_times(tiles):
+    from gemmtune.tuner.search import ahead_items
+
+    def compile_items(jobs, scope=None):
+        return [(sol.kernel_name, key) for sol, key in jobs]
+
+    backend = backends.get("tiles")
+    backend.compile_items = compile_items  # an instance attribute: gone with the registry entry
+    picks = {KEY: (donor_mod.DonorPick("tiles", PICK, stable_solidx(PICK), 0, 9.0, "gfx942", 304),)}
+    names = lambda opts: {it.name for _, it in ahead_items([KEY, OTHER], CPU, opts) if it.key == KEY}  # noqa: E731
+    assert names(TuneOptions(libtypes=["tiles"], donor=picks)) == {PICK} | PICK_NEIGHBOURS
+    assert names(TuneOptions(libtypes=["tiles"])) == set(GRID)
+    other = {it.name for _, it in ahead_items([OTHER], CPU, TuneOptions(libtypes=["tiles"], donor=picks))}
+    assert other == set(GRID)  # a key the donor lacks: the full search's kernels

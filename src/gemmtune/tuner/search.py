@@ -2,7 +2,9 @@
 against the family's default.
 
 1. Candidates: every solution of every selected backend that supports the key (the family's default,
-   what its policy runs untuned, is always timed, whatever --libtype says).
+   what its policy runs untuned, is always timed, whatever --libtype says). A tune from a donor table
+   (`--from`, TuneOptions.donor) takes only the donor's solutions for the key and their neighbours
+   (donor.py); the steps below are the same.
 2. Correctness (check.py) on random data; a candidate that raises, runs out of memory, or fails the
    check is rejected with the reason and never timed.
 3. Screen: all passing candidates, in interleaved groups of --batch (fewer when their graph outputs
