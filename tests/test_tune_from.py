@@ -399,3 +399,17 @@ def test_the_precompile_builds_only_what_a_donor_tune_times(tiles):
     assert names(TuneOptions(libtypes=["tiles"])) == set(GRID)
     other = {it.name for _, it in ahead_items([OTHER], CPU, TuneOptions(libtypes=["tiles"], donor=picks))}
     assert other == set(GRID)  # a key the donor lacks: the full search's kernels
+
+
+def test_a_fleet_reads_the_donor_on_rank_0_and_tunes_from_it(tiles, tmp_path, monkeypatch):
+    from test_distributed import torchrun
+
+    delays(monkeypatch, **{PICK: 0.0})
+    shapes = write_shapes(tmp_path / "shapes.csv", [KEY, OTHER])
+    donor = write_donor(tmp_path / "donor.csv", {KEY: [(PICK, 9.0)]})
+    out = tmp_path / "new.csv"
+    p = torchrun("tune", shapes, "--from", donor, "-o", str(out), "--reps", "7", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"from {donor}: carried over 1, neighbour won 0, default kept 0, full search 1" in p.stdout, p.stdout
+    rows = {r.key: r for r in read_table_file(str(out)).rows}
+    assert rows[KEY].kernel_name == PICK and rows[KEY].gfx == HERE.gfx
