@@ -12,6 +12,7 @@ import click
 from ..errors import GemmtuneError
 from ..tuner.candidates import MIN_GAIN, SEARCHES, TuneOptions
 from ..tuner.distributed import joined, launched_by_torchrun, tune_fleet
+from ..tuner.donor import DonorError
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
 from . import _validate as v
 
@@ -135,11 +136,14 @@ def _log(msg: str) -> None:
 @click.option("--distributed/--no-distributed", default=None,
               help="Shard the keys over the ranks of a torchrun launch, rows written by rank 0 (default: on "
               "when torchrun's variables are set; docs/tuner.md Fleet).")  # fmt: skip
+@click.option("--from", "donor", type=click.Path(dir_okay=False), default=None,
+              help="A tuned table of SHAPES' family from another GPU (any gfx): for each key it has, time only "
+              "its winner, a few neighbours and the default here; other keys get the full search.")  # fmt: skip
 @click.option("--progress/--no-progress", default=True, help="Progress bar with ETA on stderr.")
 @click.option("-v", "--verbose", is_flag=True, help="Per-shape and per-rejected-candidate lines.")
 def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, timeout, mp_workers, all_shapes,
             profile_file, device, family, ms, verify_range, stage_limit, search, seed, precompile, plugin,
-            distributed, progress, verbose) -> None:  # fmt: skip
+            distributed, donor, progress, verbose) -> None:  # fmt: skip
     """Tune every shape of SHAPES (aiter's untuned CSV of any GEMM family, or a capture file) and write
     the winners into OUTPUT, a tuned table of the same family.
 
@@ -150,6 +154,7 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
     finished shape, so a killed run resumes where it stopped. Example:
 
         gemmtune tune shapes.csv -o tuned.csv --profile-file profile.csv
+        gemmtune tune shapes.csv --from h100_tuned.csv -o h200_tuned.csv
     """
     dev = device
     if plugin:
@@ -171,6 +176,7 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
         verbose=verbose,
         family=family,
         ms=ladder,
+        donor=donor,
     )
     if distributed is None:
         distributed = launched_by_torchrun()
@@ -179,6 +185,8 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
             report = _tune(shapes, output, opts, dev, distributed, args)
         if report is None:
             return
+    except DonorError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--from'") from None
     except (GemmtuneError, ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in summary_lines(report, output):

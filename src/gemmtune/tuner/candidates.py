@@ -62,6 +62,9 @@ class TuneOptions:
     # full check; "exhaustive": every candidate gets the full check (measured: 85% of tuning time).
     search: str = "fast"
     stage_limit: int | None = None  # two-stage families: at most this many kernels per backend and stage
+    # tune --from (donor.py): key -> the donor table's picks for it; a key without any gets the full
+    # search. None: every key gets the full search.
+    donor: dict | None = None
 
 
 @dataclass

@@ -42,6 +42,7 @@ from .runner import (
     load_keys,
     range_floors,
     tune_items,
+    with_donor,
 )
 from .search import TuneOptions, select_backends
 from .workers import import_plugins
@@ -259,8 +260,10 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
                mp_workers: int = 0, timeout: float = 60.0, all_shapes: bool = False,
                profile_file: str | None = None, precompile: bool = True,
                log: Callable[[str], None] = print, progress: bool = True, verbose: bool = False,
-               family: str | None = None, ms: list[int] | None = None) -> RunReport:  # fmt: skip
-    """This rank's part of a distributed `tune`; rank 0's report covers every rank's keys."""
+               family: str | None = None, ms: list[int] | None = None,
+               donor: str | None = None) -> RunReport:  # fmt: skip
+    """This rank's part of a distributed `tune`; rank 0's report covers every rank's keys (`donor`: as
+    tune_file's, read on rank 0)."""
     t0 = time.perf_counter()
     if mp_workers > 1:
         raise ValueError(f"--mp {mp_workers}: under torch.distributed each rank tunes on its own device; use 0 or 1")
@@ -273,6 +276,8 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
 
     fam_name, keys = _from_rank0(fleet, read_list)
     fam = families.get(fam_name)
+    log0 = log if fleet.rank == 0 else (lambda m: None)
+    opts = _from_rank0(fleet, lambda: with_donor(opts, donor, shapes_path, output, fam, keys, log0))
     ident = _on_every_rank(fleet, lambda: (select_backends(dev, opts.libtypes, fam_name), identity(dev))[1])
     idents = _gather(ident, fleet)
     plan = _from_rank0(fleet, lambda: make_plan(fam, keys, idents, output, all_shapes))
@@ -305,7 +310,8 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
         if failed:
             raise RuntimeError(failed[0])
         dist.barrier(group=fleet.control)
-        return RunReport(sink.results, sink.failures, plan.skipped, time.perf_counter() - t0, fam.name)
+        return RunReport(sink.results, sink.failures, plan.skipped, time.perf_counter() - t0, fam.name,
+                         donor or "")  # fmt: skip
     say = (lambda m: log(f"[rank {fleet.rank}] {m}")) if verbose else (lambda m: None)
     for item in tune_items(mine, plan.floors_of(fleet.rank), fam, dev, opts, mp_workers, timeout, say, verbose,
                            False, log_here, compile_workers, prepare=host):  # fmt: skip

@@ -18,8 +18,10 @@ from .search import ShapeResult
 
 PROFILE_COLUMNS = [
     "family", "gfx", "cu_num", "key", "libtype", "kernelName", "solidx", "splitK",
-    "status", "err", "screen_us", "us", "default_us", "winner", "reason",
+    "status", "err", "screen_us", "us", "default_us", "winner", "reason", "donor",
 ]  # fmt: skip
+# The columns up to `reason`: a profile file with only these takes rows of these (no donor verdict).
+SHORT_PROFILE_COLUMNS = PROFILE_COLUMNS[:-1]
 
 
 def existing_table(path: str, family: Family) -> TableFile:
@@ -74,14 +76,16 @@ def append_profile(path: str, res: ShapeResult, ident: DeviceIdentity, family: F
         us = res.default_us if c.name == res.default.name and c.us != c.us else c.us
         winner = c is res.winner or c.name == res.winner.name
         rows.append([*base, c.libtype, c.kernel_name, str(c.solidx), str(c.splitk), c.status, _fmt(c.err),
-                     _fmt(c.screen_us), _fmt(us), _fmt(res.default_us), str(winner), c.reason])  # fmt: skip
+                     _fmt(c.screen_us), _fmt(us), _fmt(res.default_us), str(winner), c.reason,
+                     res.donor])  # fmt: skip
     with locked(path):
         if os.path.exists(path) and os.path.getsize(path) > 0:
             with open(path, newline="", encoding="utf-8-sig") as fh:
                 first = next(csv.reader(fh), [])
-            if first != PROFILE_COLUMNS:
+            if first not in (PROFILE_COLUMNS, SHORT_PROFILE_COLUMNS):
                 raise ConfigError(f"{path}:1: not a gemmtune profile file (columns {','.join(first)}); "
                                   "choose another --profile-file")  # fmt: skip
+            rows = [r[: len(first)] for r in rows]
             new = False
         else:
             new = True

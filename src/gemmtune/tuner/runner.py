@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from ..capture import read_shape_list
 from ..device import DeviceIdentity, identity
 from ..families import Family
 from .compile_ahead import CompileAhead
+from .donor import check_donor_path, read_donor
 from .output import append_profile, done_keys, result_row, write_row
 from .search import (
     ShapeResult,
@@ -52,6 +53,7 @@ class RunReport:
     skipped: int
     seconds: float
     family: str = "a16w16"
+    donor: str = ""  # the donor table of a --from tune
 
 
 def estimated_cost(family: Family, key) -> float:
@@ -93,6 +95,21 @@ def load_keys(shapes_path: str, family: str | None = None, ms: list[int] | None 
         shapes = dict.fromkeys(fam.with_m(k, 1) for k in keys)
         keys = [fam.with_m(s, m) for s in shapes for m in sorted(set(ms))]
     return fam, keys
+
+
+def with_donor(opts: TuneOptions, donor: str | None, shapes_path: str, output: str, fam: Family,
+               keys: list, log: Callable[[str], None]) -> TuneOptions:  # fmt: skip
+    """`opts` for a tune from the donor table `donor` (unchanged for None): its picks for `keys`.
+    DonorError naming the file when it is the shape list or the output, or no table of `fam`."""
+    if donor is None:
+        return opts
+    check_donor_path(donor, shapes_path, output)
+    picks = read_donor(donor, fam)
+    matched = {k: picks[k] for k in keys if k in picks}
+    gpus = sorted({f"{p.gfx}/{p.cu_num}" for ps in matched.values() for p in ps})
+    log(f"gemmtune: donor {donor}: rows for {len(matched)} of {len(keys)} keys (tuned on {', '.join(gpus) or '-'}); "
+        "the other keys get the full search")  # fmt: skip
+    return replace(opts, donor=matched)
 
 
 def range_floors(fam: Family, keys: list, tuned: list) -> dict:
@@ -274,10 +291,14 @@ def tune_file(
     verbose: bool = False,
     family: str | None = None,
     ms: list[int] | None = None,
+    donor: str | None = None,
 ) -> RunReport:
+    """Tune every key of the shape list into `output` (module doc); `donor`: a tuned table of the same
+    family from any GPU whose winners are re-verified here instead of searching again (donor.py)."""
     t0 = time.perf_counter()
     import_plugins()
     fam, keys = load_keys(shapes_path, family, ms)
+    opts = with_donor(opts, donor, shapes_path, output, fam, keys, log)
     ident = identity(device)
     tuned = done_keys(output, ident, fam)  # also validates an existing output file
     done = set() if all_shapes else tuned
@@ -289,7 +310,7 @@ def tune_file(
             f"{ident.gfx}/{ident.cu_num} ({fam.name}; skipped, --all retunes them)")  # fmt: skip
     chosen = select_backends(device, opts.libtypes, fam.name)  # raises on an unknown/unavailable backend
     if not todo:
-        return RunReport([], [], skipped, time.perf_counter() - t0, fam.name)
+        return RunReport([], [], skipped, time.perf_counter() - t0, fam.name, donor or "")
     log(f"gemmtune: tuning {len(todo)} {fam.name} keys on {device} ({ident.gfx}, {ident.cu_num} units) with "
         f"{', '.join(chosen)}{f' in {mp_workers} worker(s)' if mp_workers else ''}")  # fmt: skip
     exit_after = int(os.environ.get(EXIT_AFTER_ENV, "0") or 0)
@@ -305,4 +326,4 @@ def tune_file(
         bar.close()
         if hasattr(gen, "close"):
             gen.close()
-    return RunReport(sink.results, sink.failures, skipped, time.perf_counter() - t0, fam.name)
+    return RunReport(sink.results, sink.failures, skipped, time.perf_counter() - t0, fam.name, donor or "")

@@ -2,7 +2,9 @@
 against the family's default.
 
 1. Candidates: every solution of every selected backend that supports the key (the family's default,
-   what its policy runs untuned, is always timed, whatever --libtype says).
+   what its policy runs untuned, is always timed, whatever --libtype says). A tune from a donor table
+   (`--from`, TuneOptions.donor) takes only the donor's solutions for the key and their neighbours
+   (donor.py); the steps below are the same.
 2. Correctness (check.py) on random data; a candidate that raises, runs out of memory, or fails the
    check is rejected with the reason and never timed.
 3. Screen: all passing candidates, in interleaved groups of --batch (fewer when their graph outputs
@@ -59,6 +61,7 @@ from .candidates import (
     time_group,
 )
 from .check import check_runner, reference
+from .donor import FULL_SEARCH, DonorPlan, donor_verdict, plan_for
 from .stages import search_stages, stage_columns
 from .timing import make_inputs, measure_ceilings, roof_us
 
@@ -93,6 +96,7 @@ class ShapeResult:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per tuning phase
     extra: dict[str, str] = field(default_factory=dict)  # more columns of the row (per-stage us / err)
     busy: str = ""  # why the final timing stayed noisy after re-measuring ('' when it was quiet)
+    donor: str = ""  # a donor tune (--from): what happened to the key (donor.VERDICTS); '' otherwise
 
     @property
     def speedup(self) -> float:
@@ -147,25 +151,51 @@ class _Pool:
     solutions: dict[str, tuple[Backend, Solution]] = field(default_factory=dict)
     runners: dict[str, Runner] = field(default_factory=dict)  # the ones that passed the check
     busy: str = ""  # set by _final when even the quietest of its runs was noisy
+    roles: dict[str, str] = field(default_factory=dict)  # a donor tune: donor.DONOR / donor.NEAR by name
 
 
-def _gather(fam: Family, key, device, opts: TuneOptions, exclude) -> _Pool:
-    """Every solution of every selected backend that supports the key; `exclude` pre-decides some."""
+def _offered(bname: str, backend: Backend, key, device, plan: DonorPlan | None) -> list[tuple[str, Solution]]:
+    """(role, solution) for each solution of `backend` a tune of `key` times: with a usable donor plan
+    its donor solutions and their neighbours, else every candidate it supports (role '')."""
+    if plan is not None and plan.usable:
+        return list(plan.by_backend.get(bname, []))
+    return [("", s) for s in backend.candidates(key, device) if backend.supports(s, key, device)]
+
+
+def donor_plan(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend]) -> tuple[DonorPlan | None, str]:
+    """A donor tune's plan for `key` (None: not a donor tune, or the full search) and, for the full
+    search, why."""
+    if opts.donor is None:
+        return None, ""
+    picks = opts.donor.get(key)
+    if not picks:
+        return None, "no donor row"
+    plan = plan_for(picks, key, device, chosen, backends.default(fam.name, key, device)[1])
+    if not plan.usable:
+        return None, f"no donor solution runs here ({'; '.join(plan.unusable)})"
+    return plan, ""
+
+
+def _gather(fam: Family, key, device, opts: TuneOptions, exclude, plan: DonorPlan | None = None) -> _Pool:
+    """Every solution of every selected backend that supports the key (with a donor plan: its short
+    list); `exclude` pre-decides some."""
     pool = _Pool()
     for bname, backend in select_backends(device, opts.libtypes, fam.name).items():
         try:
-            offered = [s for s in backend.candidates(key, device) if backend.supports(s, key, device)]
+            offered = _offered(bname, backend, key, device, plan)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot list candidates is reported
             bad = CandidateResult(bname, "<candidates>", -1, 0, FAILED, reason=describe_exc(exc))
             pool.results[bad.name] = bad
             continue
-        for sol in offered:
+        for role, sol in offered:
             cand = CandidateResult.of(sol)
             name = _unique_name(pool.results, cand)
             if name in exclude:
                 cand.status, cand.reason = exclude[name]
             pool.results[name] = cand
             pool.solutions[name] = (backend, sol)
+            if role:
+                pool.roles[name] = role
     return pool
 
 
@@ -479,7 +509,8 @@ def tune_shape(
         raise ValueError(f"the {fam.name} family has no default backend here ({fam.unrunnable})")
     default_backend, default_sol = backends.default(fam.name, key, device)
     default = CandidateResult.of(default_sol)
-    pool = _gather(fam, key, device, opts, exclude or {})
+    plan, full_why = donor_plan(fam, key, device, opts, select_backends(device, opts.libtypes, fam.name))
+    pool = _gather(fam, key, device, opts, exclude or {}, plan)
     lap("gather")
 
     inputs = make_inputs(key, device, seed=seed, family=fam) if device.type == "cuda" else None
@@ -491,7 +522,7 @@ def tune_shape(
     lap("inputs")
     fast = opts.search == "fast"
     staged = None
-    if fam.stages:
+    if fam.stages and plan is None:  # a donor names whole solutions: its stages are not searched apart
         staged = search_stages(fam, key, device, select_backends(device, opts.libtypes, fam.name),
                                inputs or [check_in], opts, seed, exclude, heartbeat, say, isolate)  # fmt: skip
         _add_pairs(pool, staged.pairs, exclude or {})
@@ -540,8 +571,14 @@ def tune_shape(
         extra = stage_columns(fam, key, device, staged, winner.kernel_name, opts.reps, seed, heartbeat)
     if pool.busy:
         note = (note + "; " if note else "") + f"busy machine: {pool.busy} after {1 + REMEASURE} runs"
+    donor = ""
+    if opts.donor is not None:
+        donor = donor_verdict(plan is not None, best is None, pool.roles.get(best or "", ""))
+        if donor == FULL_SEARCH:
+            note = f"{full_why}; " + note if note else full_why
     return ShapeResult(key, winner, winner.us, default, default.us, noise, roof, best is None, cands,
-                       time.perf_counter() - t0, note, fam.name, lo, m, phases, extra, pool.busy)  # fmt: skip
+                       time.perf_counter() - t0, note, fam.name, lo, m, phases, extra, pool.busy,
+                       donor)  # fmt: skip
 
 
 def _add_pairs(pool: _Pool, pairs: list[tuple[Backend, Solution]], exclude) -> None:
@@ -608,15 +645,19 @@ def _compile_items_of(backend: Backend) -> Callable | None:
     return fn
 
 
-def _candidate_jobs(backend: Backend, keys: list, device: torch.device) -> list:
-    """Every (solution, key) the backend offers and supports for `keys` here."""
-    jobs = []
-    for key in keys:
-        try:
-            jobs += [(s, key) for s in backend.candidates(key, device) if backend.supports(s, key, device)]
-        except Exception:  # noqa: BLE001 - tune_shape reports it per shape
-            continue
-    return jobs
+def _candidate_jobs(bname: str, backend: Backend, key, device: torch.device, plan: DonorPlan | None) -> list:
+    """Every (solution, key) of the backend a tune of `key` times here (_offered)."""
+    try:
+        return [(s, key) for _, s in _offered(bname, backend, key, device, plan)]
+    except Exception:  # noqa: BLE001 - tune_shape reports it per shape
+        return []
+
+
+def _plan_or_none(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend]) -> DonorPlan | None:
+    try:
+        return donor_plan(fam, key, device, opts, chosen)[0]
+    except Exception:  # noqa: BLE001 - tune_shape reports it per shape
+        return None
 
 
 def first_needing(keys: list, family: str) -> Callable[[object], int]:
@@ -665,11 +706,13 @@ def ahead_items(
     scope = CompileScope(fam, device, opts, dict(floors or {}))
     per_backend = []
     needs: dict = {}  # (builder, kernel name, shape) -> the first key listing it
-    for name, backend in select_backends(device, opts.libtypes, family).items():
+    chosen = select_backends(device, opts.libtypes, family)
+    plans = [_plan_or_none(fam, k, device, opts, chosen) if opts.donor is not None else None for k in keys]
+    for name, backend in chosen.items():
         fn = _compile_items_of(backend)
         if fn is None:
             continue
-        per_key = [_candidate_jobs(backend, [k], device) for k in keys]
+        per_key = [_candidate_jobs(name, backend, k, device, plan) for k, plan in zip(keys, plans)]
         jobs = [j for js in per_key for j in js]
         if not jobs:
             continue

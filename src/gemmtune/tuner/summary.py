@@ -6,6 +6,7 @@ import collections
 import math
 
 from .. import families
+from .donor import VERDICTS
 from .search import ShapeResult
 from .workers import ShapeFailure
 
@@ -20,6 +21,7 @@ def describe_item(item) -> str:
     r = item
     ok = sum(c.status == "ok" for c in r.candidates)
     verdict = "default kept" if r.kept_default else f"{r.speedup:.3f}x vs default"
+    verdict += f"; donor: {r.donor}" if r.donor else ""
     note = f" [{r.note}]" if r.note else ""
     return (
         f"{describe_key(r)}: {r.winner.name} {r.us:.2f} us ({verdict}, default {r.default_us:.2f} us, "
@@ -37,14 +39,16 @@ def _shape_text(r: ShapeResult) -> str:
 
 def summary_lines(report, output: str) -> list[str]:
     lines = []
+    donor = getattr(report, "donor", "")
     if report.results:
         width = max(28, *(len(_shape_text(r)) for r in report.results))
-        lines.append(f"{'shape':<{width}} {'winner':<44} {'us':>9} {'default':>9} {'speedup':>8} {'roof':>6}")
+        head = f"{'shape':<{width}} {'winner':<44} {'us':>9} {'default':>9} {'speedup':>8} {'roof':>6}"
+        lines.append(head + (f"  {'donor'}" if donor else ""))
         for r in report.results:
             win = ("= " if r.kept_default else "") + r.winner.name + (" (busy)" if r.busy else "")
             roof = "-" if r.roof_pct != r.roof_pct else f"{r.roof_pct:.0f}%"
             lines.append(f"{_shape_text(r):<{width}} {win[:44]:<44} {r.us:>9.2f} {r.default_us:>9.2f} "
-                         f"{r.speedup:>7.2f}x {roof:>6}")  # fmt: skip
+                         f"{r.speedup:>7.2f}x {roof:>6}" + (f"  {r.donor}" if donor else ""))  # fmt: skip
     bad = collections.Counter()
     examples: dict[str, str] = {}
     for r in report.results:
@@ -62,6 +66,9 @@ def summary_lines(report, output: str) -> list[str]:
             f"tuned {n} shapes in {report.seconds:.1f}s -> {output}: default kept for {kept}, "
             f"winners {dict(libs)}, geomean speedup vs default {geo:.3f}x"
         )
+    if donor and report.results:
+        counts = collections.Counter(r.donor for r in report.results)
+        lines.append(f"from {donor}: " + ", ".join(f"{v} {counts[v]}" for v in VERDICTS))
     busy = [r for r in report.results if r.busy]
     if busy:
         lines.append(f"{len(busy)} shapes timed on a busy machine even after re-measuring (e.g. {busy[0].busy}): "

@@ -1,0 +1,199 @@
+"""Tuning from a donor table (`gemmtune tune SHAPES --from DONOR.csv`): a table tuned on another GPU
+kind names, per key, a winner that most likely carries over; this GPU times only that winner, a few of
+its neighbours in its backend's solution space and the default, instead of every candidate.
+
+The donor's rows are matched by key alone (any gfx/cu_num; several rows of one key give every
+distinct solution they name). The search itself is the full tune's (search.py: check, screen, final
+timing against the default with its noise rule, head-to-head, M-range verification), run over that
+short list; a key the donor lacks, or whose donor solutions cannot run here, gets the full search.
+
+Neighbours: a solution's kernel name is read as `_`-separated fields, each a label with a number
+(`bm128`, `s4`, `sk2f`) or a literal (`tg`, `tma`). A candidate of the same backend for this key is a
+neighbour when its name differs from the donor's in exactly one numbered field: one step along one
+axis (tile sizes, warps, stages, split-K), the nearest value below and above on each axis, at most
+MAX_NEIGHBOURS in all. They come from the backend's own candidate list here, so every one can run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backends.base import Backend, Solution
+from ..configs.table import read_table_file
+from ..errors import ConfigError
+from ..families import Family
+
+MAX_NEIGHBOURS = 6  # a handful: the point of a donor is to time a few candidates, not the space
+
+# What happened to a key (ShapeResult.donor, the summary, the profile file's `donor` column).
+CARRIED = "carried over"  # the donor's solution beat the default here too
+NEIGHBOUR = "neighbour won"  # a neighbour of the donor's solution beat it and the default
+DEFAULT_KEPT = "default kept"  # neither beat the default beyond the noise
+FULL_SEARCH = "full search"  # no donor row for the key, or none of its solutions runs here
+VERDICTS = (CARRIED, NEIGHBOUR, DEFAULT_KEPT, FULL_SEARCH)
+
+DONOR, NEAR = "donor", "neighbour"  # a candidate's role in a donor tune
+
+
+class DonorError(ConfigError):
+    """The donor table cannot be used (unreadable, malformed, another family, the same file as the
+    shapes or the output); the message names the file."""
+
+
+@dataclass(frozen=True)
+class DonorPick:
+    """One donor row's solution for a key, and where it was tuned."""
+
+    libtype: str
+    kernel_name: str
+    solidx: int
+    splitk: int
+    us: float
+    gfx: str
+    cu_num: int
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_donor_path(donor: str, shapes: str, output: str) -> None:
+    """DonorError when the donor is the shape list or the output table (a tune writes its output)."""
+    for what, other in (("the shape list", shapes), ("the output table", output)):
+        if _same_file(donor, other):
+            raise DonorError(f"donor table {donor}: is {what} ({other}); name a table tuned elsewhere")
+
+
+def read_donor(path: str, family: Family) -> dict[tuple, tuple[DonorPick, ...]]:
+    """key -> the distinct solutions the donor's rows name for it (any GPU), the fastest measured first.
+    DonorError naming the file when it cannot be read as a tuned table of `family`."""
+    try:
+        tf = read_table_file(path, family)
+    except ConfigError as exc:
+        raise DonorError(f"donor table {exc}") from None
+    picks: dict[tuple, dict[tuple, DonorPick]] = {}
+    for r in tf.rows:
+        pick = DonorPick(r.libtype, r.kernel_name, r.solidx, r.splitk, r.us, r.gfx, r.cu_num)
+        sol = (pick.libtype, pick.kernel_name, pick.solidx, pick.splitk)
+        old = picks.setdefault(r.key, {}).get(sol)
+        if old is None or pick.us < old.us:
+            picks[r.key][sol] = pick
+    return {k: tuple(sorted(v.values(), key=lambda p: p.us)) for k, v in picks.items()}
+
+
+# ---- neighbours -----------------------------------------------------------------------------------
+_FIELD = re.compile(r"^([a-z]+)(\d+)([a-z]*)$")
+
+
+def _fields(name: str) -> list[tuple[str, int | None, str]]:
+    """(label, number, suffix) per `_`-separated field; a literal field has no number."""
+    out = []
+    for part in name.split("_"):
+        m = _FIELD.match(part)
+        out.append((m.group(1), int(m.group(2)), m.group(3)) if m else (part, None, ""))
+    return out
+
+
+def _axis(a: list, b: list) -> int | None:
+    """The one numbered field where name fields `b` step away from `a`, or None."""
+    if len(a) != len(b) or any(x[0] != y[0] for x, y in zip(a, b)):
+        return None
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if len(diff) != 1 or a[diff[0]][1] is None:
+        return None
+    return diff[0]
+
+
+def neighbours(solution: Solution, offered: list[Solution], most: int = MAX_NEIGHBOURS) -> list[Solution]:
+    """The solutions of `offered` one step from `solution` along one axis of its name (module doc): per
+    axis the nearest value below and above, one of each axis first, at most `most`."""
+    base = _fields(solution.kernel_name)
+    per_axis: dict[int, list[Solution]] = {}
+    for sol in offered:
+        if sol.libtype != solution.libtype or sol.kernel_name == solution.kernel_name:
+            continue
+        axis = _axis(base, _fields(sol.kernel_name))
+        if axis is not None:
+            per_axis.setdefault(axis, []).append(sol)
+    steps: list[list[Solution]] = []
+    for axis in sorted(per_axis):
+        v = base[axis][1]
+        num = lambda s, axis=axis: _fields(s.kernel_name)[axis][1]  # noqa: E731
+        alts = per_axis[axis]
+        near = [
+            max((s for s in alts if num(s) < v), key=num, default=None),
+            min((s for s in alts if num(s) > v), key=num, default=None),
+            next((s for s in alts if num(s) == v), None),  # the same value in another mode (sk2f, sk2r)
+        ]
+        steps.append([s for s in near if s is not None])
+    out: list[Solution] = []
+    for rank in range(3):  # every axis's first step before any axis's second
+        out += [s[rank] for s in steps if len(s) > rank]
+    return out[:most]
+
+
+# ---- one key's short list -------------------------------------------------------------------------
+@dataclass
+class DonorPlan:
+    """What a donor tune times for one key: per backend name its (role, solution)s; `default_pick`: a
+    donor row names the family's default itself (timed anyway); `unusable`: why a donor solution
+    cannot run here."""
+
+    by_backend: dict[str, list[tuple[str, Solution]]] = field(default_factory=dict)
+    default_pick: bool = False
+    unusable: list[str] = field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        return self.default_pick or any(role == DONOR for sols in self.by_backend.values() for role, _ in sols)
+
+
+def plan_for(picks: tuple[DonorPick, ...], key, device: torch.device, chosen: dict[str, Backend],
+             default: Solution) -> DonorPlan:  # fmt: skip
+    """The donor's solutions for `key` that run here among the `chosen` backends, and their neighbours
+    among each backend's candidates for `key` (a backend that cannot list them adds none)."""
+    plan = DonorPlan()
+    seen: set[tuple[str, str]] = set()
+    for pick in picks:
+        if (pick.libtype, pick.kernel_name) == (default.libtype, default.kernel_name):
+            plan.default_pick = True
+            continue
+        backend = chosen.get(pick.libtype)
+        if backend is None:
+            plan.unusable.append(f"{pick.libtype}:{pick.kernel_name}: backend {pick.libtype} not in use here")
+            continue
+        sol = backend.solution_from_row(pick.solidx, pick.kernel_name, pick.splitk)
+        if sol is None or not backend.supports(sol, key, device):
+            plan.unusable.append(f"{pick.libtype}:{pick.kernel_name}: cannot run this key here")
+            continue
+        if (pick.libtype, sol.kernel_name) in seen:
+            continue
+        seen.add((pick.libtype, sol.kernel_name))
+        plan.by_backend.setdefault(pick.libtype, []).append((DONOR, sol))
+    for bname, entries in list(plan.by_backend.items()):
+        backend = chosen[bname]
+        try:
+            offered = [s for s in backend.candidates(key, device) if backend.supports(s, key, device)]
+        except Exception:  # noqa: BLE001 - the donor's own solution is still timed
+            offered = []
+        for _, sol in list(entries):
+            for near in neighbours(sol, offered):
+                if (bname, near.kernel_name) not in seen:
+                    seen.add((bname, near.kernel_name))
+                    entries.append((NEAR, near))
+    return plan
+
+
+def donor_verdict(has_plan: bool, kept_default: bool, winner_role: str) -> str:
+    """What happened to a key of a donor tune (VERDICTS)."""
+    if not has_plan:
+        return FULL_SEARCH
+    if kept_default:
+        return DEFAULT_KEPT
+    return CARRIED if winner_role == DONOR else NEIGHBOUR
