@@ -27,3 +27,12 @@ class NotRunnableError(GemmtuneError, NotImplementedError):
 
 class EnvVarError(GemmtuneError, ValueError):
     """An environment variable gemmtune reads has a value it cannot use; the message names both."""
+
+
+class OutputFileError(GemmtuneError, ValueError):
+    """A file cannot be written as asked: an input of the same command, a file of another kind, a folder that
+    is missing or not writable, no regular file; the message names the path(s)."""
+
+
+class ReadOnlyPathError(OutputFileError):
+    """The folder a file goes to is not writable, the file is read-only, or its lock file cannot be created."""

@@ -8,6 +8,7 @@ import math
 import os
 
 from .. import families
+from ..configs.files import TUNED_TABLE, Kind, check_outputs, check_writable, csv_header
 from ..configs.io import locked
 from ..configs.schema import TunedRow
 from ..configs.table import TableFile, read_table_file
@@ -20,6 +21,16 @@ PROFILE_COLUMNS = [
     "family", "gfx", "cu_num", "key", "libtype", "kernelName", "solidx", "splitK",
     "status", "err", "screen_us", "us", "default_us", "winner", "reason",
 ]  # fmt: skip
+
+
+PROFILE_FILE = Kind("tuner profile file", lambda p: csv_header(p) == PROFILE_COLUMNS)
+
+
+def check_tune_outputs(shapes: str, output: str, profile_file: str | None = None, error=None) -> None:
+    """Before any key is tuned: OUTPUT and the profile file are writable, neither is SHAPES nor the other,
+    and each is a file of its kind if it exists (files.check_outputs names both paths when not)."""
+    outs = [(output, TUNED_TABLE, "-o"), *([(profile_file, PROFILE_FILE, "--profile-file")] if profile_file else [])]
+    check_outputs(outs, [shapes], **({"error": error} if error else {}))
 
 
 def existing_table(path: str, family: Family) -> TableFile:
@@ -76,6 +87,7 @@ def append_profile(path: str, res: ShapeResult, ident: DeviceIdentity, family: F
         rows.append([*base, c.libtype, c.kernel_name, str(c.solidx), str(c.splitk), c.status, _fmt(c.err),
                      _fmt(c.screen_us), _fmt(us), _fmt(res.default_us), str(winner), c.reason])  # fmt: skip
     with locked(path):
+        check_writable(path, ConfigError)  # a FIFO would block the append; a read-only file is named
         if os.path.exists(path) and os.path.getsize(path) > 0:
             with open(path, newline="", encoding="utf-8-sig") as fh:
                 first = next(csv.reader(fh), [])

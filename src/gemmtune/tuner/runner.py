@@ -23,7 +23,7 @@ from ..capture import read_shape_list
 from ..device import DeviceIdentity, identity
 from ..families import Family
 from .compile_ahead import CompileAhead
-from .output import append_profile, done_keys, result_row, write_row
+from .output import append_profile, check_tune_outputs, done_keys, result_row, write_row
 from .search import (
     ShapeResult,
     TuneOptions,
@@ -276,6 +276,7 @@ def tune_file(
     ms: list[int] | None = None,
 ) -> RunReport:
     t0 = time.perf_counter()
+    check_tune_outputs(shapes_path, output, profile_file)
     import_plugins()
     fam, keys = load_keys(shapes_path, family, ms)
     ident = identity(device)
