@@ -152,9 +152,14 @@ def _head(path: str, n: int = _SNIFF_BYTES) -> bytes:
         return b""
 
 
+def head_text(path: str) -> str:
+    """The opening of a text file (a BOM dropped), '' when unreadable."""
+    return _head(path).decode("utf-8", errors="replace").lstrip("\ufeff")
+
+
 def first_line(path: str) -> str:
     """The first line of a text file (a BOM dropped), '' when unreadable."""
-    text = _head(path).decode("utf-8", errors="replace").lstrip("\ufeff")
+    text = head_text(path)
     return text.splitlines()[0] if text.strip() else ""
 
 
@@ -174,7 +179,7 @@ def json_object_with(path: str, keys: Iterable[str]) -> bool:
     try:
         size = os.path.getsize(path)
         if size > 64 * _SNIFF_BYTES:
-            head = _head(path).decode("utf-8", errors="replace").lstrip()
+            head = head_text(path).lstrip()
             return head.startswith("{") and all(f'"{k}"' in head for k in keys)
         with open_regular(path, OSError, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -277,6 +282,15 @@ def replace_file(path: str, data: str | bytes, kind: Kind | None = None, inputs:
             os.unlink(tmp)
         raise
     return real
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> str:
+    """A matplotlib figure as the PNG at `path`, under the rule (savefig would open `path` itself)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return replace_file(path, buf.getvalue(), PNG)
 
 
 @contextlib.contextmanager

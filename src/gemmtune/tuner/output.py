@@ -26,11 +26,15 @@ PROFILE_COLUMNS = [
 PROFILE_FILE = Kind("tuner profile file", lambda p: csv_header(p) == PROFILE_COLUMNS)
 
 
-def check_tune_outputs(shapes: str, output: str, profile_file: str | None = None, error=None) -> None:
+def tune_outputs(output: str, profile_file: str | None = None) -> list[tuple[str, Kind, str]]:
+    """(path, kind, option) of every file a tuning run writes."""
+    return [(output, TUNED_TABLE, "-o"), *([(profile_file, PROFILE_FILE, "--profile-file")] if profile_file else [])]
+
+
+def check_tune_outputs(shapes: str, output: str, profile_file: str | None = None) -> None:
     """Before any key is tuned: OUTPUT and the profile file are writable, neither is SHAPES nor the other,
     and each is a file of its kind if it exists (files.check_outputs names both paths when not)."""
-    outs = [(output, TUNED_TABLE, "-o"), *([(profile_file, PROFILE_FILE, "--profile-file")] if profile_file else [])]
-    check_outputs(outs, [shapes], **({"error": error} if error else {}))
+    check_outputs(tune_outputs(output, profile_file), [shapes])
 
 
 def existing_table(path: str, family: Family) -> TableFile:
