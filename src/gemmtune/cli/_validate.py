@@ -52,9 +52,9 @@ def output_folder(ctx, param, value):
     return value
 
 
-def outputs_checked(outputs, inputs=(), param_hint: str = "'-o' / '--output'", folder: str | None = None) -> None:
-    """files.check_outputs as a usage error (exit 2) naming both paths, before the command does any work;
-    outputs inside `folder` need only that it may be made when it does not exist yet."""
+def outputs_checked(outputs, inputs=(), folder: str | None = None) -> None:
+    """files.check_outputs as a usage error (exit 2) naming the option and both paths, before the command
+    does any work; outputs inside `folder` need only that it may be made when it does not exist yet."""
     from ..configs.files import check_outputs
 
     try:
@@ -63,7 +63,7 @@ def outputs_checked(outputs, inputs=(), param_hint: str = "'-o' / '--output'", f
         else:
             check_outputs(outputs, inputs)
     except GemmtuneError as exc:
-        raise click.BadParameter(str(exc), param_hint=param_hint) from None
+        raise click.UsageError(str(exc)) from None
 
 
 def device(ctx, param, value):

@@ -230,13 +230,14 @@ def check_outputs(outputs: Iterable[tuple[str, Kind | None, str]], inputs: Itera
                   error: type[Exception] = OutputFileError) -> None:  # fmt: skip
     """check_output for each (path, kind, option) of one command, and no two of them one file."""
     outs, inputs = list(outputs), list(inputs)
-    for i, (path, kind, option) in enumerate(outs):
-        check_output(path, kind, inputs, option, error)
+    for i, (path, _, option) in enumerate(outs):
         for other, _, other_option in outs[:i]:
             if same_file(path, other):
                 lead = f"{option} {path}" if option else path
                 raise error(f"{lead} is also {f'{other_option} ' if other_option else ''}{other}: one file cannot "
                             "hold both; write them to two files")  # fmt: skip
+    for path, kind, option in outs:
+        check_output(path, kind, inputs, option, error)
 
 
 def check_output(path: str, kind: Kind | None = None, inputs: Iterable[str] = (), option: str = "",
