@@ -195,16 +195,15 @@ def table_kind(path: str) -> str | None:
     if not header or foreign_kind(header, path):
         return None
     try:
-        fam = families.detect(header, path)
+        fitting = [f for f in families.all_families() if families.fits(f, header)]
     except GemmtuneError:
         return None
-    cols = set(families.normalize(fam, header))
-    if TUNED_ONLY & cols:
+    if fitting and TUNED_ONLY & set(header):
         return "tuned table"
-    extra = cols - set(fam.untuned_columns)
-    if not extra:
+    extras = [set(families.normalize(f, header)) - set(f.untuned_columns) for f in fitting]
+    if set() in extras:
         return "shape list"
-    return "capture file" if extra == {"count"} else None
+    return "capture file" if {"count"} in extras else None
 
 
 TUNED_TABLE = Kind("tuned table", lambda p: table_kind(p) == "tuned table")
