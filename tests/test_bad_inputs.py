@@ -643,6 +643,8 @@ CLI_USAGE = [
     (["shapes", "--model", "tiny-llama", "--nsets", "a..b"], "--nsets", "a..b"),
     (["shapes", "--model", "tiny-llama", "--tp", "0"], "--tp", "0"),
     (["shapes", "--model", "tiny-llama", "-o", "{d}/nodir/s.csv"], "--output", "nodir"),
+    # an output onto a file of another kind (configs/files.py): a usage error before anything runs
+    (["tune", "{d}/notes.csv", "-o", "{d}/tuned.bench.csv", "--no-progress"], "-o", "tuned.bench.csv"),
     # profile
     (["profile", "--device", "tpu", "--", "python", "{d}/script.py"], "--device", "tpu"),
     (["profile", "-o", "{d}/nodir/deeper", "--", "python", "{d}/script.py"], "--out", "nodir"),
@@ -704,7 +706,6 @@ CLI_REFUSED = [
     (["bench", "{d}/s.csv"], None, "s.csv"),
     (["bench", "{d}/missing.csv"], None, "missing.csv"),
     (["tune", "{d}/missing.csv", "-o", "{d}/o.csv", "--no-progress"], None, "missing.csv"),
-    (["tune", "{d}/notes.csv", "-o", "{d}/tuned.bench.csv", "--no-progress"], None, "tuned.bench.csv"),
     (["tune", "{d}/s.csv", "-o", "{d}/o.csv", "--libtype", "nosuch", "--no-progress"], None, "nosuch"),
     (["tune", "{d}/s.csv", "-o", "{d}/o.csv", "--family", "nosuch", "--no-progress"], None, "nosuch"),
     (["shapes", "--model", "{d}/missing.json"], None, "missing.json"),

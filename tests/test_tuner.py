@@ -646,7 +646,7 @@ def test_malformed_existing_output_is_an_error_not_overwritten(tmp_path):
     out = tmp_path / "t.csv"
     out.write_text("not,a,table\n1,2,3\n")
     r = CliRunner().invoke(cli, ["tune", shapes, "-o", str(out), "--no-progress"])
-    assert r.exit_code != 0 and "missing column" in r.output
+    assert r.exit_code == 2 and "not a tuned table" in r.output and "not,a,table" in r.output  # configs/files.py
     assert out.read_text() == "not,a,table\n1,2,3\n"
 
 

@@ -18,6 +18,7 @@ import os
 import threading
 
 from . import families
+from .configs.files import check_writable
 from .configs.io import locked, read_csv, write_atomic
 from .configs.schema import UNTUNED_COLUMNS, parse_key
 from .errors import ShapesFileError
@@ -78,17 +79,12 @@ def read_shapes(path: str, family: Family | str | None = "a16w16") -> list[tuple
 
 
 def refuse_tuned_table(path: str, family: Family | None = None) -> None:
-    """ShapesFileError naming `path` and why, unless capture may merge `family`'s shapes into it: it
-    does not exist yet (its folder does), is empty, or has exactly capture's columns of `family`."""
+    """ShapesFileError naming `path` and why, unless capture may merge `family`'s shapes into it: its folder
+    exists and is writable, and it does not exist yet, is empty, or is a regular file with exactly capture's
+    columns of `family` (files.check_writable: a symlink is judged by the file it names)."""
     fam = family or families.get("a16w16")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ShapesFileError(f"{path}: folder {folder} does not exist; create it first (capture makes no folders)")
-    if not os.path.exists(path):
-        return
-    if os.path.isdir(path):
-        raise ShapesFileError(f"{path} is a folder, not a capture file; capture into a CSV file")
-    if os.path.getsize(path) == 0:
+    real = check_writable(path, ShapesFileError)
+    if not os.path.exists(real) or os.path.getsize(real) == 0:
         return
     header = read_csv(path, ShapesFileError).header
     tuned = sorted(TUNED_ONLY & set(header))
@@ -148,14 +144,14 @@ class ShapeCapture:
                    if k not in self._flushed or c != self._flushed[k]}  # fmt: skip
         if not pending:
             return
-        with locked(self.path):
+        with locked(self.path, error=ShapesFileError):
             refuse_tuned_table(self.path, self.family)  # another process may have put a file there meanwhile
             existing = os.path.exists(self.path) and os.path.getsize(self.path) > 0
             merged: dict = dict(read_shapes(self.path, self.family)) if existing else {}
             for key, delta in pending.items():
                 merged[key] = merged.get(key, 0) + delta
             rows = ([*key_to_record(k, self.family), str(c)] for k, c in merged.items())
-            write_atomic(self.path, self.columns, rows)
+            write_atomic(self.path, self.columns, rows, error=ShapesFileError)
         self._flushed.update(snapshot)
 
 

@@ -44,3 +44,12 @@ def missing_extra(exc: ImportError, what: str) -> MissingExtraError | None:
     if not isinstance(exc, ModuleNotFoundError) or extra is None:
         return None
     return MissingExtraError(f"{what} needs {top}, which is not installed: pip install 'gemmtune[{extra}]'")
+
+
+class OutputFileError(GemmtuneError, ValueError):
+    """A file cannot be written as asked: an input of the same command, a file of another kind, a folder that
+    is missing or not writable, no regular file; the message names the path(s)."""
+
+
+class ReadOnlyPathError(OutputFileError):
+    """The folder a file goes to is not writable, the file is read-only, or its lock file cannot be created."""

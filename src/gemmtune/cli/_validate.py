@@ -9,6 +9,7 @@ import os
 import click
 import torch
 
+from ..configs.files import check_writable, check_writable_folder
 from ..device import parse_device
 from ..errors import GemmtuneError, MissingExtraError, missing_extra
 from ..keys import parse_dtype
@@ -31,6 +32,7 @@ def output_file(ctx, param, value):
     if os.path.isdir(value):
         raise click.BadParameter(f"{value!r} is a folder; expected a file name")
     _folder_must_exist(value)
+    check_writable(value, click.BadParameter)  # a FIFO, a device, a read-only file or folder (files.py)
     return value
 
 
@@ -46,7 +48,22 @@ def output_folder(ctx, param, value):
     if os.path.exists(value) and not os.path.isdir(value):
         raise click.BadParameter(f"{value!r} is a file; expected a folder")
     _folder_must_exist(os.path.normpath(value))
+    check_writable_folder(value, click.BadParameter)
     return value
+
+
+def outputs_checked(outputs, inputs=(), folder: str | None = None) -> None:
+    """files.check_outputs as a usage error (exit 2) naming the option and both paths, before the command
+    does any work; outputs inside `folder` need only that it may be made when it does not exist yet."""
+    from ..configs.files import check_outputs
+
+    try:
+        if folder is not None and not os.path.isdir(folder):
+            check_writable_folder(folder)
+        else:
+            check_outputs(outputs, inputs)
+    except GemmtuneError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def device(ctx, param, value):

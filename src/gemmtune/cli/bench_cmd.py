@@ -13,7 +13,15 @@ from ..configs.table import ConfigStore, env_sources
 from ..device import identity
 from ..errors import GemmtuneError
 from ..plugins import import_plugins
-from ..tuner.bench import HEADER, bench_table, dispatch_overhead_us, summarize, summary_lines, write_outputs
+from ..tuner.bench import (
+    HEADER,
+    bench_outputs,
+    bench_table,
+    dispatch_overhead_us,
+    summarize,
+    summary_lines,
+    write_outputs,
+)
 from ..tuner.timing import measure_ceilings
 from . import _validate as v
 
@@ -52,6 +60,9 @@ def command(tuned, prefix, reps, device, seed, plugin, progress, ms) -> None:  #
         gemmtune bench tuned.csv -o results/llama8b --ms 1..4096,3,12,24,48,96,192,384,768,1536,3072
     """
     dev, ladder = device, ms
+    base = prefix or (tuned[:-4] if tuned.endswith(".csv") else tuned) + ".bench"
+    # Never over TUNED, a table GEMMTUNE_CONFIG* names, or a file that is no bench report (files.py).
+    v.outputs_checked(bench_outputs(base), [tuned, *(p for _, p in env_sources(os.environ))])
     try:
         import_plugins()
         table = ConfigTable.load([tuned])
@@ -92,6 +103,5 @@ def command(tuned, prefix, reps, device, seed, plugin, progress, ms) -> None:  #
     for line in summary_lines(summary):
         click.echo(line)
     click.echo(f"eager dispatch overhead of gemmtune.gemm over F.linear: {meta['dispatch_overhead_us']:.2f} us/call")
-    base = prefix or (tuned[:-4] if tuned.endswith(".csv") else tuned) + ".bench"
     for note in write_outputs(rows, summary, base, meta):
         click.echo(note, err=True)

@@ -116,6 +116,10 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
     if dev not in ("cuda", "cpu") and not dev.startswith("cuda:"):
         raise click.BadParameter(f"--device {dev!r}: expected cuda or cpu")
     defaults = _GPU_DEFAULTS if dev.startswith("cuda") else _CPU_DEFAULTS
+    name = os.path.basename(os.path.normpath(model)).removesuffix(".json")
+    out = out_dir or f"bench-model-{name}"
+    inputs = [model, *(table.split(":") if table else [])]
+    v.outputs_checked(bench_report.report_outputs(out), inputs, folder=out)  # before the model is built (files.py)
     ops = tuple(compile_ops) or (describe(),)
     try:
         for spec in ops:
@@ -143,8 +147,6 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
         res = bench_model.run(settings)
     except (GemmtuneError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
-    name = os.path.basename(os.path.normpath(model)).removesuffix(".json")
-    out = out_dir or f"bench-model-{name}"
     text = bench_report.markdown(res, "gemmtune bench-model " + " ".join(sys.argv[2:]))
     click.echo(text)
     for note in bench_report.write(res, out, "gemmtune bench-model " + " ".join(sys.argv[2:])):

@@ -37,7 +37,9 @@ def command(out_dir, device, top, no_annotate, command) -> None:
     """
     from ..errors import MissingExtraError
     from ..profiling import profile_script
+    from ..profiling.report import profile_outputs
 
+    v.outputs_checked(profile_outputs(out_dir), folder=out_dir)  # before the script runs (files.py)
     trace = os.path.join(out_dir, "trace.json")
     try:
         prof, code = profile_script(list(command), device=device, trace=trace, annotate=not no_annotate)

@@ -6,6 +6,7 @@ import click
 
 from .. import families
 from ..capture import key_to_record
+from ..configs.files import SHAPE_LIST
 from ..configs.io import write_atomic
 from ..configs.schema import UNTUNED_COLUMNS
 from ..tuner.model_shapes import (
@@ -59,6 +60,8 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, fuse_shared_e
         config, source = load_model_config(model)
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    if output:  # never over the model's config, a tuned table or a capture file (files.py)
+        v.outputs_checked([(output, SHAPE_LIST, "-o")], [] if model in PRESETS else [source])
     try:
         shapes = model_gemms(config, tp)
         dt = dt or config_dtype(config)
@@ -79,7 +82,7 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, fuse_shared_e
     pairs = named_keys(shapes, ms, dt, odt)
     rows = [key_to_record(k) for _, k in pairs]
     if output:
-        write_atomic(output, UNTUNED_COLUMNS, rows)
+        write_atomic(output, UNTUNED_COLUMNS, rows, kind=SHAPE_LIST)
         click.echo(f"gemmtune: {len(rows)} shapes from {source} (tp={tp}) written to {output}", err=True)
         for s in shapes:
             extra = f" (M = ceil(T*{s.top_k}/{s.experts}))" if s.experts else ""
@@ -109,7 +112,7 @@ def _other_family(name, config, source, tp, ms, dtype, output, fuse_shared: bool
     rows = [key_to_record(k, fam) for k in keys]
     cols = list(fam.untuned_columns)
     if output:
-        write_atomic(output, cols, rows)
+        write_atomic(output, cols, rows, kind=SHAPE_LIST)
         click.echo(f"gemmtune: {len(rows)} {name} shapes from {source} (tp={tp}) written to {output}", err=True)
     else:
         click.echo(",".join(cols))

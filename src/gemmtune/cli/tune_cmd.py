@@ -13,6 +13,7 @@ from ..errors import GemmtuneError
 from ..tuner.candidates import MIN_GAIN, SEARCHES, TuneOptions
 from ..tuner.distributed import joined, launched_by_torchrun, tune_fleet
 from ..tuner.donor import DonorError
+from ..tuner.output import tune_outputs
 from ..tuner.runner import PLUGINS_ENV, summary_lines, tune_file
 from . import _validate as v
 
@@ -157,6 +158,7 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
         gemmtune tune shapes.csv --from h100_tuned.csv -o h200_tuned.csv
     """
     dev = device
+    v.outputs_checked(tune_outputs(output, profile_file), [shapes, *([donor] if donor else [])])
     if plugin:
         os.environ[PLUGINS_ENV] = ",".join(filter(None, [os.environ.get(PLUGINS_ENV, ""), *plugin]))
     if mp_workers is None:

@@ -1,4 +1,5 @@
-"""CSV reading with line numbers, byte-faithful rewrites, atomic writes, and a lock for shared files.
+"""CSV reading with line numbers, byte-faithful rewrites, and CSV writes under the file rule (files.py:
+regular files only, through symlinks, hard links kept, atomic, never onto another kind of file).
 
 Records split at CR, LF and CRLF outside quotes only (as aiter's pandas reader does): U+2028, U+0085 or a
 form feed inside a field is data. A row with fewer fields than the header reads its missing trailing
@@ -10,19 +11,17 @@ byte-order mark, line endings, quoting and blank lines. Files are read as utf-8 
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from filelock import FileLock
-
 from ..errors import ConfigError
+from .files import Kind, locked, open_regular, replace_file
+
+__all__ = ["CsvStyle", "CsvText", "Verbatim", "locked", "read_csv", "render", "write_atomic"]
 
 BOM = "\ufeff"
 _EOL = re.compile(r"(\r\n|\r|\n)")
@@ -95,12 +94,8 @@ def _fields(body: str, path: str, line: int, error) -> list[str]:
 def read_csv(path: str, error=ConfigError) -> CsvText:
     """Header and (line number, {stripped column: text}) for each non-blank record; errors name the file."""
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
+        with open_regular(path, error, "a CSV file", newline="", encoding="utf-8") as fh:
             text = fh.read()
-    except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise error(f"{path}: is a folder, not a CSV file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise error(f"{path}: cannot read: {exc}") from None
     style = CsvStyle(bom=text.startswith(BOM))
@@ -152,30 +147,9 @@ def render(header: list[str], rows: Iterable[Iterable[str] | Verbatim], final_ne
 
 
 def write_atomic(path: str, header: list[str], rows: Iterable[Iterable[str] | Verbatim], final_newline: bool = True,
-                 style: CsvStyle | None = None) -> None:  # fmt: skip
-    """Write a CSV via a temp file in the same folder and a rename: readers see old or new, never half."""
+                 style: CsvStyle | None = None, kind: Kind | None = None, inputs: Iterable[str] = (),
+                 error: type[Exception] | None = None) -> None:  # fmt: skip
+    """Write a CSV whole under the file rule (files.replace_file): readers see the old text or the new,
+    never half; an existing file must be of `kind` (when given) and none of `inputs`."""
     text = render(header, rows, final_newline, style)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gemmtune-", suffix=".csv.tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if os.path.exists(path):
-            os.chmod(tmp, os.stat(path).st_mode & 0o777)
-        else:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-@contextlib.contextmanager
-def locked(path: str, timeout: float = 60.0) -> Iterator[None]:
-    """Hold `path + '.lock'` so read-modify-write cycles of several processes serialize."""
-    with FileLock(os.path.abspath(path) + ".lock", timeout=timeout):
-        yield
+    replace_file(path, text, kind, inputs, **({"error": error} if error else {}))

@@ -27,6 +27,7 @@ from .. import families
 from ..device import DeviceIdentity
 from ..errors import ConfigError
 from ..families import Family
+from .files import TUNED_TABLE
 from .io import CsvStyle, CsvText, Verbatim, read_csv, write_atomic
 from .recognize import NotATable, is_shape_list, refuse_foreign
 from .schema import InertRow, MissingValue, TunedRow, never_answers, normalize_header, parse_tuned_row
@@ -100,7 +101,7 @@ class TableFile:
         """Write the rows back with this file's header (or `header`): an unchanged table comes out
         byte-identical (BOM, line ends, quoting, short rows and all)."""
         header = list(header or self.raw_header)
-        write_atomic(path or self.path, header, self.records(header), self.final_newline, self.style)
+        write_atomic(path or self.path, header, self.records(header), self.final_newline, self.style, TUNED_TABLE)
 
 
 def family_of(text: CsvText, family: Family | str | None = None) -> Family:
@@ -301,9 +302,10 @@ class ConfigTable:
 
     # ---- writing --------------------------------------------------------------------------
     def write(self, path: str, columns: list[str] | None = None) -> None:
-        """Write all rows atomically, with this table's columns (a single loaded file's own)."""
+        """Write all rows atomically, with this table's columns (a single loaded file's own), never over a file
+        of another kind or one this table was read from but others (files.py's rule)."""
         cols = columns or self.columns
-        write_atomic(path, cols, ([r.value(c) for c in cols] for r in self._rows.values()))
+        write_atomic(path, cols, ([r.value(c) for c in cols] for r in self._rows.values()), kind=TUNED_TABLE)
 
 
 class ConfigStore:

@@ -7,6 +7,7 @@ import math
 import os
 import textwrap
 
+from ..configs.files import PNG, Kind, first_line, json_object_with, replace_file, save_figure
 from ..models.report import fold_path
 from .bench_model import QUANT_DECODE_TOL, QUANT_FLOOR_MARGIN, Result
 from .categorize import CATEGORIES, label
@@ -243,19 +244,31 @@ def plot(res: Result, path: str) -> None:
         ax2.set_title("time by category", fontsize=9)
         ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)
+
+
+REPORT_MD = Kind("bench-model report", lambda p: first_line(p).startswith("# gemmtune bench-model"))
+REPORT_JSON = Kind("bench-model report", lambda p: json_object_with(p, ("meta", "settings", "optimize")))
+
+
+def report_outputs(out_dir: str) -> list[tuple[str, Kind, str]]:
+    """(path, kind, option) of every file write() puts in `out_dir`."""
+    return [(os.path.join(out_dir, "report.md"), REPORT_MD, "-o"),
+            (os.path.join(out_dir, "report.json"), REPORT_JSON, "-o"),
+            (os.path.join(out_dir, "report.png"), PNG, "-o")]  # fmt: skip
 
 
 def write(res: Result, out_dir: str, command: str = "") -> list[str]:
-    """out_dir/report.md, report.json and report.png (with matplotlib); returns notes."""
+    """out_dir/report.md, report.json and report.png (with matplotlib), each under the file rule
+    (configs/files.py); returns notes."""
     os.makedirs(out_dir, exist_ok=True)
     md = os.path.join(out_dir, "report.md")
-    with open(md, "w", encoding="utf-8") as fh:
-        fh.write(markdown(res, command))
+    replace_file(md, markdown(res, command), REPORT_MD)
     js = os.path.join(out_dir, "report.json")
-    with open(js, "w", encoding="utf-8") as fh:
-        json.dump(to_dict(res), fh, indent=1)
+    replace_file(js, json.dumps(to_dict(res), indent=1), REPORT_JSON)
     notes = [f"wrote {md} and {js}"]
     try:
         plot(res, os.path.join(out_dir, "report.png"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 
+from ..configs.files import PNG, Kind, head_text, json_object_with, replace_file, save_figure
 from .breakdown import Breakdown
 from .categorize import CATEGORIES, label
 
@@ -146,16 +146,17 @@ class Profile:
         }
 
     def save(self, out_dir: str, title: str = "gemmtune profile") -> list[str]:
-        """out_dir/profile.json, profile.png (with matplotlib) and trace.json (if traced); returns notes."""
+        """out_dir/profile.json, profile.png (with matplotlib) and trace.json (if traced), each under the file
+        rule (configs/files.py); returns notes."""
         os.makedirs(out_dir, exist_ok=True)
         notes = []
         if self.trace and os.path.abspath(os.path.dirname(self.trace)) != os.path.abspath(out_dir):
             dst = os.path.join(out_dir, "trace.json")
-            shutil.copyfile(self.trace, dst)
+            with open(self.trace, "rb") as fh:
+                replace_file(dst, fh.read(), TRACE_JSON)
             self.trace = dst
         path = os.path.join(out_dir, "profile.json")
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
+        replace_file(path, json.dumps(self.to_dict(), indent=1), PROFILE_JSON)
         notes.append(f"wrote {path}" + (f" and {self.trace}" if self.trace else ""))
         try:
             png = os.path.join(out_dir, "profile.png")
@@ -166,6 +167,25 @@ class Profile:
                 "matplotlib is not installed: no profile.png (pip install matplotlib, a dependency of gemmtune)"
             )
         return notes
+
+
+PROFILE_JSON = Kind("profile report", lambda p: json_object_with(p, ("mode", "steps", "total_ms")))
+
+
+def _is_trace(path: str) -> bool:
+    """torch.profiler's Chrome trace, judged by its opening (a trace may be too large to parse)."""
+    head = head_text(path).lstrip()
+    return head.startswith("{") and ('"traceEvents"' in head or '"schemaVersion"' in head)
+
+
+TRACE_JSON = Kind("Chrome trace", _is_trace)
+
+
+def profile_outputs(out_dir: str) -> list[tuple[str, Kind, str]]:
+    """(path, kind, option) of every file `gemmtune profile -o out_dir` writes."""
+    return [(os.path.join(out_dir, "profile.json"), PROFILE_JSON, "-o"),
+            (os.path.join(out_dir, "trace.json"), TRACE_JSON, "-o"),
+            (os.path.join(out_dir, "profile.png"), PNG, "-o")]  # fmt: skip
 
 
 COLORS = {"gemm": "#4c72b0", "attention": "#dd8452", "elementwise": "#55a868", "memory": "#c44e52",
@@ -213,5 +233,7 @@ def plot(profiles: list[tuple[str, Profile]], path: str, title: str = "") -> Non
         ax2.set_title(f"GEMM shapes (top {len(gemm_rows)})", fontsize=10)
         ax2.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import backends
+from ..configs.files import PNG, Kind, csv_header, json_object_with, replace_file, save_figure
 from ..configs.table import ConfigTable
 from ..device import identity
 from ..dispatch import get_dispatcher, resolve, set_config
@@ -376,22 +377,38 @@ def _finite(v):
     return v
 
 
+def _csv_columns() -> list[str]:
+    return [*BenchRow.__dataclass_fields__, "speedup", "tuned_roof_pct", "default_roof_pct"]
+
+
+# A report of any gemmtune version: its columns grow, these stay.
+BENCH_CSV = Kind("bench report", lambda p: {"solution", "tuned_us", "default_us"} <= set(csv_header(p)))
+BENCH_JSON = Kind("bench report", lambda p: json_object_with(p, ("meta", "summary", "rows")))
+
+
+def bench_outputs(prefix: str) -> list[tuple[str, Kind, str]]:
+    """(path, kind, option) of every file write_outputs writes for `prefix`."""
+    return [(prefix + ".csv", BENCH_CSV, "-o"), (prefix + ".json", BENCH_JSON, "-o"), (prefix + ".png", PNG, "-o")]
+
+
 def write_outputs(rows: list[BenchRow], summary: dict, prefix: str, meta: dict) -> list[str]:
-    """prefix.csv, prefix.json and (when matplotlib is installed) prefix.png; returns notes."""
+    """prefix.csv, prefix.json and (when matplotlib is installed) prefix.png, each under the file rule
+    (configs/files.py); returns notes."""
     import csv
+    import io
 
     notes = []
-    cols = [*BenchRow.__dataclass_fields__, "speedup", "tuned_roof_pct", "default_roof_pct"]
-    with open(prefix + ".csv", "w", newline="", encoding="utf-8") as fh:
-        wr = csv.writer(fh, lineterminator="\n")
-        wr.writerow(cols)
-        for r in rows:
-            d = asdict(r)
-            wr.writerow([*d.values(), f"{r.speedup:.4f}", f"{r.roof_pct(r.tuned_us):.1f}",
-                         f"{r.roof_pct(r.default_us):.1f}"])  # fmt: skip
-    with open(prefix + ".json", "w", encoding="utf-8") as fh:
-        data = {"meta": meta, "summary": summary, "rows": [asdict(r) | {"speedup": r.speedup} for r in rows]}
-        json.dump(_finite(data), fh, indent=1)
+    cols = _csv_columns()
+    buf = io.StringIO()
+    wr = csv.writer(buf, lineterminator="\n")
+    wr.writerow(cols)
+    for r in rows:
+        d = asdict(r)
+        wr.writerow([*d.values(), f"{r.speedup:.4f}", f"{r.roof_pct(r.tuned_us):.1f}",
+                     f"{r.roof_pct(r.default_us):.1f}"])  # fmt: skip
+    replace_file(prefix + ".csv", buf.getvalue(), BENCH_CSV)
+    data = {"meta": meta, "summary": summary, "rows": [asdict(r) | {"speedup": r.speedup} for r in rows]}
+    replace_file(prefix + ".json", json.dumps(_finite(data), indent=1), BENCH_JSON)
     notes.append(f"wrote {prefix}.csv and {prefix}.json")
     try:
         plot(rows, prefix + ".png", meta.get("title", "gemmtune bench"))
@@ -430,5 +447,7 @@ def plot(rows: list[BenchRow], path: str, title: str) -> None:
     if ax2 is not None:
         ax2.set(xscale="log", xlabel="M (tokens)", ylabel="% of roof (solid tuned, dashed default)", ylim=(0, 105))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import families
 from ..device import DeviceIdentity, identity
 from .compile_ahead import Board, CompileAhead
-from .output import done_keys
+from .output import check_tune_outputs, done_keys
 from .runner import (
     RowSink,
     RunReport,
@@ -268,6 +268,7 @@ def tune_fleet(shapes_path: str, output: str, opts: TuneOptions, device: torch.d
     if mp_workers > 1:
         raise ValueError(f"--mp {mp_workers}: under torch.distributed each rank tunes on its own device; use 0 or 1")
     dev = rank_device(device, fleet)
+    _from_rank0(fleet, lambda: check_tune_outputs(shapes_path, output, profile_file))  # rank 0 writes them
     _on_every_rank(fleet, import_plugins)  # before any key of a plugin family is unpickled
 
     def read_list():

@@ -16,13 +16,13 @@ MAX_NEIGHBOURS in all. They come from the backend's own candidate list here, so 
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
 import torch
 
 from ..backends.base import Backend, Solution
+from ..configs.files import same_file
 from ..configs.table import read_table_file
 from ..errors import ConfigError
 from ..families import Family
@@ -57,16 +57,10 @@ class DonorPick:
     cu_num: int
 
 
-def _same_file(a: str, b: str) -> bool:
-    if os.path.exists(a) and os.path.exists(b):
-        return os.path.samefile(a, b)
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
 def check_donor_path(donor: str, shapes: str, output: str) -> None:
     """DonorError when the donor is the shape list or the output table (a tune writes its output)."""
     for what, other in (("the shape list", shapes), ("the output table", output)):
-        if _same_file(donor, other):
+        if same_file(donor, other):
             raise DonorError(f"donor table {donor}: is {what} ({other}); name a table tuned elsewhere")
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..configs.files import open_regular
 from ..errors import GemmtuneError
 from ..families.batched import BatchedKey
 from ..families.epilogue import EpilogueKey
@@ -768,9 +769,9 @@ def load_model_config(model: str) -> tuple[dict, str]:
             f"(presets: {', '.join(sorted(PRESETS))})"
         )
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open_regular(path, ModelConfigError, "a config.json file", encoding="utf-8") as fh:
             config = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelConfigError(f"{path}: cannot read model config: {exc}") from None
     if not isinstance(config, dict):
         raise ModelConfigError(f"{path}: a model config must be a JSON object")

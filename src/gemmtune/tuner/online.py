@@ -32,7 +32,7 @@ import torch
 from .. import backends
 from ..device import identity
 from ..dispatch import get_dispatcher
-from ..errors import EnvVarError
+from ..errors import EnvVarError, OutputFileError, ReadOnlyPathError
 from ..families import Family
 from . import online_common
 from .online_common import DEFAULT_BUDGET_S, MODES, check_libtypes, check_mode
@@ -86,11 +86,14 @@ class OnlineTuner:
 
     def _tune(self, key, family: Family, device: torch.device, dispatcher) -> bool:
         # The search pulls in the timing and checking machinery: only when a key is tuned.
-        from .output import result_row, write_row
+        from .output import result_row
         from .search import TuneOptions, tune_shape
 
         if dispatcher.table(family.name).lookup(key, identity(device)) is not None:
             return True  # tuned meanwhile (queued twice, or another path)
+        path = self.settings.writable_path(family)
+        if path is None:
+            return False
         t0 = time.perf_counter()
         opts = TuneOptions(libtypes=self.libtypes, budget_s=self.budget_s)
         try:
@@ -100,8 +103,8 @@ class OnlineTuner:
                         family.describe(key), type(exc).__name__, exc)  # fmt: skip
             return False
         row = result_row(res, identity(device), family)
-        path = self.table_path(family)
-        write_row(path, row)
+        if not self.settings.write(family, row):
+            return False
         dispatcher.table(family.name).add(row)
         self.tuned.append(key)
         log.warning("gemmtune: tuned %s online in %.1fs: %s -> %s", family.describe(key),
@@ -143,7 +146,13 @@ def from_env(environ):
     if mode not in MODES:
         raise EnvVarError(f"{MODE_ENV}={environ.get(MODE_ENV)!r}: expected one of {', '.join(MODES)} "
                           f"(default {MODES[0]})")  # fmt: skip
-    return make_tuner(path, budget, libs, mode)
+    try:
+        return make_tuner(path, budget, libs, mode)
+    except ReadOnlyPathError as exc:  # the serving call goes on with the defaults, never raises for it
+        log.warning("gemmtune: %s=%s: %s; online tuning is off, the defaults serve untuned keys", ENV, path, exc)
+        return None
+    except OutputFileError as exc:
+        raise EnvVarError(f"{ENV}={path!r}: {exc}") from None
 
 
 def set_online_tuning(path: str | None, budget_s: float | None = None, libtypes: list[str] | None = None,

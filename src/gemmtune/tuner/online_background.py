@@ -38,7 +38,7 @@ from ..dispatch import get_dispatcher
 from ..families import Family
 from . import online_common
 from .candidates import TuneOptions
-from .output import result_row, write_row
+from .output import result_row
 from .search import ShapeResult
 from .workers import ShapeFailure, run_workers
 
@@ -173,15 +173,20 @@ class BackgroundTuner:
     def _tune_one(self, key, family: Family, device: torch.device, dispatcher) -> None:
         t0 = time.perf_counter()
         opts = TuneOptions(libtypes=self.settings.libtypes, budget_s=self.settings.budget_s)
+        path = self.settings.writable_path(family)
+        if path is None:  # said once; the default serves the key
+            self.failed.append(key)
+            return
         try:
             res = self._tune(key, family, device, opts)
             row = result_row(res, identity(device), family)
-            path = self.settings.table_path(family)
-            write_row(path, row)
         except Exception as exc:  # noqa: BLE001 - the server goes on with the default
             self.failed.append(key)
             log.warning("gemmtune: online tuning of %s failed (%s: %s); the default serves it",
                         family.describe(key), type(exc).__name__, exc)  # fmt: skip
+            return
+        if not self.settings.write(family, row):
+            self.failed.append(key)
             return
         with self._cond:
             self._finished.append((row, family))

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import threading
 
 import torch
 
+from .. import families
 from ..capture import capture_path
+from ..configs.files import TUNED_TABLE, check_output, check_writable
+from ..errors import GemmtuneError
 from ..families import Family
+
+log = logging.getLogger("gemmtune")
 
 MODES = ("background", "blocking")  # the first is the default
 DEFAULT_BUDGET_S = 20.0
@@ -60,6 +67,42 @@ class OnlineSettings:
         self.path = os.path.abspath(path)
         self.budget_s = budget_s
         self.libtypes = libtypes
+        self._warned: set[str] = set()
+        self._warn_lock = threading.Lock()
+        # As `tune -o` and capture: a missing or read-only folder, a FIFO, a shape list ... refused now.
+        for fam in families.all_families():
+            check_output(self.table_path(fam), TUNED_TABLE)
 
     def table_path(self, family: Family) -> str:
         return capture_path(self.path, family)
+
+    def writable_path(self, family: Family) -> str | None:
+        """`family`'s table path, or None (said once) when it cannot be written now: no key is tuned for
+        a row that could not be kept."""
+        path = self.table_path(family)
+        try:
+            check_writable(path)
+        except GemmtuneError as exc:
+            self.cannot_write(exc)
+            return None
+        return path
+
+    def write(self, family: Family, row) -> bool:
+        """Write `row` into `family`'s table; False (said once) when the file cannot take it: the serving
+        call goes on with the default, never raises."""
+        from .output import write_row  # the search machinery it pulls in: only when a row is written
+
+        try:
+            write_row(self.table_path(family), row)
+        except (GemmtuneError, OSError) as exc:
+            self.cannot_write(exc)
+            return False
+        return True
+
+    def cannot_write(self, exc: Exception) -> None:
+        msg = str(exc)
+        with self._warn_lock:
+            if msg in self._warned:
+                return
+            self._warned.add(msg)
+        log.warning("gemmtune: online tuning cannot write its table: %s; the defaults serve untuned keys", msg)

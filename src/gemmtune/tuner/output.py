@@ -8,6 +8,7 @@ import math
 import os
 
 from .. import families
+from ..configs.files import TUNED_TABLE, Kind, check_outputs, check_writable, csv_header
 from ..configs.io import locked
 from ..configs.schema import TunedRow
 from ..configs.table import TableFile, read_table_file
@@ -22,6 +23,21 @@ PROFILE_COLUMNS = [
 ]  # fmt: skip
 # The columns up to `reason`: a profile file with only these takes rows of these (no donor verdict).
 SHORT_PROFILE_COLUMNS = PROFILE_COLUMNS[:-1]
+
+
+PROFILE_FILE = Kind("tuner profile file", lambda p: csv_header(p) == PROFILE_COLUMNS)
+
+
+def tune_outputs(output: str, profile_file: str | None = None) -> list[tuple[str, Kind, str]]:
+    """(path, kind, option) of every file a tuning run writes."""
+    return [(output, TUNED_TABLE, "-o"), *([(profile_file, PROFILE_FILE, "--profile-file")] if profile_file else [])]
+
+
+def check_tune_outputs(shapes: str, output: str, profile_file: str | None = None, donor: str | None = None) -> None:
+    """Before any key is tuned: OUTPUT and the profile file are writable, neither is an input (SHAPES, the
+    donor) nor the other, and each is a file of its kind if it exists (files.check_outputs names both paths
+    when not)."""
+    check_outputs(tune_outputs(output, profile_file), [shapes, *([donor] if donor else [])])
 
 
 def existing_table(path: str, family: Family) -> TableFile:
@@ -79,6 +95,7 @@ def append_profile(path: str, res: ShapeResult, ident: DeviceIdentity, family: F
                      _fmt(c.screen_us), _fmt(us), _fmt(res.default_us), str(winner), c.reason,
                      res.donor])  # fmt: skip
     with locked(path):
+        check_writable(path, ConfigError)  # a FIFO would block the append; a read-only file is named
         if os.path.exists(path) and os.path.getsize(path) > 0:
             with open(path, newline="", encoding="utf-8-sig") as fh:
                 first = next(csv.reader(fh), [])

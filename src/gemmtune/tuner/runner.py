@@ -24,7 +24,7 @@ from ..device import DeviceIdentity, identity
 from ..families import Family
 from .compile_ahead import CompileAhead
 from .donor import check_donor_path, read_donor
-from .output import append_profile, done_keys, result_row, write_row
+from .output import append_profile, check_tune_outputs, done_keys, result_row, write_row
 from .search import (
     ShapeResult,
     TuneOptions,
@@ -296,6 +296,7 @@ def tune_file(
     """Tune every key of the shape list into `output` (module doc); `donor`: a tuned table of the same
     family from any GPU whose winners are re-verified here instead of searching again (donor.py)."""
     t0 = time.perf_counter()
+    check_tune_outputs(shapes_path, output, profile_file, donor)
     import_plugins()
     fam, keys = load_keys(shapes_path, family, ms)
     opts = with_donor(opts, donor, shapes_path, output, fam, keys, log)
