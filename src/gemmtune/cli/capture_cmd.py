@@ -42,7 +42,12 @@ def capture(output: str, command: tuple[str, ...]) -> None:
         click.echo(f"gemmtune: {len(shapes)} distinct shapes, {calls} calls recorded in {path} ({fam.name})", err=True)
     if not written:
         click.echo(f"gemmtune: no GEMM went through gemmtune; {output} not written", err=True)
-    sys.exit(rc)
+    sys.exit(shell_exit_status(rc))
+
+
+def shell_exit_status(returncode: int) -> int:
+    """A child's return code as a shell reports it: killed by signal N gives 128 + N (137 for SIGKILL)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _family_files(output: str) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import types
+import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -20,6 +20,7 @@ from . import architectures, epilogue_mlp, fusion, mask_positions, mla, moe_shar
 from . import attention as attn_mod
 from . import moe as moe_mod
 from . import verify as verify_mod
+from .bind import bind, bound_function
 from .linear import RouteOptions, is_routed, linear_skip_reason, route_linear, unroute_linear
 from .report import OptimizeReport
 from .version import check_transformers
@@ -330,7 +331,7 @@ def _swap_config(model: nn.Module, old, new) -> None:
 def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
     mod = _get(model, a.path)
     if a.kind == "config":
-        attn_mod.register()
+        a.data["registration"] = attn_mod.registration()  # a torch.load'ed copy registers the tiers too
         old = model.config
         new = copy.deepcopy(old)  # private copy: models sharing the config object stay untouched
         new._attn_implementation = attn_mod.NAMES[a.data["tier"]]
@@ -341,16 +342,16 @@ def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
     elif a.kind == "attn":
         mod._gemmtune_attn = a.data["spec"]
         mod._gemmtune_rope = a.data["rope"]
-        mod.forward = types.MethodType(architectures._attention_forward, mod)
+        mod.forward = bind(architectures._attention_forward, mod)
     elif a.kind == "mlp":
         mod._gemmtune_mlp = a.data["spec"]
-        mod.forward = types.MethodType(architectures._mlp_forward, mod)
+        mod.forward = bind(architectures._mlp_forward, mod)
     elif a.kind == "norm":
         mod._gemmtune_norm = a.data["spec"]
-        mod.forward = types.MethodType(architectures._norm_forward, mod)
-        mod.__dict__[architectures.ADD_NORM] = types.MethodType(architectures._add_norm_forward, mod)
+        mod.forward = bind(architectures._norm_forward, mod)
+        mod.__dict__[architectures.ADD_NORM] = bind(architectures._add_norm_forward, mod)
     elif a.kind == "layer":
-        mod.forward = types.MethodType(architectures.LAYER_FORWARDS[a.data["layout"]], mod)
+        mod.forward = bind(architectures.LAYER_FORWARDS[a.data["layout"]], mod)
     elif a.kind == "route":
         route_linear(mod, a.data["opts"])
     elif a.kind == "moe":
@@ -383,22 +384,30 @@ _ATTRS = {
 }
 
 
-def _undo(model: nn.Module, a: Action) -> None:
+def _undo(model: nn.Module, a: Action) -> str | None:
+    """Undo one action; returns why it could not be undone where the module tree changed since."""
     if a.kind == "config":
         _swap_config(model, model.config, a.data["old"])
-        return
+        return None
     if a.kind == "quantize":
         a.data["undo"]()
-        return
-    mod = _get(model, a.path)
+        return None
+    try:
+        mod = _get(model, a.path)
+    except AttributeError:
+        return None  # restore() names the missing module once
     if a.kind == "fuse":
-        fusion.unfuse(mod, a.data["fused"])
-    elif a.kind == "route":
+        return fusion.unfuse(mod, a.data["fused"])
+    if a.kind == "route":
         if is_routed(mod):
             unroute_linear(mod)
-    else:
-        for attr in _ATTRS[a.kind]:
-            mod.__dict__.pop(attr, None)
+        return None
+    attrs = _ATTRS[a.kind]
+    if not any(k in mod.__dict__ for k in attrs[1:]) and bound_function(mod) is None:
+        return None  # a module put there after optimize(): nothing of gemmtune's on it
+    for attr in attrs:
+        mod.__dict__.pop(attr, None)
+    return None
 
 
 def _softcap(model) -> float | None:
@@ -478,6 +487,30 @@ class _CachedPathCheck:
         )
 
 
+# (what makes new weight tensors from the model's parameters, the option that leaves it out)
+_NEW_WEIGHTS = {
+    "qkv_proj": ("fusing q/k/v", "fuse_qkv=False"),
+    "gate_up_proj": ("fusing gate/up", "fuse_gate_up=False"),
+    "moe_fold": ("folding shared experts into the experts", "fused_ops=False"),
+}
+
+
+def _refuse_new_weights_in_training(actions: list[Action], opts: dict) -> None:
+    """A model in training mode gets no new weight tensors: an optimizer made before optimize() holds the
+    Parameters they replace and would silently stop training what the model computes with."""
+    found = {_NEW_WEIGHTS[a.data["fused"] if a.kind == "fuse" else a.kind] for a in actions
+             if a.kind == "moe_fold" or (a.kind == "fuse" and a.data["fused"] in _NEW_WEIGHTS)}  # fmt: skip
+    if opts.get("quantize"):
+        found.add((f"quantize={opts['quantize']!r}", "quantize=None"))
+    if found:
+        what, remedy = zip(*sorted(found))
+        raise ValueError(
+            f"gemmtune.optimize: the model is in training mode (model.training is True) and {', '.join(what)} "
+            "makes new weight tensors that an optimizer made before optimize() would not train; call "
+            f"model.eval() first (gemmtune.restore(model) before training again), or pass {', '.join(remedy)}"
+        )
+
+
 # ---- public -------------------------------------------------------------------------------------
 def optimize(
     model,
@@ -519,6 +552,8 @@ def optimize(
     absorbed (models/mla.py), where transformers expands the whole cache every step: a 4-layer
     DeepSeek-V3's CUDA-graph decode 1.54x (b=1) / 1.95x (b=8) over stock instead of 1.19x / 1.10x
     (H100). False keeps its own forward.
+    A model in training mode is refused where the changes would make new weight tensors (fusions, the
+    shared-expert fold, quantize): an optimizer made earlier would not train them (docs/model-toolkit.md).
     Returns an OptimizeReport; gemmtune.restore(model) (or report.undo()) gives the original back.
     """
     version = check_transformers()
@@ -566,6 +601,8 @@ def optimize(
         if not triton_installed():
             report.notes.append("triton is not installed: fused ops run their PyTorch references")
     actions = _Planner(model, arch, opts, report).plan(tier)
+    if model.training:
+        _refuse_new_weights_in_training(actions, opts)
     route = RouteOptions(m_threshold, bool(split_bias))
     check = None
     if verify and arch is not None and architectures.decoder_stack(model) is not None and actions:
@@ -614,15 +651,36 @@ def optimize(
 
 
 def restore(model):
-    """Undo gemmtune.optimize on `model` (weights of fused projections come back as views)."""
+    """Undo gemmtune.optimize on `model` (weights of fused projections come back as views). Modules
+    deleted or replaced after optimize() are left as they are and named in one warning."""
     report = getattr(model, "__dict__", {}).get(_REPORT)
     if report is None:
         raise ValueError("gemmtune.restore: this model was not optimized by gemmtune.optimize")
+    left = {}
     for a in reversed(report._actions):
-        _undo(model, a)
+        why = _undo(model, a)
+        gone = _missing_prefix(model, a.path)
+        if gone is not None:
+            left.setdefault(gone, "no longer in the model")
+        elif why is not None:
+            left.setdefault(a.path, why)
     del model.__dict__[_REPORT]
     report._model = None
+    if left:
+        where = "; ".join(f"{p}: {why}" for p, why in reversed(left.items()))
+        warnings.warn(f"gemmtune.restore: the module tree changed after optimize(); not restored: {where}",
+                      stacklevel=2)  # fmt: skip
     return model
+
+
+def _missing_prefix(model: nn.Module, path: str) -> str | None:
+    """The first prefix of `path` that names no module of `model` (None when the whole path does)."""
+    mod, parts = model, path.split(".") if path else []
+    for i, name in enumerate(parts):
+        mod = mod._modules.get(name) if isinstance(mod, nn.Module) else None
+        if mod is None:
+            return ".".join(parts[: i + 1])
+    return None
 
 
 def report_of(model) -> OptimizeReport | None:

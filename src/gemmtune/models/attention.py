@@ -580,6 +580,20 @@ TIER_FUNCTIONS = {
 _registered: list[bool] = []
 
 
+class Registration:
+    """Held by an optimized model: unpickling it registers the tiers in the loading process, so a
+    torch.load'ed model finds the attention function its config names."""
+
+    def __reduce__(self):
+        return registration, ()
+
+
+def registration() -> Registration:
+    """register(), and the token an optimized model keeps."""
+    register()
+    return Registration()
+
+
 def register() -> None:
     """Add the tiers (and their mask function) to transformers' global interfaces, once."""
     if _registered:

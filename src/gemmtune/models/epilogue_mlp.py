@@ -13,12 +13,13 @@ The activation module is identified on a probe tensor (exact GELU, tanh GELU, Re
 from __future__ import annotations
 
 import logging
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .bind import bind
 
 log = logging.getLogger("gemmtune")
 _warned: set[str] = set()
@@ -125,7 +126,7 @@ def plan(planner, model: nn.Module) -> None:
 
 def apply(mod: nn.Module, spec: MlpSpec) -> None:
     mod._gemmtune_epilogue_mlp = spec
-    mod.forward = types.MethodType(_mlp_forward, mod)
+    mod.forward = bind(_mlp_forward, mod)
 
 
 UNDO_ATTRS = ("forward", "_gemmtune_epilogue_mlp")

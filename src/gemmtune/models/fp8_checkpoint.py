@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import types
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..quant import formats, layouts, quantize
+from .bind import bind
 from .quantize import fp8_block_linear
 
 _SCALE = "weight_scale_inv"
@@ -247,17 +247,24 @@ def _checkpoint_forward(self, x: torch.Tensor) -> torch.Tensor:
     return fp8_block_linear(x, self.weight, kernel_scale(self), self.bias)
 
 
-def route_fp8_linears(model: nn.Module, report):
-    """Route every fp8 block-scaled Linear transformers loaded (FP8Linear: weight float8_e4m3fn plus
-    weight_scale_inv, 128x128 blocks, dynamic activations) through gemm_a8w8_blockscale; Fp8BlockLinear
-    modules are listed. Returns the function that undoes it."""
-    done: list[nn.Module] = []
+class _Unroute:
+    """Undoes route_fp8_linears (an object, not a closure: it pickles with the model)."""
 
-    def undo():
-        for mod in reversed(done):
+    def __init__(self):
+        self.done: list[nn.Module] = []
+
+    def __call__(self) -> None:
+        for mod in reversed(self.done):
             mod.__dict__.pop("forward", None)
             mod.__dict__.pop(_ROUTED, None)
 
+
+def route_fp8_linears(model: nn.Module, report):
+    """Route every fp8 block-scaled Linear transformers loaded (FP8Linear: weight float8_e4m3fn plus
+    weight_scale_inv, 128x128 blocks, dynamic activations) through gemm_a8w8_blockscale; Fp8BlockLinear
+    modules are listed. Returns the callable that undoes it."""
+    undo = _Unroute()
+    done = undo.done
     for path, mod in model.named_modules():
         if isinstance(mod, Fp8BlockLinear):
             report.change("fp8", path, type(mod).__name__, f"{mod.out_features}x{mod.in_features} fp8 checkpoint "
@@ -273,7 +280,7 @@ def route_fp8_linears(model: nn.Module, report):
             report.skip("fp8", path, type(mod).__name__, why)
             continue
         mod.__dict__[_ROUTED] = True
-        mod.forward = types.MethodType(_checkpoint_forward, mod)
+        mod.forward = bind(_checkpoint_forward, mod)
         done.append(mod)
         report.change("fp8", path, type(mod).__name__, f"{mod.out_features}x{mod.in_features} fp8 checkpoint "
                       "weight, 128x128 block scales: routed through gemm_a8w8_blockscale")  # fmt: skip

@@ -89,7 +89,8 @@ def fuse(parent: nn.Module, names: tuple[str, ...], fused_name: str, opts: Route
             m.bias = None
     replace = {names[0]: fused_name, **{n: None for n in names[1:]}}
     _reorder(parent, order, replace, {fused_name: fused})
-    parent.__dict__.setdefault(_STATE, {})[fused_name] = {"stash": dict(zip(names, mods)), "order": order}
+    state = {"stash": dict(zip(names, mods)), "order": order, "fused": fused}
+    parent.__dict__.setdefault(_STATE, {})[fused_name] = state
     if _HOOKS not in parent.__dict__:
         parent.__dict__[_HOOKS] = (
             parent._register_state_dict_hook(_split_state_dict),
@@ -98,10 +99,17 @@ def fuse(parent: nn.Module, names: tuple[str, ...], fused_name: str, opts: Route
     return fused
 
 
-def unfuse(parent: nn.Module, fused_name: str) -> None:
-    """Put the original projections back, their weights views of the fused weight (no copy)."""
-    state = parent.__dict__[_STATE].pop(fused_name)
-    fused = parent._modules[fused_name]
+def unfuse(parent: nn.Module, fused_name: str) -> str | None:
+    """Put the original projections back, their weights views of the fused weight (no copy). Returns why
+    they could not be put back (None when they were): the fused module was replaced or removed since."""
+    state = parent.__dict__.get(_STATE, {}).pop(fused_name, None)
+    if state is None:
+        return f"{fused_name} is not fused here (the module was replaced after optimize())"
+    fused = parent._modules.get(fused_name)
+    if fused is not state["fused"]:  # the user's module stays; the state-dict hooks must not split it
+        _drop_hooks(parent)
+        what = "replaced" if fused is not None else "removed"
+        return f"{fused_name} was {what} after optimize(): {', '.join(state['stash'])} not put back"
     w, b = fused.weight, fused.bias
     off = 0
     for name, size, had_bias in fused.parts:
@@ -112,10 +120,17 @@ def unfuse(parent: nn.Module, fused_name: str) -> None:
         off += size
     del parent._modules[fused_name]
     _reorder(parent, state["order"], {}, state["stash"])
-    if not parent.__dict__[_STATE]:
-        del parent.__dict__[_STATE]
-        for handle in parent.__dict__.pop(_HOOKS, ()):
-            handle.remove()
+    _drop_hooks(parent)
+    return None
+
+
+def _drop_hooks(parent: nn.Module) -> None:
+    """Remove the state-dict hooks once nothing on `parent` is fused."""
+    if parent.__dict__.get(_STATE):
+        return
+    parent.__dict__.pop(_STATE, None)
+    for handle in parent.__dict__.pop(_HOOKS, ()):
+        handle.remove()
 
 
 def fused_parts(parent: nn.Module):

@@ -10,12 +10,13 @@ from the gemmtune path (logged once).
 from __future__ import annotations
 
 import logging
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .bind import bind
 
 log = logging.getLogger("gemmtune")
 _warned: set[str] = set()
@@ -96,7 +97,7 @@ def linear_skip_reason(mod: nn.Module) -> str | None:
 
 def route_linear(mod: nn.Linear, opts: RouteOptions) -> None:
     mod._gemmtune_route = opts
-    mod.forward = types.MethodType(_linear_forward, mod)
+    mod.forward = bind(_linear_forward, mod)
 
 
 def unroute_linear(mod: nn.Linear) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .architectures import named_params
+from .bind import bind
 
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 _OWN_POSITIONS = contextvars.ContextVar("gemmtune_own_positions", default=False)
@@ -82,7 +83,7 @@ def apply(stack: nn.Module, index: int) -> None:
         if not hasattr(build, _ORIGINAL):
             setattr(module, name, _wrap(build))
     setattr(stack, _SPEC, index)
-    stack.forward = types.MethodType(_forward, stack)
+    stack.forward = bind(_forward, stack)
 
 
 UNDO_ATTRS = ("forward", _SPEC)

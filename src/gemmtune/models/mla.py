@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import types
 import weakref
 from collections.abc import Callable
 
@@ -51,6 +50,7 @@ from ..kernels._common import ArrivalCounters
 from . import static_cache
 from .architectures import attention_call, attention_function
 from .attention import env_mode
+from .bind import bind
 from .hf_cache import pop_cache
 
 ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
@@ -131,7 +131,7 @@ def _rope_matches(fn: Callable, interleaved: bool) -> bool:
 
 def apply(attn: nn.Module, spec: MlaSpec) -> None:
     attn._gemmtune_mla = spec
-    attn.forward = types.MethodType(_mla_forward, attn)
+    attn.forward = bind(_mla_forward, attn)
 
 
 def absorbed_attention_ref(

@@ -33,6 +33,7 @@ from ..device import triton_reason
 from ..kernels.moe_route import group_scores, grouped_router_topk, grouping_reason, router_topk
 from ..ops.moe import fused_moe
 from .architectures import detect_act
+from .bind import bind
 
 _TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -112,7 +113,7 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
 def apply(experts: nn.Module, spec: MoeSpec) -> None:
     experts._gemmtune_moe = spec
-    experts.forward = _experts_forward.__get__(experts)
+    experts.forward = bind(_experts_forward, experts)
 
 
 def undo(experts: nn.Module) -> None:
@@ -259,7 +260,7 @@ def _probe(router: nn.Module) -> tuple | str:
 def apply_router(router: nn.Module, spec: RouterSpec | GroupedRouterSpec) -> None:
     router._gemmtune_router = spec
     forward = _grouped_router_forward if isinstance(spec, GroupedRouterSpec) else _router_forward
-    router.forward = forward.__get__(router)
+    router.forward = bind(forward, router)
 
 
 def _grouped_attrs(router: nn.Module) -> tuple | str:

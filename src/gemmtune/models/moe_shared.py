@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +33,7 @@ from torch import nn
 from ..kernels.moe_route import router_topk
 from ..ops.moe import fused_moe
 from .architectures import detect_act
+from .bind import bind
 from .moe import _TOL, MoeSpec, RouterSpec, router_name
 
 UNDO_ATTRS = ("forward", "_gemmtune_moe_fold")
@@ -176,7 +176,7 @@ def apply(block: nn.Module, fold: FoldPlan) -> None:
             old = getattr(experts, name)
             setattr(experts, name, nn.Parameter(big[:E], requires_grad=old.requires_grad))
     block._gemmtune_moe_fold = Folded(fold, w1, w2, _router_weight(block).detach())
-    block.forward = types.MethodType(_folded_forward, block)
+    block.forward = bind(_folded_forward, block)
 
 
 def _folded_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

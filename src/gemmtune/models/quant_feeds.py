@@ -17,7 +17,6 @@ same (the same quantizer on the same 16-bit values), so the logits match the unw
 from __future__ import annotations
 
 import contextlib
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 
 from ..kernels.quant_producers import act_mul_quant, add_rmsnorm_quant, rmsnorm_quant
 from . import architectures
+from .bind import bind, bound_function
 from .quantize import FEEDS, QuantizedActivation, input_format
 
 FORMAT = "_gemmtune_feed"  # producer.__dict__: the (8-bit dtype, scaling) its consumer reads
@@ -105,7 +105,7 @@ class Feeds:
 
 def _installed(mod: nn.Module | None, fn) -> bool:
     """Is `fn` the forward installed on this instance (by optimize's earlier steps)?"""
-    return getattr(getattr(mod, "__dict__", {}).get("forward"), "__func__", None) is fn
+    return bound_function(mod) is fn
 
 
 def _hooked(*mods: nn.Module) -> bool:
@@ -113,7 +113,7 @@ def _hooked(*mods: nn.Module) -> bool:
 
 
 def _layout(layer: nn.Module) -> str | None:
-    fwd = getattr(layer.__dict__.get("forward"), "__func__", None)
+    fwd = bound_function(layer)
     return next((k for k, f in architectures.LAYER_FORWARDS.items() if f is fwd), None)
 
 
@@ -144,7 +144,7 @@ class _Planner:
         norm = getattr(layer, "input_layernorm", None)
         if _installed(attn, architectures._attention_forward) and _installed(norm, architectures._norm_forward):
             why = "hooks on the norm, attention or qkv_proj" if _hooked(norm, attn, attn.qkv_proj) else ""
-            attrs = {"forward": types.MethodType(_norm_feed_forward, norm)}
+            attrs = {"forward": bind(_norm_feed_forward, norm)}
             self.feed(f"{path}.input_layernorm", norm, "qkv_proj", attn.qkv_proj, attrs, why)
         if not _installed(mlp, architectures._mlp_forward):
             return
@@ -152,11 +152,11 @@ class _Planner:
         add_norm = getattr(layer, name, None) if name else None
         if add_norm is not None and hasattr(add_norm, "_gemmtune_norm"):
             why = "hooks on the MLP or gate_up_proj" if _hooked(mlp, mlp.gate_up_proj) else ""
-            attrs = {architectures.ADD_NORM: types.MethodType(_add_norm_feed, add_norm)}
+            attrs = {architectures.ADD_NORM: bind(_add_norm_feed, add_norm)}
             self.feed(f"{path}.{name}", add_norm, "gate_up_proj", mlp.gate_up_proj, attrs, why)
         if mlp._gemmtune_mlp.act is not None:
             why = "hooks on down_proj" if _hooked(mlp.down_proj) else ""
-            attrs = {"forward": types.MethodType(_mlp_feed_forward, mlp)}
+            attrs = {"forward": bind(_mlp_feed_forward, mlp)}
             self.feed(f"{path}.mlp", mlp, "down_proj", mlp.down_proj, attrs, why)
 
 
@@ -174,9 +174,15 @@ def wire_producers(model: nn.Module, report):
     if planner.consumers:
         report.notes.append(f"quantize feeds: {len(feeds.patches)}/{planner.consumers} of the decoder layers' 8-bit "
                             "GEMMs after a norm or act*mul take their input quantized by that op")  # fmt: skip
+    return _Unwire(model, feeds)
 
-    def undo():
-        feeds.revert()
-        model.__dict__.pop(FEEDS, None)
 
-    return undo
+class _Unwire:
+    """Undoes wire_producers (an object, not a closure: it pickles with the model)."""
+
+    def __init__(self, model: nn.Module, feeds: Feeds):
+        self.model, self.feeds = model, feeds
+
+    def __call__(self) -> None:
+        self.feeds.revert()
+        self.model.__dict__.pop(FEEDS, None)

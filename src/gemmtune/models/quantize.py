@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,6 +25,7 @@ from torch import nn
 from ..kernels.quant import quantize_1x128_triton, quantize_per_token_triton
 from ..ops.quantized import gemm_a8w8, gemm_a8w8_blockscale
 from ..quant import formats, layouts, quantize
+from .bind import bind
 
 MODES = {"fp8": ("a8w8", "fp8"), "int8": ("a8w8", "int8"), "fp8-block": ("blockscale", "fp8")}
 _STATE = "_gemmtune_quant"
@@ -153,18 +153,25 @@ def _quantize_weight(w: torch.Tensor, mode: str, device) -> tuple[torch.Tensor, 
     return wq, ws, err
 
 
-def quantize_linears(model: nn.Module, mode: str, report, lm_head: bool = False):
-    """Quantize every linear of `model` (after fusion); returns the function that undoes it."""
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    done: list[nn.Module] = []
+class _Unquantize:
+    """Undoes quantize_linears (an object, not a closure: it pickles with the model)."""
 
-    def undo():
-        for mod in reversed(done):
+    def __init__(self):
+        self.done: list[nn.Module] = []
+
+    def __call__(self) -> None:
+        for mod in reversed(self.done):
             st = mod.__dict__.pop(_STATE, None)
             mod.__dict__.pop("forward", None)
             if st is not None and st.prev_forward is not None:
                 mod.forward = st.prev_forward
 
+
+def quantize_linears(model: nn.Module, mode: str, report, lm_head: bool = False):
+    """Quantize every linear of `model` (after fusion); returns the callable that undoes it."""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    undo = _Unquantize()
+    done = undo.done
     try:
         _quantize_all(model, mode, report, lm_head, out_emb, done)
     except BaseException:
@@ -195,7 +202,7 @@ def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:
         bias = None if mod.bias is None else mod.bias.detach()
         prev = mod.__dict__.get("forward")
         mod.__dict__[_STATE] = QuantState(mode, wq, ws, bias, prev)
-        mod.forward = types.MethodType(_quant_forward, mod)
+        mod.forward = bind(_quant_forward, mod)
         done.append(mod)
         scales = "128x128 blocks" if mode == "fp8-block" else "per channel"
         report.change("quantize", path, type(mod).__name__, f"{mod.weight.shape[0]}x{mod.weight.shape[1]}, "
@@ -214,7 +221,7 @@ def reference_linears(model: nn.Module, matmul_dtype: torch.dtype | None = None)
     fwd = reference_forward if matmul_dtype is None else functools.partial(reference_forward, matmul_dtype=matmul_dtype)
     with feeds.paused() if feeds is not None else contextlib.nullcontext():
         for m in mods:
-            m.forward = types.MethodType(fwd, m)
+            m.forward = bind(fwd, m)
         try:
             yield
         finally:
