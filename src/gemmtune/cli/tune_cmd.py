@@ -158,7 +158,7 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
         gemmtune tune shapes.csv --from h100_tuned.csv -o h200_tuned.csv
     """
     dev = device
-    v.outputs_checked(tune_outputs(output, profile_file), [shapes, *([donor] if donor else [])])
+    v.outputs_checked(tune_outputs(output, profile_file), [shapes])
     if plugin:
         os.environ[PLUGINS_ENV] = ",".join(filter(None, [os.environ.get(PLUGINS_ENV, ""), *plugin]))
     if mp_workers is None:

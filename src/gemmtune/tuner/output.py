@@ -33,11 +33,10 @@ def tune_outputs(output: str, profile_file: str | None = None) -> list[tuple[str
     return [(output, TUNED_TABLE, "-o"), *([(profile_file, PROFILE_FILE, "--profile-file")] if profile_file else [])]
 
 
-def check_tune_outputs(shapes: str, output: str, profile_file: str | None = None, donor: str | None = None) -> None:
-    """Before any key is tuned: OUTPUT and the profile file are writable, neither is an input (SHAPES, the
-    donor) nor the other, and each is a file of its kind if it exists (files.check_outputs names both paths
-    when not)."""
-    check_outputs(tune_outputs(output, profile_file), [shapes, *([donor] if donor else [])])
+def check_tune_outputs(shapes: str, output: str, profile_file: str | None = None) -> None:
+    """Before any key is tuned: OUTPUT and the profile file are writable, neither is SHAPES nor the other,
+    and each is a file of its kind if it exists (files.check_outputs names both paths when not)."""
+    check_outputs(tune_outputs(output, profile_file), [shapes])
 
 
 def existing_table(path: str, family: Family) -> TableFile:

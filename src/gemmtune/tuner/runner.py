@@ -296,7 +296,7 @@ def tune_file(
     """Tune every key of the shape list into `output` (module doc); `donor`: a tuned table of the same
     family from any GPU whose winners are re-verified here instead of searching again (donor.py)."""
     t0 = time.perf_counter()
-    check_tune_outputs(shapes_path, output, profile_file, donor)
+    check_tune_outputs(shapes_path, output, profile_file)
     import_plugins()
     fam, keys = load_keys(shapes_path, family, ms)
     opts = with_donor(opts, donor, shapes_path, output, fam, keys, log)
