@@ -24,7 +24,6 @@ import torch
 import gemmtune
 from gemmtune.capture import read_shape_list, read_shapes
 from gemmtune.concurrency import Once
-from gemmtune.errors import ShapesFileError
 
 THREADS = 64
 
@@ -531,12 +530,3 @@ def test_get_or_make_makes_each_key_once_from_many_threads():
         t.join()
     assert sorted(made) == [0, 1, 2, 3]
     assert len(got) == 16 and all(v is cache[k] for k, v in got)
-
-
-def test_set_capture_keeps_refusing_a_tuned_table_and_leaves_it(tmp_path):
-    table = tmp_path / "tuned.csv"
-    text = "gfx,cu_num,M,N,K,libtype,solidx,us,kernelName\nsm90,132,1,2,3,torch,0,1.0,x\n"
-    table.write_text(text)
-    with pytest.raises(ShapesFileError, match=r"tuned\.csv is a tuned table"):
-        gemmtune.set_capture(str(table))
-    assert table.read_text() == text
