@@ -14,6 +14,7 @@ import torch
 from gemmtune import backends
 from gemmtune import device as dv
 from gemmtune.backends.base import Backend, Solution
+from gemmtune.concurrency import Once
 from gemmtune.device import AMD, NVIDIA, Needs
 from gemmtune.families.fmoe import MoeKey
 from gemmtune.families.quantized import FP8, QuantKey
@@ -138,7 +139,7 @@ def fresh_registry(monkeypatch):
     monkeypatch.setattr(backends, "_registry", {})
     monkeypatch.setattr(backends, "_policies", {})
     monkeypatch.setattr(backends, "_import_errors", {})
-    monkeypatch.setattr(backends, "_loaded", False)
+    monkeypatch.setattr(backends, "_builtins", Once())
     yield
     for name in [m for m in sys.modules if m.startswith("gemmtune.backends.toygroup")]:
         del sys.modules[name]

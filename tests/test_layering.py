@@ -15,6 +15,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LAYERS = {
     "errors": 0,  # foundation: facts every layer may ask
     "keys": 0,
+    "concurrency": 0,  # once-only initialization and fork handling for every lazy registry
     "device": 1,
     "plugins": 1,
     "quant": 2,

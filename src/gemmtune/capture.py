@@ -14,10 +14,12 @@ before anything runs, and left as it was.
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 import os
 import threading
 
 from . import families
+from .concurrency import Once, at_fork_in_child
 from .configs.files import check_writable
 from .configs.io import locked, read_csv, write_atomic
 from .configs.schema import UNTUNED_COLUMNS, parse_key
@@ -108,75 +110,130 @@ def check_capture_targets(path: str) -> None:
 
 
 class ShapeCapture:
-    """Collects (key -> calls) of one family for one process and merges it into `path` under a lock."""
+    """Collects (key -> calls) of one family for one process and merges it into `path` under a lock.
+
+    Counting takes no lock: each thread counts into a tally of its own (only that thread writes it), and
+    a flush adds the tallies up. Flushes run one at a time and write what moved since the last, so each
+    call is written once however many threads count and flush. A fork's child starts with nothing
+    pending (what the parent counted is the parent's to write) and writes its own calls at its exit,
+    multiprocessing's fork children included (they leave through os._exit, past atexit).
+    """
 
     def __init__(self, path: str, family: Family | str = "a16w16"):
         self.family = families.get(family) if isinstance(family, str) else family
         self.path = os.path.abspath(capture_path(path, self.family))
         refuse_tuned_table(self.path, self.family)
         self.columns = [*self.family.untuned_columns, "count"]
-        self.counts: dict[tuple, int] = {}
-        self._flushed: dict[tuple, int] = {}
-        self._lock = threading.Lock()
+        self._start_counting()
         atexit.register(self.flush)
+        _flush_at_multiprocessing_exit(self)
+        multiprocessing.util.register_after_fork(self, _flush_at_multiprocessing_exit)
+        at_fork_in_child(self, ShapeCapture._start_counting)
+
+    def _start_counting(self) -> None:
+        """No key seen, nothing counted or written: a new capture, or this process's part in a fork's child."""
+        self._keys: dict[tuple, None] = {}  # every key seen, in order (written even with no call)
+        self._local = threading.local()  # .tally: the calling thread's {key: calls}
+        self._tallies: list[tuple[threading.Thread, dict]] = []
+        self._retired: dict[tuple, int] = {}  # the tallies of threads that have ended
+        self._flushed: dict[tuple, int] = {}
+        self._lock = threading.Lock()  # the key set and the tally list
+        self._flush_lock = threading.Lock()  # one flush at a time
 
     def add_key(self, key) -> None:
-        """A key seen for the first time in this process: count it and write it out now."""
+        """A key seen for the first time in this process: record it and write it out now."""
         with self._lock:
-            self.counts.setdefault(key, 0)
+            self._keys.setdefault(key, None)
         self.flush()
 
     def counting(self, key, runner):
         """Wrap `runner` so each call is counted (only installed while capture is on)."""
-        counts = self.counts
+        capture = self
 
         def run(*args):
-            counts[key] += 1
+            try:
+                tally = capture._local.tally
+            except AttributeError:  # this thread's first counted call
+                tally = capture._new_tally()
+            tally[key] = tally.get(key, 0) + 1
             return runner(*args)
 
         return run
 
-    def flush(self) -> None:
+    def _new_tally(self) -> dict:
+        tally: dict = {}
         with self._lock:
-            snapshot = dict(self.counts)
-        # Keys never written yet go out even with zero calls; others only when their count moved.
-        pending = {k: c - self._flushed.get(k, 0) for k, c in snapshot.items()
-                   if k not in self._flushed or c != self._flushed[k]}  # fmt: skip
-        if not pending:
-            return
-        with locked(self.path, error=ShapesFileError):
-            refuse_tuned_table(self.path, self.family)  # another process may have put a file there meanwhile
-            existing = os.path.exists(self.path) and os.path.getsize(self.path) > 0
-            merged: dict = dict(read_shapes(self.path, self.family)) if existing else {}
-            for key, delta in pending.items():
-                merged[key] = merged.get(key, 0) + delta
-            rows = ([*key_to_record(k, self.family), str(c)] for k, c in merged.items())
-            write_atomic(self.path, self.columns, rows, error=ShapesFileError)
-        self._flushed.update(snapshot)
+            # Fold the tallies of ended threads (none of them counts again), so a server starting a
+            # thread per request keeps one tally per live thread.
+            live = []
+            for thread, done in self._tallies:
+                if thread.is_alive():
+                    live.append((thread, done))
+                else:
+                    for k, n in done.items():
+                        self._retired[k] = self._retired.get(k, 0) + n
+            self._tallies = [*live, (threading.current_thread(), tally)]
+        self._local.tally = tally
+        return tally
+
+    @property
+    def counts(self) -> dict:
+        """Calls per key so far in this process (every key seen, 0 for one not called yet)."""
+        with self._lock:
+            out = dict.fromkeys(self._keys, 0)
+            for k, n in self._retired.items():
+                out[k] = out.get(k, 0) + n
+            tallies = [tally for _, tally in self._tallies]
+        for tally in tallies:
+            for k, n in tally.copy().items():  # copy: a C-level snapshot while its thread counts on
+                out[k] = out.get(k, 0) + n
+        return out
+
+    def flush(self) -> None:
+        with self._flush_lock:
+            snapshot = self.counts
+            # Keys never written yet go out even with zero calls; others only when their count moved.
+            pending = {k: c - self._flushed.get(k, 0) for k, c in snapshot.items()
+                       if k not in self._flushed or c != self._flushed[k]}  # fmt: skip
+            if not pending:
+                return
+            with locked(self.path, error=ShapesFileError):
+                refuse_tuned_table(self.path, self.family)  # another process may have put a file there meanwhile
+                existing = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+                merged: dict = dict(read_shapes(self.path, self.family)) if existing else {}
+                for key, delta in pending.items():
+                    merged[key] = merged.get(key, 0) + delta
+                rows = ([*key_to_record(k, self.family), str(c)] for k, c in merged.items())
+                write_atomic(self.path, self.columns, rows, error=ShapesFileError)
+            self._flushed.update(snapshot)
+
+
+def _flush_at_multiprocessing_exit(capture: ShapeCapture) -> None:
+    """Flush `capture` when a multiprocessing child exits (its registry of exit hooks is emptied at each
+    fork, so a fork's child registers again)."""
+    multiprocessing.util.Finalize(capture, capture.flush, exitpriority=0)
 
 
 class CaptureSet:
-    """The ShapeCaptures of every family for one capture path, made on first use."""
+    """The ShapeCaptures of every family for one capture path, made on first use (once, by one thread)."""
 
     def __init__(self, path: str):
         self.path = path
         check_capture_targets(path)
         self._by_family: dict[str, ShapeCapture] = {}
+        self._making = Once()
 
     def for_family(self, family: Family) -> ShapeCapture:
-        cap = self._by_family.get(family.name)
-        if cap is None:
-            cap = self._by_family[family.name] = ShapeCapture(self.path, family)
-        return cap
+        return self._making.get_or_make(self._by_family, family.name, lambda: ShapeCapture(self.path, family))
 
     def flush(self) -> None:
-        for cap in self._by_family.values():
+        for cap in list(self._by_family.values()):
             cap.flush()
 
     def files(self) -> list[str]:
-        return [c.path for c in self._by_family.values()]
+        return [c.path for c in list(self._by_family.values())]
 
     @property
     def counts(self) -> dict:
         """Calls per key so far in this process, every family together."""
-        return {k: n for cap in self._by_family.values() for k, n in cap.counts.items()}
+        return {k: n for cap in list(self._by_family.values()) for k, n in cap.counts.items()}

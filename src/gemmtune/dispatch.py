@@ -27,6 +27,7 @@ import torch
 from . import backends, families
 from .backends.base import Runner, Solution
 from .capture import CaptureSet, ShapeCapture
+from .concurrency import Once
 from .configs.schema import TunedRow
 from .configs.table import ConfigStore, ConfigTable
 from .device import identity
@@ -105,6 +106,15 @@ class Dispatcher:
         # A variable that cannot be used raises at the first call and at every later one, never turning
         # into a silent mode change (capture quietly off after one failed call).
         self._env_errors: dict[str, GemmtuneError] = {}
+        # What is read from the environment at first use is read once, by one thread, while the others
+        # wait; each test is the state's own "still to read" flag, which the set_* methods settle.
+        self._store_once = Once(lambda: self._store is None)
+        self._capture_once = Once(lambda: self._capture is None and self._capture_from_env)
+        self._miss_hook_once = Once(
+            lambda: self._miss_hook is None and self._miss_hook_from_env and _miss_hook_factory is not None
+        )
+        self._plugins_once = Once(lambda: self._plugins_from_env)
+        self._shared_once = Once()  # a shared runner is made by one thread (a Triton runner compiles)
         _setup_logging()
 
     def _from_env(self, what: str, make):
@@ -120,16 +130,16 @@ class Dispatcher:
     def cache(self, family: str) -> dict[tuple, Runner]:
         """The runner cache of `family`'s op (one dict per family, kept for the process)."""
         c = self._caches.get(family)
-        if c is None:
-            c = self._caches[family] = {}
-        return c
+        return c if c is not None else self._caches.setdefault(family, {})
 
     # ---- configuration ---------------------------------------------------------------------
     def store(self) -> ConfigStore:
         """The tables in effect: set by set_config(), else the GEMMTUNE_CONFIG* variables, else none."""
-        if self._store is None:
-            self._store = ConfigStore.from_env(os.environ) if self._store_from_env else ConfigStore()
+        self._store_once.run(self._read_store)
         return self._store
+
+    def _read_store(self) -> None:
+        self._store = ConfigStore.from_env(os.environ) if self._store_from_env else ConfigStore()
 
     def table(self, family: str = A16W16) -> ConfigTable:
         return self.store().table(family)
@@ -166,14 +176,17 @@ class Dispatcher:
         check_stores_agree(self.store(), group)
 
     def capture(self, family: Family | None = None) -> ShapeCapture | None:
-        if self._capture is None and self._capture_from_env:
-            path = os.environ.get("GEMMTUNE_CAPTURE", "").strip()
-            if path:
-                self._capture = self._from_env("GEMMTUNE_CAPTURE", lambda: _env_capture(path))
-            self._capture_from_env = False
-        if self._capture is None:
+        self._capture_once.run(self._read_capture)
+        capture = self._capture
+        if capture is None:
             return None
-        return self._capture.for_family(family or families.get(A16W16))
+        return capture.for_family(family or families.get(A16W16))
+
+    def _read_capture(self) -> None:
+        path = os.environ.get("GEMMTUNE_CAPTURE", "").strip()
+        if path:
+            self._capture = self._from_env("GEMMTUNE_CAPTURE", lambda: _env_capture(path))
+        self._capture_from_env = False
 
     def set_capture(self, path: str | None) -> CaptureSet | None:
         """Record shapes into `path` (None stops); clears the caches so counting wrappers apply."""
@@ -190,10 +203,12 @@ class Dispatcher:
 
     def miss_hook(self) -> MissHook | None:
         """The hook keys no row answers go to: set_miss_hook's, else the installed factory's from the environment."""
-        if self._miss_hook is None and self._miss_hook_from_env and _miss_hook_factory is not None:
-            self._miss_hook = self._from_env(MISS_HOOK, lambda: _miss_hook_factory(os.environ))
-            self._miss_hook_from_env = False
+        self._miss_hook_once.run(self._read_miss_hook)
         return self._miss_hook
+
+    def _read_miss_hook(self) -> None:
+        self._miss_hook = self._from_env(MISS_HOOK, lambda: _miss_hook_factory(os.environ))
+        self._miss_hook_from_env = False
 
     def set_miss_hook(self, hook: MissHook | None) -> MissHook | None:
         """Send keys no row answers to `hook` from now on (None: nowhere, whatever the environment says);
@@ -234,10 +249,7 @@ class Dispatcher:
 
     def _runner(self, backend, sol: Solution, key, device: torch.device, fam: Family) -> Runner:
         scope = (fam.name, backend.name, sol, backend.runner_scope(sol, key), device)
-        run = self._shared.get(scope)
-        if run is None:
-            run = self._shared[scope] = backend.make_runner(sol, key, device)
-        return run
+        return self._shared_once.get_or_make(self._shared, scope, lambda: backend.make_runner(sol, key, device))
 
     # ---- resolution ------------------------------------------------------------------------
     def _warn_once(self, key, msg: str) -> None:
@@ -248,9 +260,11 @@ class Dispatcher:
 
     def plugins(self) -> None:
         """Import GEMMTUNE_PLUGINS' modules before the first resolution, so their backends serve rows."""
-        if self._plugins_from_env:
-            self._from_env("GEMMTUNE_PLUGINS", import_plugins)
-            self._plugins_from_env = False
+        self._plugins_once.run(self._read_plugins)
+
+    def _read_plugins(self) -> None:
+        self._from_env("GEMMTUNE_PLUGINS", import_plugins)
+        self._plugins_from_env = False
 
     def resolve(self, key, device: torch.device, family: str = A16W16) -> Resolution:
         """Which solution runs `key` of `family` on `device`, and its runner."""

@@ -14,12 +14,15 @@ from __future__ import annotations
 import importlib
 import os
 
+from .concurrency import Once
 from .errors import EnvVarError
 
 PLUGINS_ENV = "GEMMTUNE_PLUGINS"  # comma list of modules to import (they register backends or families)
 _imported: set[str] = set()
-_importing: set[str] = set()  # a plugin whose import asks for the plugins again gets its own partial module
 _failed: dict[str, str] = {}  # module -> why its import failed
+# module -> the Once its import runs under: another thread waits for it, while a plugin whose import asks
+# for the plugins again (its own thread) gets its own partial module
+_imports: dict[str, Once] = {}
 
 
 def env_plugins(environ=None) -> list[str]:
@@ -30,21 +33,22 @@ def env_plugins(environ=None) -> list[str]:
 def import_plugin(name: str, source: str = PLUGINS_ENV) -> None:
     """Import plugin module `name` once; EnvVarError naming `source` and the module when it fails (now
     and at every later call)."""
-    if name in _imported or name in _importing:
+    if name in _imported:
         return
+    once = _imports.get(name) or _imports.setdefault(name, Once(lambda: name not in _imported and name not in _failed))
+    once.run(lambda: _import(name))
     why = _failed.get(name)
-    if why is None:
-        _importing.add(name)
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - any failure of a plugin's import is reported the same way
-            why = _failed[name] = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
-        else:
-            _imported.add(name)
-        finally:
-            _importing.discard(name)
     if why is not None:
         raise EnvVarError(f"{source} {name!r}: cannot import plugin module: {why}") from None
+
+
+def _import(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any failure of a plugin's import is reported the same way
+        _failed[name] = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+    else:
+        _imported.add(name)
 
 
 def import_plugins(environ=None) -> None:

@@ -24,6 +24,7 @@ from types import ModuleType
 import torch
 
 from .. import families
+from ..concurrency import Once
 from ..families import Family
 from .base import Backend, Runner, Solution, stable_solidx
 
@@ -35,7 +36,7 @@ LIB_PACKAGE = "lib"  # shared machinery, no backends
 _registry: dict[tuple[str, str], Backend] = {}
 _policies: dict[str, Policy] = {}
 _import_errors: dict[str, str] = {}
-_loaded = False
+_builtins = Once()  # the group modules, imported by the first look-up of any thread
 
 
 def register(backend: Backend) -> Backend:
@@ -96,13 +97,13 @@ def group_modules() -> list[str]:
     return out
 
 
-def _load_builtins() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
+def _load_group_modules() -> None:
     for module in group_modules():
         load_module(module)
+
+
+def _load_builtins() -> None:
+    _builtins.run(_load_group_modules)
 
 
 def get(name: str, family: str = "a16w16") -> Backend | None:

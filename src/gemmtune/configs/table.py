@@ -234,7 +234,7 @@ class ConfigTable:
             self.conflicts.append(Conflict(full, row, old))
         else:
             self.conflicts.append(Conflict(full, old, row))
-        self._index.clear()
+        self._index = {}  # rebound, not cleared: an index another thread is building from older rows is not kept
 
     def report_conflicts(self) -> None:
         """One warning for all duplicate keys, naming the first few."""
@@ -258,10 +258,11 @@ class ConfigTable:
     def rows_for(self, ident: DeviceIdentity) -> list[TunedRow]:
         """Rows that apply to this GPU: its cu_num and one of its gfx aliases (exact, bare arch, legacy)."""
         aliases = ident.gfx_aliases()
-        return [r for r in self._rows.values() if r.cu_num in (ident.cu_num, 0) and r.gfx in aliases]
+        return [r for r in self.rows if r.cu_num in (ident.cu_num, 0) and r.gfx in aliases]
 
     def _family_index(self, ident: DeviceIdentity):
-        idx = self._index.get(ident)
+        cache = self._index
+        idx = cache.get(ident)
         if idx is None:
             rank = {g: i for i, g in enumerate(ident.gfx_aliases())}
             fam = self.family
@@ -277,7 +278,7 @@ class ConfigTable:
             for shape, per_m in shapes.items():
                 ms = sorted(per_m)
                 idx[shape] = (ms, [per_m[m] for m in ms])
-            self._index[ident] = idx
+            cache[ident] = idx
         return idx
 
     def lookup(self, key, ident: DeviceIdentity) -> TunedRow | None:
@@ -319,9 +320,8 @@ class ConfigStore:
     def table(self, family: Family | str) -> ConfigTable:
         fam = families.get(family) if isinstance(family, str) else family
         tab = self.tables.get(fam.name)
-        if tab is None:
-            tab = self.tables[fam.name] = ConfigTable(family=fam)
-        return tab
+        # setdefault: threads asking at once all get the one table (rows added to it reach every thread)
+        return tab if tab is not None else self.tables.setdefault(fam.name, ConfigTable(family=fam))
 
     def add_file(self, path: str, family: Family | str | None = None) -> TableFile:
         tf = read_table_file(path, family)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 
+from ..concurrency import Once
 from ..errors import ConfigError
 from ..plugins import import_plugins
 from .base import Column, Family, Roles
 
 _REGISTRY: dict[str, Family] = {}
-_builtins_loaded = False
+_builtins = Once()  # the builtin family modules, registered by the first look-up of any thread
 
 
 def register(family: Family) -> Family:
@@ -32,10 +33,10 @@ def register(family: Family) -> Family:
 
 
 def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
+    _builtins.run(_register_builtins)
+
+
+def _register_builtins() -> None:
     from . import a16w16, aiter_moe, batched, epilogue, fmoe, quantized, sparse
 
     for fam in (
