@@ -260,7 +260,10 @@ PLUGIN_WAIT = textwrap.dedent(
 
 def test_no_first_call_runs_before_the_plugins_are_imported(tmp_path):
     (tmp_path / "slow_toy_plugin.py").write_text(PLUGIN)
-    env = {"GEMMTUNE_PLUGINS": "slow_toy_plugin", "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}"}
+    env = {
+        "GEMMTUNE_PLUGINS": "slow_toy_plugin",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    }
     out = _child(PLUGIN_WAIT, 16, env=env)
     assert out["errors"] == [] and out["seen"] == [True] * 16
 
