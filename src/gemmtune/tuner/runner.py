@@ -21,6 +21,7 @@ import torch
 
 from ..capture import read_shape_list
 from ..device import DeviceIdentity, identity
+from ..errors import NoShapesError
 from ..families import Family
 from .compile_ahead import CompileAhead
 from .output import append_profile, done_keys, result_row, write_row
@@ -88,6 +89,8 @@ def load_keys(shapes_path: str, family: str | None = None, ms: list[int] | None 
     """The shape list's family and keys, in file order (ShapesFileError names file and line); with `ms`,
     every shape of the list at each of those Ms instead of the list's own."""
     fam, keyed = read_shape_list(shapes_path, family)
+    if not keyed:
+        raise NoShapesError(f"{shapes_path} has no shapes (a header alone: nothing to tune)")
     keys = [k for k, _ in keyed]
     if ms:
         shapes = dict.fromkeys(fam.with_m(k, 1) for k in keys)
