@@ -35,7 +35,7 @@ def validate(a, b, transpose_a: bool, transpose_b: bool, out_dtype) -> None:
     check_tensor(op, "b", b)
     check_bool(op, "transpose_a", transpose_a)
     check_bool(op, "transpose_b", transpose_b)
-    check_dtype(op, "out_dtype", out_dtype, _FLOATS, optional=True)
+    check_dtype(op, "out_dtype", out_dtype, optional=True)  # which ones: below, with the shapes
     if a.dim() != 3 or b.dim() != 3:
         raise _error("a and b must be 3-D (batch, rows, cols)", a, b)
     if a.shape[0] != b.shape[0]:
@@ -48,6 +48,8 @@ def validate(a, b, transpose_a: bool, transpose_b: bool, out_dtype) -> None:
         raise _error(f"dtype mismatch: a is {a.dtype}, b is {b.dtype}", a, b)
     if a.dtype not in _FLOATS:
         raise _error(f"unsupported dtype {a.dtype} (batched_gemm takes float16/bfloat16/float32)", a, b)
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise _error(f"unsupported out_dtype {out_dtype} (float16/bfloat16/float32)", a, b)
     if a.device != b.device:
         raise _error(f"device mismatch: a on {a.device}, b on {b.device}", a, b)
 

@@ -77,7 +77,7 @@ def validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout) -> None:
     check_number(op, "alpha", alpha)  # a Python number: a tensor would need a host sync per call
     check_number(op, "beta", beta)
     check_choice(op, "w_layout", w_layout, _W_LAYOUTS)
-    check_dtype(op, "out_dtype", out_dtype, _FLOATS, optional=True)
+    check_dtype(op, "out_dtype", out_dtype, optional=True)  # which ones: below, with the shapes
     lay = "[N, K]" if w_layout == "nk" else "[K, N]"
     if w.layout != torch.strided or x.layout != torch.strided:
         raise _error(
@@ -96,6 +96,8 @@ def validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout) -> None:
         raise _error(f"unsupported dtype {x.dtype} (float16/bfloat16/float32)", x, w, bias, c)
     if x.device != w.device:
         raise _error(f"device mismatch: x on {x.device}, w on {w.device}", x, w, bias, c)
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise _error(f"unsupported out_dtype {out_dtype} (float16/bfloat16/float32)", x, w, bias, c)
     odt = out_dtype or x.dtype
     if bias is not None:
         if bias.dim() != 1 or bias.shape[0] != N:

@@ -35,7 +35,7 @@ def validate(x, w, bias, out_dtype) -> None:
     check_tensor("gemm", "x", x)
     check_tensor("gemm", "w", w)
     check_tensor("gemm", "bias", bias, optional=True)
-    check_dtype("gemm", "out_dtype", out_dtype, DTYPES, optional=True)
+    check_dtype("gemm", "out_dtype", out_dtype, optional=True)  # which ones: below, with the shapes
     if w.dim() != 2:
         raise _shape_error(f"w must be 2-D [N, K] (nn.Linear layout), got {w.dim()}-D", x, w, bias)
     if x.dim() < 1:
@@ -48,6 +48,8 @@ def validate(x, w, bias, out_dtype) -> None:
         raise _shape_error(f"unsupported dtype {x.dtype} (gemm takes float16/bfloat16/float32)", x, w, bias)
     if x.device != w.device:
         raise _shape_error(f"device mismatch: x on {x.device}, w on {w.device}", x, w, bias)
+    if out_dtype is not None and out_dtype not in DTYPES:
+        raise _shape_error(f"unsupported out_dtype {out_dtype} (float16/bfloat16/float32)", x, w, bias)
     if bias is not None:
         if bias.dim() != 1 or bias.shape[0] != w.shape[0]:
             raise _shape_error(f"bias must be 1-D of length N={w.shape[0]}", x, w, bias)

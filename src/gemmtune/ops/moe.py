@@ -59,7 +59,7 @@ def _should_check(op: str, check_ids: bool | None, t: torch.Tensor) -> bool:
     """Per call (check_ids is no part of the signature): None decides by the mode, else the bool given."""
     if check_ids is None:
         return not (t.is_meta or _is_compiling() or _capturing(t))  # meta: shape inference, no ids to read
-    return check_bool(op, "check_ids", check_ids) and not t.is_meta
+    return check_bool(op, "check_ids", check_ids, optional=True) and not t.is_meta
 
 
 def check_expert_ids(op: str, ids: torch.Tensor, num_routed: int, what: str = "expert id") -> None:

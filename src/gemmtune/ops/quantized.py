@@ -45,7 +45,7 @@ def _check_common(op, XQ, WQ, x_scale, w_scale, bias, dtype) -> tuple[int, int, 
     named = dict(XQ=XQ, WQ=WQ, x_scale=x_scale, w_scale=w_scale, bias=bias)
     for n, t in named.items():
         check_tensor(op, n, t, optional=n == "bias")
-    check_dtype(op, "dtype", dtype, _OUT)
+    check_dtype(op, "dtype", dtype)  # which ones: below, with the shapes
     if XQ.dim() < 1 or WQ.dim() != 2:
         raise _error(op, "XQ must be [..., K] and WQ [N, K]", **named)
     k = XQ.shape[-1]
@@ -57,6 +57,8 @@ def _check_common(op, XQ, WQ, x_scale, w_scale, bias, dtype) -> tuple[int, int, 
     for n in ("x_scale", "w_scale"):
         if named[n].dtype != SCALE_DTYPE:
             raise _error(op, f"{n} must be float32, got {named[n].dtype}", **named)
+    if dtype not in _OUT:
+        raise _error(op, f"unsupported output dtype {dtype} (float16/bfloat16/float32)", **named)
     devs = {n: t.device for n, t in named.items() if t is not None}
     if len(set(devs.values())) > 1:
         raise _error(op, "tensors are on different devices: " + ", ".join(f"{n} {d}" for n, d in devs.items()))
