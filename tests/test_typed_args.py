@@ -28,6 +28,7 @@ from gemmtune.families.batched import BatchedKey
 from gemmtune.keys import GemmKey
 from gemmtune.tuner.candidates import TuneOptions
 from gemmtune.tuner.model_shapes import PRESETS, ModelConfigError, model_gemms
+from gemmtune.tuner.runner import load_keys
 
 F32, F16, BF16, I64 = torch.float32, torch.float16, torch.bfloat16, torch.int64
 F8 = torch.float8_e4m3fn
@@ -391,6 +392,39 @@ CASES = [
         "scaling",
         "False",
     ),  # fmt: skip
+    # helpers
+    (
+        "prune_2_4 compress no",
+        lambda: ops.prune_2_4(t(4, 8), compress="no"),
+        TypeError,
+        "prune_2_4",
+        "compress",
+        "'no'",
+    ),
+    (
+        "prepare_expert_weights None",
+        lambda: ops.prepare_expert_weights(None),
+        TypeError,
+        "prepare_expert_weights",
+        "weights",
+        "NoneType",
+    ),
+    (
+        "load_fp8_checkpoint strict",
+        lambda: gemmtune.load_fp8_checkpoint(torch.nn.Linear(2, 2), {}, strict="no"),
+        TypeError,
+        "load_fp8_checkpoint",
+        "strict",
+        "'no'",
+    ),
+    (
+        "load_fp8_checkpoint model",
+        lambda: gemmtune.load_fp8_checkpoint("model.pt", {}),
+        TypeError,
+        "load_fp8_checkpoint",
+        "model",
+        "'model.pt'",
+    ),
     # resolve: keys valid for their family
     ("resolve tuple", lambda: gemmtune.resolve((1, 2, 3)), TypeError, "resolve", "key", "(1, 2, 3)"),
     ("resolve M -1", lambda: gemmtune.resolve(GemmKey(-1, 2, 3)), ValueError, "resolve", "key.M", "-1"),
@@ -584,6 +618,9 @@ CASES = [
         "min_gain",
         "nan",
     ),  # fmt: skip
+    ("load_keys ms 0", lambda: load_keys("s.csv", ms=[1, 0]), ValueError, "tuner.load_keys", "ms[1]", "0"),
+    ("load_keys ms str", lambda: load_keys("s.csv", ms="1..8"), TypeError, "tuner.load_keys", "ms", "'1..8'"),
+    ("load_keys family int", lambda: load_keys("s.csv", family=1), TypeError, "tuner.load_keys", "family", "1"),
     (
         "TuneOptions stage_limit 0",
         lambda: TuneOptions(stage_limit=0),

@@ -357,6 +357,7 @@ def grouped_gemm(input: torch.Tensor, weights: torch.Tensor, expert_ids: torch.T
 def prepare_expert_weights(weights: torch.Tensor) -> torch.Tensor:
     """Experts (E, K, N) re-stored once as (E, N, K) memory, returned as the same (E, K, N) view: the
     layout torch._grouped_mm needs and the Triton kernels read fastest. Pass it to grouped_gemm as is."""
+    check_tensor("prepare_expert_weights", "weights", weights)
     if weights.dim() != 3:
         raise ValueError(f"gemmtune.prepare_expert_weights: weights must be (E, K, N), got {_d(weights)}")
     return weights.transpose(1, 2).contiguous().transpose(1, 2)
