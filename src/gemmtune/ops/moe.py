@@ -182,7 +182,8 @@ def _fused_bind(hidden_states, w1, w2, topk_weights, topk_ids, activation, dowei
 
 def _fused_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
                 num_shared_experts):  # fmt: skip
-    validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
+    validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts,
+                   doweight_stage1)  # fmt: skip
     return hidden_states.new_empty(hidden_states.shape)
 
 
