@@ -25,6 +25,7 @@ from gemmtune.capture import read_shape_list
 from gemmtune.cli.main import cli
 from gemmtune.errors import ShapesFileError
 from gemmtune.families.batched import BatchedKey
+from gemmtune.families.epilogue import EpilogueKey
 from gemmtune.keys import GemmKey
 from gemmtune.tuner.candidates import TuneOptions
 from gemmtune.tuner.model_shapes import PRESETS, ModelConfigError, model_gemms
@@ -481,6 +482,30 @@ CASES = [
         "'tpu'",
     ),  # fmt: skip
     ("resolve device int", lambda: gemmtune.resolve(GemmKey(1, 2, 3), 5), TypeError, "resolve", "device", "5"),
+    (
+        "resolve batched transB 1",
+        lambda: gemmtune.resolve(BatchedKey(2, 3, 4, 5, transB=1), family="batched"),
+        TypeError,
+        "resolve",
+        "key.transB",
+        "1",
+    ),
+    (
+        "resolve epilogue act",
+        lambda: gemmtune.resolve(EpilogueKey(1, 2, 3, act="swish"), family="epilogue"),
+        ValueError,
+        "resolve",
+        "key.act",
+        "'swish'",
+    ),
+    (
+        "resolve fmoe GemmKey",
+        lambda: gemmtune.resolve(GemmKey(1, 2, 3), family="fmoe"),
+        TypeError,
+        "resolve",
+        "key",
+        "GemmKey(",
+    ),
     # tables
     ("load_config int", lambda: gemmtune.load_config(5), TypeError, "load_config", "paths", "5"),
     ("load_config None", lambda: gemmtune.load_config(None), TypeError, "load_config", "paths", "None"),
