@@ -80,7 +80,12 @@ OP_CASES = [
         ValueError,
         r"dtype torch.float64",
     ),
-    ("gemm out_dtype str", _call(ops.gemm, GEMM, out_dtype="bf16"), ValueError, r"out_dtype bf16"),
+    (
+        "gemm out_dtype str",
+        _call(ops.gemm, GEMM, out_dtype="bf16"),
+        TypeError,
+        r"out_dtype must be a torch.dtype .*'bf16'",
+    ),
     ("gemm out_dtype int8", _call(ops.gemm, GEMM, out_dtype=torch.int8), ValueError, r"out_dtype torch.int8"),
     ("gemm bias length", _call(ops.gemm, GEMM, bias=t(5)), ValueError, r"bias must be 1-D of length N=4"),
     ("gemm bias 2-D", _call(ops.gemm, GEMM, bias=t(1, 4)), ValueError, r"bias must be 1-D"),
@@ -101,7 +106,7 @@ OP_CASES = [
         ValueError,
         r"dtype torch.int32",
     ),
-    ("batched out_dtype", _call(ops.batched_gemm, BATCHED, out_dtype="x"), ValueError, r"out_dtype x"),
+    ("batched out_dtype", _call(ops.batched_gemm, BATCHED, out_dtype="x"), TypeError, r"out_dtype .* got 'x'"),
     (
         "batched transpose_a str",
         _call(ops.batched_gemm, BATCHED, transpose_a="yes"),
@@ -114,8 +119,8 @@ OP_CASES = [
         (f"moe {n} None", _call(ops.fused_moe, MOE, **{n: None}), TypeError, rf"{n} must be a tensor, got NoneType")
         for n in MOE
     ],  # fmt: skip
-    ("moe activation relu", _call(ops.fused_moe, MOE, activation="relu"), ValueError, r"unknown activation 'relu'"),
-    ("moe activation None", _call(ops.fused_moe, MOE, activation=None), ValueError, r"unknown activation None"),
+    ("moe activation relu", _call(ops.fused_moe, MOE, activation="relu"), ValueError, r"activation .* got 'relu'"),
+    ("moe activation None", _call(ops.fused_moe, MOE, activation=None), ValueError, r"activation .* got None"),
     ("moe hidden 3-D", _call(ops.fused_moe, MOE, hidden_states=t(1, 3, 4)), ValueError, r"hidden_states must be 2-D"),
     ("moe w1 2-D", _call(ops.fused_moe, MOE, w1=t(8, 4)), ValueError, r"w1 and w2 3-D"),
     ("moe w1 experts", _call(ops.fused_moe, MOE, w1=t(3, 8, 4)), ValueError, r"w1 has 3 experts, w2 2"),
@@ -233,9 +238,14 @@ OP_CASES = [
         "sparse pattern dense",
         _call(ops.sparse_gemm, SPARSE, sparsity_pattern="dense"),
         ValueError,
-        r"unknown sparsity_pattern 'dense'",
+        r"sparsity_pattern must be one of .* got 'dense'",
     ),
-    ("sparse pattern int", _call(ops.sparse_gemm, SPARSE, sparsity_pattern=5), ValueError, r"sparsity_pattern 5"),
+    (
+        "sparse pattern int",
+        _call(ops.sparse_gemm, SPARSE, sparsity_pattern=5),
+        ValueError,
+        r"sparsity_pattern .* got 5",
+    ),
     (
         "sparse csr dense weight",
         _call(ops.sparse_gemm, SPARSE, weight=t(4, 4)),
@@ -276,7 +286,7 @@ OP_CASES = [
     ("a8w8 mixed 8-bit", _call(ops.gemm_a8w8, A8, WQ=t(4, 8, dtype=torch.int8)), ValueError, r"XQ and WQ must share"),
     ("a8w8 x_scale f16", _call(ops.gemm_a8w8, A8, x_scale=t(1, dtype=F16)), ValueError, r"x_scale must be float32"),
     ("a8w8 w_scale f16", _call(ops.gemm_a8w8, A8, w_scale=t(1, dtype=F16)), ValueError, r"w_scale must be float32"),
-    ("a8w8 dtype", _call(ops.gemm_a8w8, A8, dtype="x"), ValueError, r"unsupported output dtype x"),
+    ("a8w8 dtype", _call(ops.gemm_a8w8, A8, dtype="x"), TypeError, r"dtype must be a torch.dtype, got 'x'"),
     ("a8w8 x_scale shape", _call(ops.gemm_a8w8, A8, x_scale=t(3, 1)), ValueError, r"x_scale must have 1 element"),
     ("a8w8 w_scale shape", _call(ops.gemm_a8w8, A8, w_scale=t(1, 3)), ValueError, r"w_scale must have 1 element"),
     ("a8w8 bias shape", _call(ops.gemm_a8w8, A8, bias=t(3, dtype=torch.bfloat16)), ValueError, r"bias must be \[N=4\]"),
@@ -322,7 +332,12 @@ OP_CASES = [
     ),
     ("blockscale x_scale", _call(ops.gemm_a8w8_blockscale, BLOCK, x_scale=t(2, 2)), ValueError, r"x_scale must be"),
     ("blockscale w_scale", _call(ops.gemm_a8w8_blockscale, BLOCK, w_scale=t(2, 1)), ValueError, r"w_scale must be"),
-    ("blockscale dtype", _call(ops.gemm_a8w8_blockscale, BLOCK, dtype=torch.int8), ValueError, r"output dtype"),
+    (
+        "blockscale dtype",
+        _call(ops.gemm_a8w8_blockscale, BLOCK, dtype=torch.int8),
+        ValueError,
+        r"output dtype torch.int8",
+    ),
     (
         "blockscale bpreshuffle XQ None",
         _call(ops.gemm_a8w8_blockscale_bpreshuffle, BLOCK, XQ=None),
@@ -349,7 +364,12 @@ OP_CASES = [
     ),
     ("gemm_relu w None", lambda: ops.gemm_relu(t(2, 8), None), TypeError, r"\bw must be a tensor, got NoneType"),
     # epilogue ops
-    ("epilogue act", lambda: ops.gemm_epilogue(t(2, 8), t(4, 8), act="swish"), ValueError, r"unknown act 'swish'"),
+    (
+        "epilogue act",
+        lambda: ops.gemm_epilogue(t(2, 8), t(4, 8), act="swish"),
+        ValueError,
+        r"act must be one of .* got 'swish'",
+    ),
     ("epilogue x None", lambda: ops.gemm_epilogue(None, t(4, 8)), TypeError, r"\bx must be a tensor, got NoneType"),
     (
         "epilogue c list",
@@ -370,7 +390,7 @@ OP_CASES = [
         "gemm_gelu approximate",
         lambda: ops.gemm_gelu(t(2, 8), t(4, 8), approximate="fast"),
         ValueError,
-        r"approximate must be 'none' or 'tanh', got 'fast'",
+        r"approximate must be one of none, tanh, got 'fast'",
     ),
     ("cutlass c shape", lambda: ops.cutlass_gemm(t(2, 8), t(8, 4), beta=1.0, c=t(3, 3)), ValueError, r"\bc\b"),
     # softcap_attention
@@ -383,9 +403,9 @@ OP_CASES = [
         ValueError,
         r"scaling must be a finite number or None, got nan",
     ),
-    ("attention softcap str", _call(ops.softcap_attention, ATTN, softcap="30"), ValueError, r"softcap must be"),
-    ("attention window 0", _call(ops.softcap_attention, ATTN, window=0), ValueError, r"window must be a positive int"),
-    ("attention window float", _call(ops.softcap_attention, ATTN, window=2.5), ValueError, r"window must be"),
+    ("attention softcap str", _call(ops.softcap_attention, ATTN, softcap="30"), TypeError, r"softcap must be"),
+    ("attention window 0", _call(ops.softcap_attention, ATTN, window=0), ValueError, r"window must be an int >= 1"),
+    ("attention window float", _call(ops.softcap_attention, ATTN, window=2.5), TypeError, r"window must be"),
     # prune_2_4
     ("prune weight None", lambda: ops.prune_2_4(None), ValueError, r"prune_2_4: weight must be a dense 2-D"),
     ("prune K", lambda: ops.prune_2_4(t(4, 6), compress=False), ValueError, r"K=6 is not a multiple of 4"),
@@ -395,7 +415,7 @@ OP_CASES = [
         "set_online_tuning budget -1",
         lambda: gemmtune.set_online_tuning("x.csv", budget_s=-1),
         ValueError,
-        r"budget_s must be a positive number of seconds, got -1",
+        r"budget_s must be a finite number > 0 or None, got -1",
     ),
     (
         "set_online_tuning budget nan",
@@ -406,7 +426,7 @@ OP_CASES = [
     (
         "set_online_tuning budget str",
         lambda: gemmtune.set_online_tuning("x.csv", budget_s="5"),
-        ValueError,
+        TypeError,
         r"budget_s .* got '5'",
     ),
     (
@@ -415,12 +435,12 @@ OP_CASES = [
         ValueError,
         r"mode must be one of background, blocking, got 'async'",
     ),
-    ("set_online_tuning path int", lambda: gemmtune.set_online_tuning(5), TypeError, r"path must be a str"),
+    ("set_online_tuning path int", lambda: gemmtune.set_online_tuning(5), TypeError, r"path must be a path .* got 5"),
     (
         "set_online_tuning libtypes str",
         lambda: gemmtune.set_online_tuning("x.csv", libtypes="torch"),
         TypeError,
-        r"libtypes must be a list .* got 'torch'",
+        r"libtypes must be a list or None, got 'torch'",
     ),
     ("set_capture int", lambda: gemmtune.set_capture(123), TypeError, r"set_capture: path must be a str or None"),
     ("set_config int", lambda: gemmtune.set_config(123), TypeError, r"set_config: config must be .* got int"),

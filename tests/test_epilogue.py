@@ -140,16 +140,16 @@ def test_compiled_call_matches_eager():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(act="swish"), "unknown act 'swish'"),
-        (dict(alpha=torch.tensor(2.0)), "alpha must be a finite Python number"),
-        (dict(beta=float("nan"), c="full"), "beta must be a finite Python number"),
+        (dict(act="swish"), "act must be one of none, relu, gelu, gelu_tanh, got 'swish'"),
+        (dict(alpha=torch.tensor(2.0)), r"alpha must be a number, got a tensor \(\) torch.float32"),
+        (dict(beta=float("nan"), c="full"), "beta must be a finite number, got nan"),
         (dict(beta=1.0), r"beta=1.0 needs a C"),
         (dict(beta=1.0, c=(3, 12)), r"C of shape \(3, 12\) is not a supported broadcast over the output \(5, 12\)"),
         (dict(beta=1.0, c=(5, 13)), r"C of shape \(5, 13\)"),
         (dict(beta=1.0, c="f16"), "c dtype torch.float16 must be x's"),
         (dict(bias=(11,)), "bias must be 1-D of length N=12"),
         (dict(w_layout="kn"), r"x\[..., K=16\] does not match w \[K, N\] with K=12"),
-        (dict(w_layout="tn"), "w_layout must be 'nk'"),
+        (dict(w_layout="tn"), "w_layout must be one of nk, kn, got 'tn'"),
         (dict(out_dtype=torch.int8), "unsupported out_dtype"),
     ],
 )

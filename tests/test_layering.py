@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 # (configs, backends) never import each other. The package itself (gemmtune/__init__.py) is the top.
 LAYERS = {
     "errors": 0,  # foundation: facts every layer may ask
+    "checks": 0,  # the argument checks of every public function
     "keys": 0,
     "concurrency": 0,  # once-only initialization and fork handling for every lazy registry
     "device": 1,

@@ -122,7 +122,7 @@ def test_bad_input_errors_name_the_problem():
         gemmtune.fused_moe(x, w1, w2, w[:, :1], ids)
     with pytest.raises(ValueError, match="share one dtype"):
         gemmtune.fused_moe(x.half(), w1, w2, w, ids)
-    with pytest.raises(ValueError, match="unknown activation"):
+    with pytest.raises(ValueError, match="activation must be one of silu, gelu, gelu_tanh, got 'relu'"):
         gemmtune.fused_moe(x, w1, w2, w, ids, "relu")
     with pytest.raises(ValueError, match="expert_map"):
         gemmtune.fused_moe(x, w1, w2, w, ids, expert_map=torch.tensor([0, 1, 2, 7]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import tuned_gemm
+from .checks import check_paths
 from .configs import ConfigTable
 from .dispatch import check_tables_agree, get_dispatcher, resolve, set_capture, set_config, set_miss_hook_factory
 from .keys import GemmKey
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 def load_config(paths: str | list[str]) -> ConfigTable:
     """Read and merge tuned tables (without putting them in effect; see set_config)."""
-    return ConfigTable.load(paths)
+    return ConfigTable.load(check_paths("load_config", "paths", paths))
 
 
 def __getattr__(name):

@@ -66,11 +66,17 @@ def read_shape_list(path: str, family: Family | str | None = None) -> tuple[Fami
     out: dict[tuple, int] = {}
     for line, rec in text.records:
         key = parse_key(fam, rec, path, line, ShapesFileError)
+        untunable = fam.untunable(key)
+        if untunable is not None:
+            raise ShapesFileError(f"{path}:{line}: column {untunable[0]!r}: {untunable[1]}")
         count = rec.get("count", "").strip()
         try:
             n = int(count) if count else 0
         except ValueError:
-            raise ShapesFileError(f"{path}:{line}: column 'count': bad value {count!r}") from None
+            n = -1
+        if n < 0:
+            raise ShapesFileError(f"{path}:{line}: column 'count': bad value {count!r} (a call count: a whole "
+                                  "number >= 0)")  # fmt: skip
         out[key] = out.get(key, 0) + n
     return fam, list(out.items())
 

@@ -27,6 +27,7 @@ import torch
 from . import backends, families
 from .backends.base import Runner, Solution
 from .capture import CaptureSet, ShapeCapture
+from .checks import bad, check_paths, check_str
 from .concurrency import Once
 from .configs.schema import TunedRow
 from .configs.table import ConfigStore, ConfigTable
@@ -153,10 +154,8 @@ class Dispatcher:
                             f"ConfigTable or None, got {type(config).__name__}")  # fmt: skip
         if group is not None and not _distributed():
             raise ValueError(f"gemmtune.set_config: group={group!r} given but torch.distributed is not initialized")
-        if isinstance(config, os.PathLike):
-            config = os.fspath(config)
-        if isinstance(config, (str, list)):
-            config = ConfigStore.load(config)
+        if isinstance(config, (str, os.PathLike, list)):
+            config = ConfigStore.load(check_paths("set_config", "config", config))
         elif isinstance(config, ConfigTable):
             table, config = config, ConfigStore()
             config.tables[table.family.name] = table
@@ -386,6 +385,17 @@ def set_capture(path: str | None) -> CaptureSet | None:
 
 
 def resolve(key, device: torch.device | str | None = None, family: str = A16W16) -> Resolution:
-    """What the family's op would run for `key` (for tools and tests; not the hot path)."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    return _dispatcher.resolve(key, dev, family)
+    """What the family's op would run for `key` (for tools and tests; not the hot path). The key must be
+    one the family's tables could hold (GemmKey for a16w16: M, N, K ints >= 1, dtypes torch.dtype)."""
+    fam = families.get(check_str("resolve", "family", family))
+    fam.check_key(key, "resolve")
+    if device is None:
+        dev = torch.device("cpu")
+    elif isinstance(device, (str, torch.device)):
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise bad("resolve", "device", "a torch.device or its name (cpu, cuda, cuda:N)", device) from None
+    else:
+        raise bad("resolve", "device", "a torch.device, its name or None", device, TypeError)
+    return _dispatcher.resolve(key, dev, fam.name)

@@ -13,6 +13,10 @@ class ShapesFileError(GemmtuneError, ValueError):
     """A shapes (untuned) CSV is malformed; the message names file and line."""
 
 
+class NoShapesError(ShapesFileError):
+    """A shape list that holds no shape (a header alone): there is nothing to tune, a usage error."""
+
+
 class BackendUnavailableError(GemmtuneError, RuntimeError):
     """A backend was asked for explicitly but cannot run on this machine."""
 

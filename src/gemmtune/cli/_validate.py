@@ -7,14 +7,14 @@ import math
 import os
 
 import click
-import torch
 
+from ..checks import FLOAT_DTYPES
 from ..configs.files import check_writable, check_writable_folder
 from ..device import parse_device
 from ..errors import GemmtuneError, MissingExtraError, missing_extra
 from ..keys import parse_dtype
 
-GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GEMM_DTYPES = FLOAT_DTYPES
 
 
 def _folder_must_exist(path: str) -> None:

@@ -9,7 +9,7 @@ import threading
 
 import click
 
-from ..errors import GemmtuneError
+from ..errors import GemmtuneError, NoShapesError
 from ..tuner.candidates import MIN_GAIN, SEARCHES, TuneOptions
 from ..tuner.distributed import joined, launched_by_torchrun, tune_fleet
 from ..tuner.donor import DonorError
@@ -189,6 +189,8 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
             return
     except DonorError as exc:
         raise click.BadParameter(str(exc), param_hint="'--from'") from None
+    except NoShapesError as exc:
+        raise click.BadParameter(str(exc), param_hint="SHAPES") from None
     except (GemmtuneError, ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in summary_lines(report, output):

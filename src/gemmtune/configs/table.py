@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 
 from .. import families
+from ..checks import check_paths
 from ..device import DeviceIdentity
 from ..errors import ConfigError
 from ..families import Family
@@ -208,7 +209,7 @@ class ConfigTable:
         """Read and merge `paths` (a list, or a ':'-separated string) into one family's table. The family
         is `family`, else the first file's; a file of another family is an error naming both."""
         table, files = None, []
-        for path in unique_paths(_split(paths)):
+        for path in unique_paths(_split(check_paths("ConfigTable.load", "paths", paths))):
             for tf in table_files(path, family if family is not None else (table.family if table else None)):
                 table = table or cls(family=tf.family)
                 table.add_file(tf)
@@ -345,7 +346,7 @@ class ConfigStore:
         """Read `paths` (files or folders); each table goes to the family its header says (or to
         `family`, if named). A file named twice is read once."""
         store = cls()
-        for path in unique_paths(_split(paths)):
+        for path in unique_paths(_split(check_paths("ConfigStore.load", "paths", paths))):
             store.add_path(path, family)
         for tab in store.tables.values():
             tab.report_conflicts()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import FLOAT_DTYPES
 from ..kernels.gemm_ref import fp32_matmul
 from ..keys import GemmKey
 from .base import Family, bool_col, dtype_col, generator, int_col, inv_sqrt, randn
@@ -28,6 +29,7 @@ class A16W16(Family):
     )  # fmt: skip
     tuned_columns = AITER_TUNED_COLUMNS
     untuned_columns = ("M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle")
+    computed_dtypes = {"dtype": FLOAT_DTYPES, "outdtype": FLOAT_DTYPES}
     signature = frozenset({"M", "N", "K"})
     excludes = frozenset({"B", "q_dtype_w", "kernelId", "token", "act", "alpha", "beta", "pattern"})
     name_hints = ("bf16", "a16w16")

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..checks import bad
 from ..errors import NotRunnableError
 from ..keys import dtype_name, parse_bool, parse_dtype
 
@@ -41,6 +42,10 @@ def nonneg_float(text: str) -> float:
 
 def fmt_float(v: float) -> str:
     return f"{v:.4f}".rstrip("0").rstrip(".") if v else "0"
+
+
+# What check_key asks of a field, by its column's parser.
+_EXPECTED: dict[Callable, str] = {}
 
 
 class Column(NamedTuple):
@@ -75,6 +80,10 @@ LOW_BIT: dict[str, torch.dtype] = {f"torch.{n}": getattr(torch, n) for n in _LOW
 def parse_quant_dtype(text: str) -> torch.dtype:
     """A quantized operand's dtype: any parse_dtype spelling, or one of the 4-bit / MX ones."""
     return LOW_BIT.get(text.strip()) or parse_dtype(text)
+
+
+_EXPECTED.update({positive_int: "an int >= 1", parse_bool: "a bool", parse_dtype: "a torch.dtype",
+                  parse_quant_dtype: "a torch.dtype"})  # fmt: skip
 
 
 def quant_dtype_col(name: str, default: torch.dtype | None = torch.bfloat16) -> Column:
@@ -132,7 +141,21 @@ class Family:
     stages: tuple[int, ...] = ()
     stage_columns: dict[int, tuple[str, str, str]] = {}
 
+    # The dtypes the family's op computes, by dtype column: a shape list's row outside them cannot be tuned
+    # (a tuned table may still hold one, aiter's fp8 scaleAB rows; it falls back at dispatch).
+    computed_dtypes: dict[str, tuple[torch.dtype, ...]] = {}
+
     # ---- keys ---------------------------------------------------------------------------------
+    def untunable(self, key) -> tuple[str, str] | None:
+        """(column, why) when the family's op cannot compute `key`'s dtypes, so no tuner run may time it."""
+        for c in self.key_columns:
+            allowed = self.computed_dtypes.get(c.name)
+            value = getattr(key, c.field)
+            if allowed is not None and value not in allowed:
+                names = ", ".join(dtype_name(d) for d in allowed)
+                return c.name, f"{dtype_name(value)} is not a dtype the {self.name} family computes ({names})"
+        return None
+
     def parse_key(self, raw: dict[str, str], parse_column) -> tuple:
         """A key from a record; `parse_column(name, conv, default)` names file:line:column on errors."""
         return self.key_type(**self.parse_columns(parse_column))
@@ -144,6 +167,22 @@ class Family:
         dtype = parse_column("dtype", by_name["dtype"].parse, by_name["dtype"].default) if "dtype" in by_name else None
         return {c.field: parse_column(c.name, c.parse, dtype if c.name == "outdtype" and dtype else c.default)
                 for c in self.key_columns if c.name not in skip}  # fmt: skip
+
+    def check_key(self, key, fn: str) -> None:
+        """TypeError / ValueError naming gemmtune.`fn`, the field and its value unless `key` is one this
+        family's tables could hold: its key type, each column of the type its CSV column reads back as
+        (M an int >= 1, dtype a torch.dtype, bias a bool ...) and a value that column accepts."""
+        if not isinstance(key, self.key_type):
+            raise bad(fn, "key", f"a {self.key_type.__name__} (family {self.name})", key, TypeError)
+        for c in self.key_columns:
+            value = getattr(key, c.field)
+            try:
+                back = c.parse(c.fmt(value))
+            except (TypeError, ValueError, AttributeError) as exc:
+                raise bad(fn, f"key.{c.field}", _EXPECTED.get(c.parse, f"a valid {c.name}"), value) from exc
+            if back.__class__ is not value.__class__:
+                expected = _EXPECTED.get(c.parse, f"a {type(back).__name__}")
+                raise bad(fn, f"key.{c.field}", expected, value, TypeError)
 
     def key_record(self, key) -> dict[str, str]:
         """The key's columns as written in a CSV."""

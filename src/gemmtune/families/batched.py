@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..checks import FLOAT_DTYPES
 from ..kernels.gemm_ref import fp32_matmul
 from ..keys import dtype_name
 from .base import Family, Roles, bool_col, dtype_col, generator, int_col, inv_sqrt, randn
@@ -57,6 +58,7 @@ class Batched(Family):
         "errRatio", "libtype", "dtype", "outdtype", "transA", "transB",
     )  # fmt: skip
     untuned_columns = ("B", "M", "N", "K", "dtype", "outdtype", "transA", "transB")
+    computed_dtypes = {"dtype": FLOAT_DTYPES, "outdtype": FLOAT_DTYPES}
     signature = frozenset({"B", "M", "N", "K"})
     excludes = frozenset({"q_dtype_w", "token"})
     name_hints = ("bf16_tuned_batched", "bf16_untuned_batched", "batched")

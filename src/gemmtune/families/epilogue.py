@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..checks import FLOAT_DTYPES
 from ..kernels.gemm_ref import ACTS, apply_act, epilogue_ref
 from ..keys import dtype_name, parse_bool
 from .base import Column, Family, bool_col, dtype_col, generator, int_col, inv_sqrt, randn
@@ -121,6 +122,7 @@ class Epilogue(Family):
         "act", "alpha", "beta", "c", "w_layout",
     )  # fmt: skip
     untuned_columns = ("M", "N", "K", "bias", "dtype", "outdtype", "act", "alpha", "beta", "c", "w_layout")
+    computed_dtypes = {"dtype": FLOAT_DTYPES, "outdtype": FLOAT_DTYPES}
     signature = frozenset({"M", "N", "K", "act"})
     excludes = frozenset({"B", "q_dtype_w", "kernelId", "token", "pattern"})
     name_hints = ("epilogue",)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..checks import FLOAT_DTYPES
 from ..kernels.gemm_ref import fp32_matmul
 from ..keys import dtype_name
 from ..quant import formats, layouts, quantize
@@ -133,6 +134,8 @@ class _QuantFamily(Family):
 
 class _ScaledQuantFamily(_QuantFamily, abc.ABC):
     """A runnable family: 8-bit x [M, K] and w [N, K], their fp32 scales and an output [M, N]."""
+
+    computed_dtypes = {"q_dtype_w": formats.QUANT_DTYPES, "outdtype": FLOAT_DTYPES}
 
     def make_inputs(self, key, device, sets, seed):
         gen = generator(device, seed)

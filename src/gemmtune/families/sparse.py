@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..checks import FLOAT_DTYPES
 from ..kernels.gemm_ref import fp32_matmul
 from ..keys import dtype_name
 from ..quant.semi_structured import prune_2_4_dense, semi_structured
@@ -118,6 +119,7 @@ class Sparse(Family):
         "err_ratio", "tflops", "bw", "pattern", "density", "block",
     )  # fmt: skip
     untuned_columns = ("M", "N", "K", "bias", "dtype", "pattern", "density", "block")
+    computed_dtypes = {"dtype": FLOAT_DTYPES}
     signature = frozenset({"M", "N", "K", "pattern"})
     excludes = frozenset({"B", "q_dtype_w", "kernelId", "token", "act"})
     name_hints = ("sparse",)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..checks import check_bool, check_choice, check_int
 from ..device import triton_installed
 from . import architectures, epilogue_mlp, fusion, mask_positions, mla, moe_shared
 from . import attention as attn_mod
@@ -26,6 +27,7 @@ from .report import OptimizeReport
 from .version import check_transformers
 
 _REPORT = "_gemmtune_report"
+ATTENTION_CHOICES = ("auto", "off", *attn_mod.TIERS)  # optimize(attention=...), None too
 SHARED_EXPERTS = ("shared_expert", "shared_experts")  # an MoE block's always-on MLP: Qwen2-MoE's; DeepSeek's, GLM's
 
 
@@ -556,13 +558,22 @@ def optimize(
     shared-expert fold, quantize): an optimizer made earlier would not train them (docs/model-toolkit.md).
     Returns an OptimizeReport; gemmtune.restore(model) (or report.undo()) gives the original back.
     """
+    flags = dict(fuse_qkv=fuse_qkv, fuse_gate_up=fuse_gate_up, fused_ops=fused_ops, split_bias=split_bias,
+                 route_linears=route_linears, quantize_lm_head=quantize_lm_head,
+                 quantize_producers=quantize_producers, verify=verify, mla_absorb=mla_absorb)  # fmt: skip
+    for name, flag in flags.items():
+        check_bool("optimize", name, flag)
+    check_choice("optimize", "attention", attention, ATTENTION_CHOICES, optional=True)
+    check_int("optimize", "m_threshold", m_threshold, optional=True)
+    if quantize is not None:
+        from .quantize import check_mode
+
+        check_mode(quantize)
     version = check_transformers()
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"gemmtune.optimize takes a transformers PreTrainedModel, got {type(model).__name__}")
-    if m_threshold is not None and (not isinstance(m_threshold, int) or m_threshold < 1):
-        raise ValueError(f"m_threshold must be a positive int or None, got {m_threshold!r}")
     opts = dict(
         fuse_qkv=bool(fuse_qkv), fuse_gate_up=bool(fuse_gate_up), fused_ops=bool(fused_ops),
         attention=attention, m_threshold=m_threshold, split_bias=bool(split_bias),

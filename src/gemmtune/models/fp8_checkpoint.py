@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..checks import bad, check_bool
 from ..quant import formats, layouts, quantize
 from .bind import bind
 from .quantize import fp8_block_linear
@@ -189,6 +190,9 @@ def load_fp8_checkpoint(model: nn.Module, checkpoint, *, device=None, strict: bo
     device). strict: checkpoint keys the model does not have, or model parameters / buffers left on
     the meta device, raise a ValueError naming them.
     """
+    if not isinstance(model, nn.Module):
+        raise bad("load_fp8_checkpoint", "model", "a torch.nn.Module", model, TypeError)
+    check_bool("load_fp8_checkpoint", "strict", strict)
     check_quantization_config(getattr(model, "config", None))
     dev = torch.device(device) if device is not None else _default_device(model)
     sd = read_checkpoint(checkpoint, dev)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checks import check_choice
 from ..kernels.quant import quantize_1x128_triton, quantize_per_token_triton
 from ..ops.quantized import gemm_a8w8, gemm_a8w8_blockscale
 from ..quant import formats, layouts, quantize
@@ -42,9 +43,7 @@ class QuantState:
 
 
 def check_mode(mode) -> str:
-    if mode not in MODES:
-        raise ValueError(f"gemmtune.optimize: quantize must be one of {sorted(MODES)} or None, got {mode!r}")
-    return mode
+    return check_choice("optimize", "quantize", mode, tuple(MODES))
 
 
 def _skip_reason(mod: nn.Module, mode: str) -> str | None:

@@ -12,10 +12,9 @@ is its only allocation). Forward only: there is no backward.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..checks import check_bool, check_int, check_number, check_tensor
 from ..device import triton_on_gpu
 from ..kernels import attention_softcap as kattn
 from . import registry
@@ -31,18 +30,16 @@ def _run(q, k, v, mask, scaling: float, softcap: float | None, causal: bool, win
     return kattn.softcap_attention_ref(q, k, v, **kw)
 
 
-def _check_args(query, key, value, scaling, softcap, window, mask) -> None:
+def _check_args(query, key, value, scaling, softcap, causal, window, mask) -> None:
     """TypeError/ValueError naming the argument, before any of them is used."""
+    op = "softcap_attention"
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemmtune.softcap_attention: {name} must be a tensor, got {type(t).__name__}")
-    if mask is not None and not isinstance(mask, torch.Tensor):
-        raise TypeError(f"gemmtune.softcap_attention: mask must be a tensor or None, got {type(mask).__name__}")
-    for name, v in (("scaling", scaling), ("softcap", softcap)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            raise ValueError(f"gemmtune.softcap_attention: {name} must be a finite number or None, got {v!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"gemmtune.softcap_attention: window must be a positive int or None, got {window!r}")
+        check_tensor(op, name, t)
+    check_tensor(op, "mask", mask, optional=True)
+    check_number(op, "scaling", scaling, optional=True)
+    check_number(op, "softcap", softcap, lo=0, lo_open=True, optional=True)
+    check_bool(op, "causal", causal)
+    check_int(op, "window", window, optional=True)
 
 
 def softcap_attention(
@@ -55,17 +52,16 @@ def softcap_attention(
     window: int | None = None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v as [B, L, Hq, D]; softcap None (or
-    <= 0): no cap; causal: query i at key position i + S - L; window: keys j > pos_i - window only;
+    """softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v as [B, L, Hq, D]; softcap > 0, or
+    None: no cap; causal: query i at key position i + S - L; window: keys j > pos_i - window only;
     mask: a boolean [B|1, 1, L, >=S] mask, ANDed with the rest (causal=False: the mask alone)."""
-    _check_args(query, key, value, scaling, softcap, window, mask)
+    _check_args(query, key, value, scaling, softcap, causal, window, mask)
     scaling = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
-    softcap = float(softcap) if softcap is not None and softcap > 0 else None
-    window = None if window is None else int(window)
+    softcap = None if softcap is None else float(softcap)
     if _is_compiling():
-        return torch.ops.gemmtune.softcap_attention(query, key, value, mask, scaling, softcap or 0.0, bool(causal),
+        return torch.ops.gemmtune.softcap_attention(query, key, value, mask, scaling, softcap or 0.0, causal,
                                                     window or 0)  # fmt: skip
-    return _run(query, key, value, mask, scaling, softcap, bool(causal), window)
+    return _run(query, key, value, mask, scaling, softcap, causal, window)
 
 
 # ---- the custom op (torch.compile) ---------------------------------------------------------------

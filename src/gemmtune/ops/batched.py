@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import FLOAT_DTYPES, check_bool, check_dtype, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.batched import BatchedKey
 from .hot_path import public_op
 
 FAMILY = "batched"
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_FLOATS = FLOAT_DTYPES
 _dispatcher = get_dispatcher()
 
 
@@ -29,12 +30,12 @@ def _error(msg: str, a, b) -> ValueError:
 
 def validate(a, b, transpose_a: bool, transpose_b: bool, out_dtype) -> None:
     """Raise naming the shapes for anything batched_gemm cannot compute."""
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemmtune.batched_gemm: {name} must be a tensor, got {type(t).__name__}")
-    for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"gemmtune.batched_gemm: {name} must be a bool, got {flag!r}")
+    op = "batched_gemm"
+    check_tensor(op, "a", a)
+    check_tensor(op, "b", b)
+    check_bool(op, "transpose_a", transpose_a)
+    check_bool(op, "transpose_b", transpose_b)
+    check_dtype(op, "out_dtype", out_dtype, optional=True)  # which ones: below, with the shapes
     if a.dim() != 3 or b.dim() != 3:
         raise _error("a and b must be 3-D (batch, rows, cols)", a, b)
     if a.shape[0] != b.shape[0]:
@@ -61,7 +62,9 @@ def key_of(a, b, transpose_a: bool, transpose_b: bool, out_dtype) -> BatchedKey:
 
 
 def _signature(a, b, transpose_a, transpose_b, out_dtype) -> tuple:
-    return (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, transpose_a, transpose_b, out_dtype)
+    # The flags' classes too: 1 equals True in a dict key, and validate refuses it.
+    return (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, transpose_a, transpose_a.__class__, transpose_b,
+            transpose_b.__class__, out_dtype)  # fmt: skip
 
 
 def _bind(a, b, transpose_a, transpose_b, out_dtype):

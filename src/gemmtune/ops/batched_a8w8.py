@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.quantized import BatchedQuantKey
 from ..quant import formats
 from .hot_path import public_op
 
 FAMILY = "batched_a8w8"
-OP = "gemmtune.batched_gemm_a8w8"
-_OUT = (torch.bfloat16, torch.float16, torch.float32)
+OP_NAME = "batched_gemm_a8w8"
+OP = f"gemmtune.{OP_NAME}"
+_OUT = FLOAT_DTYPES
 _dispatcher = get_dispatcher()
 
 
@@ -34,8 +36,8 @@ def _d(t) -> str:
 def validate(XQ, WQ, x_scale, w_scale, dtype) -> BatchedQuantKey:
     """The key of a call, or a ValueError / TypeError naming the argument and its value."""
     for name, t in (("XQ", XQ), ("WQ", WQ), ("x_scale", x_scale), ("w_scale", w_scale)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{OP}: {name} must be a tensor, got {type(t).__name__}")
+        check_tensor(OP_NAME, name, t)
+    check_dtype(OP_NAME, "dtype", dtype, _OUT)
     if XQ.dim() != 3 or WQ.dim() != 3:
         raise ValueError(f"{OP}: XQ and WQ must be 3-D [B, M, K] / [B, N, K] (XQ {_d(XQ)}, WQ {_d(WQ)})")
     (B, M, K), (Bw, N, Kw) = XQ.shape, WQ.shape
@@ -47,8 +49,6 @@ def validate(XQ, WQ, x_scale, w_scale, dtype) -> BatchedQuantKey:
         raise ValueError(f"{OP}: x_scale must be per token, [B, M, 1] = [{B}, {M}, 1] (got {_d(x_scale)})")
     if w_scale.numel() != B * N or w_scale.shape[0] != B:
         raise ValueError(f"{OP}: w_scale must be per channel, [B, 1, N] = [{B}, 1, {N}] (got {_d(w_scale)})")
-    if not isinstance(dtype, torch.dtype) or dtype not in _OUT:
-        raise ValueError(f"{OP}: dtype must be torch.bfloat16, torch.float16 or torch.float32 (got {dtype!r})")
     devs = {t.device for t in (XQ, WQ, x_scale, w_scale)}
     if len(devs) > 1:
         raise ValueError(f"{OP}: all tensors must be on one device (got {', '.join(map(str, devs))})")

@@ -18,17 +18,18 @@ dict lookup -> call; validation on a miss. Under torch.compile the call goes thr
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from ..backends.epilogue.pytorch import UNFUSED, TorchEpilogueBackend
+from ..checks import FLOAT_DTYPES, check_bool, check_choice, check_dtype, check_number, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.epilogue import ACTS, EpilogueKey, apply_act, expand_c
 from .hot_path import public_op, spelling_of
 
 FAMILY = "epilogue"
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_FLOATS = FLOAT_DTYPES
+_W_LAYOUTS = ("nk", "kn")
 _dispatcher = get_dispatcher()
 _grad_enabled = torch.is_grad_enabled
 
@@ -65,28 +66,18 @@ def c_kind(c_shape, out_shape) -> str | None:
     return None
 
 
-def _real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, torch.Tensor) and math.isfinite(v)
-
-
 def validate(x, w, bias, c, act, alpha, beta, out_dtype, w_layout) -> None:
     """Raise naming the shapes / dtypes / devices for anything gemm_epilogue cannot compute."""
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemmtune.gemm_epilogue: {name} must be a tensor, got {type(t).__name__}")
-    for name, t in (("bias", bias), ("c", c)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemmtune.gemm_epilogue: {name} must be a tensor or None, got {type(t).__name__}")
-    if act not in ACTS:
-        raise ValueError(f"gemmtune.gemm_epilogue: unknown act {act!r} (expected one of {', '.join(ACTS)})")
-    for name, v in (("alpha", alpha), ("beta", beta)):
-        if not _real(v):
-            raise TypeError(
-                f"gemmtune.gemm_epilogue: {name} must be a finite Python number, got {v!r} "
-                "(a tensor would need a host sync per call)"
-            )
-    if w_layout not in ("nk", "kn"):
-        raise ValueError(f"gemmtune.gemm_epilogue: w_layout must be 'nk' ([N, K]) or 'kn' ([K, N]), got {w_layout!r}")
+    op = "gemm_epilogue"
+    check_tensor(op, "x", x)
+    check_tensor(op, "w", w)
+    check_tensor(op, "bias", bias, optional=True)
+    check_tensor(op, "c", c, optional=True)
+    check_choice(op, "act", act, ACTS)
+    check_number(op, "alpha", alpha)  # a Python number: a tensor would need a host sync per call
+    check_number(op, "beta", beta)
+    check_choice(op, "w_layout", w_layout, _W_LAYOUTS)
+    check_dtype(op, "out_dtype", out_dtype, optional=True)  # which ones: below, with the shapes
     lay = "[N, K]" if w_layout == "nk" else "[K, N]"
     if w.layout != torch.strided or x.layout != torch.strided:
         raise _error(
@@ -155,15 +146,16 @@ def composite(x, w, bias, c, act: str, alpha: float, beta: float, out_dtype, w_l
     return y.to(out_dtype) if out_dtype is not None else y
 
 
-def _bind_views(run, key: EpilogueKey, out_shape: tuple):
+def _bind_views(run, key: EpilogueKey, out_shape: tuple, bias_dtype: torch.dtype | None):
     """The cached call: views in, the runner's (M, N) result viewed as the output shape."""
     M, N, K, kind, use_c, transpose = key.M, key.N, key.K, key.c, key.beta, key.w_layout == "kn"
+    cast_bias = bias_dtype is not None and bias_dtype != key.dtype
 
     def call(x, w, bias, c, alpha, beta):
         y = run(
             x.reshape(M, K),
             w.t() if transpose else w,
-            bias,
+            bias.to(x.dtype) if cast_bias else bias,  # a bias in the out dtype is read in x's, as gemm's
             expand_c(c, kind, M, N) if use_c else None,
             float(alpha),
             float(beta) if use_c else 0.0,
@@ -178,10 +170,11 @@ def _meta(t):
 
 
 def _signature(x, w, bias, act, alpha, beta, c, out_dtype, w_layout) -> tuple:
-    # alpha and beta count only as whether they apply: the cached call takes their values.
+    # alpha and beta count only as whether they apply (and their type, so a str is validated): the cached
+    # call takes their values.
     return (
         x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, _meta(bias), _meta(c), act, alpha != 1, beta != 0,
-        out_dtype, w_layout,
+        alpha.__class__, beta.__class__, out_dtype, w_layout,
         _grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
                              or (c is not None and c.requires_grad)),
     )  # fmt: skip
@@ -203,7 +196,7 @@ def _bind(x, w, bias, act, alpha, beta, c, out_dtype, w_layout):
         run = TorchEpilogueBackend().make_runner(UNFUSED, key, x.device)
     else:
         run = _dispatcher.runner_for(key, x.device, family=FAMILY)
-    return _bind_views(run, key, (*x.shape[:-1], key.N))
+    return _bind_views(run, key, (*x.shape[:-1], key.N), None if bias is None else bias.dtype)
 
 
 def _fake(x, w, bias, c, act, alpha, beta, out_dtype, w_layout):
@@ -255,18 +248,21 @@ def gemm_epilogue(
 
 
 # ---- aiter's spellings --------------------------------------------------------------------------
+_APPROXIMATE = ("none", "tanh")  # F.gelu's
+
+
 @spelling_of(gemm_epilogue, aiter_names=("gemm_bias",))
 def gemm_bias(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transpose_weight: bool = True):
     """input @ weight^T + bias with weight [N, K] (transpose_weight=True, nn.Linear), or input @ weight
     + bias with weight [K, N] (transpose_weight=False)."""
+    check_bool("gemm_bias", "transpose_weight", transpose_weight)
     return gemm_epilogue(input, weight, bias, w_layout="nk" if transpose_weight else "kn")
 
 
 @spelling_of(gemm_epilogue, aiter_names=("gemm_gelu",))
 def gemm_gelu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none"):
     """gelu(input @ weight^T + bias), weight [N, K]; approximate "none" (erf) or "tanh" as F.gelu."""
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"gemmtune.gemm_gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    check_choice("gemm_gelu", "approximate", approximate, _APPROXIMATE)
     return gemm_epilogue(input, weight, bias, act="gelu" if approximate == "none" else "gelu_tanh")
 
 

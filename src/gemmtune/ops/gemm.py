@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ..dispatch import A16W16, get_dispatcher
 from ..keys import GemmKey
 from .autograd import linear_backward, with_autograd
 from .hot_path import public_op
 
 # The dtypes every backend computes, in and out (float64, fp8 and integer GEMMs are not gemm's job).
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = FLOAT_DTYPES
 _dispatcher = get_dispatcher()
 _grad_enabled = torch.is_grad_enabled
 
@@ -31,11 +32,10 @@ def _shape_error(msg: str, x, w, bias) -> ValueError:
 
 def validate(x, w, bias, out_dtype) -> None:
     """Raise ValueError naming the shapes for anything gemm cannot compute."""
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemmtune.gemm: {name} must be a tensor, got {type(t).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"gemmtune.gemm: bias must be a tensor or None, got {type(bias).__name__}")
+    check_tensor("gemm", "x", x)
+    check_tensor("gemm", "w", w)
+    check_tensor("gemm", "bias", bias, optional=True)
+    check_dtype("gemm", "out_dtype", out_dtype, optional=True)  # which ones: below, with the shapes
     if w.dim() != 2:
         raise _shape_error(f"w must be 2-D [N, K] (nn.Linear layout), got {w.dim()}-D", x, w, bias)
     if x.dim() < 1:
@@ -76,9 +76,13 @@ def _signature(x, w, bias, out_dtype) -> tuple:
 
 def _bind(x, w, bias, out_dtype):
     wants_grad = _signature(x, w, bias, out_dtype)[-1]
-    return _dispatcher.runner_for(
+    run = _dispatcher.runner_for(
         key_of(x, w, bias, out_dtype), x.device, autograd=with_autograd if wants_grad else None
     )
+    if bias is None or bias.dtype == x.dtype:
+        return run
+    # A bias in the out dtype is read in x's, as the runners (F.linear) take it: the sum is x's dtype's.
+    return lambda x, w, bias: run(x, w, bias.to(x.dtype))
 
 
 def _fake(x, w, bias, out_dtype):

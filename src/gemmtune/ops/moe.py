@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.fmoe import stages as bmoe
+from ..checks import FLOAT_DTYPES, check_bool, check_choice, check_int, check_tensor
 from ..device import triton_on_gpu
 from ..dispatch import get_dispatcher
 from ..families.fmoe import ACT_TYPES, MoeKey
@@ -40,7 +41,7 @@ from ..kernels.moe_align import moe_align
 from .hot_path import public_helper, public_op
 
 FAMILY = "fmoe"
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_FLOATS = FLOAT_DTYPES
 _INTS = (torch.int32, torch.int64)
 _dispatcher = get_dispatcher()
 _is_compiling = torch.compiler.is_compiling
@@ -54,10 +55,11 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _should_check(check_ids: bool | None, t: torch.Tensor) -> bool:
+def _should_check(op: str, check_ids: bool | None, t: torch.Tensor) -> bool:
+    """Per call (check_ids is no part of the signature): None decides by the mode, else the bool given."""
     if check_ids is None:
-        return not (_is_compiling() or _capturing(t))
-    return bool(check_ids)
+        return not (t.is_meta or _is_compiling() or _capturing(t))  # meta: shape inference, no ids to read
+    return check_bool(op, "check_ids", check_ids, optional=True) and not t.is_meta
 
 
 def check_expert_ids(op: str, ids: torch.Tensor, num_routed: int, what: str = "expert id") -> None:
@@ -73,23 +75,29 @@ def _fused_error(msg: str, hidden, w1, w2) -> ValueError:
     return ValueError(f"gemmtune.fused_moe: {msg} (hidden {_d(hidden)}, w1 {_d(w1)}, w2 {_d(w2)})")
 
 
-def validate_fused(hidden, w1, w2, topk_weights, topk_ids, activation: str, expert_map, num_shared_experts: int):
+def validate_fused(hidden, w1, w2, topk_weights, topk_ids, activation: str, expert_map, num_shared_experts: int,
+                   doweight_stage1: bool = False, check_ids: bool | None = None):  # fmt: skip
     """Raise naming shapes, dtypes and devices for anything fused_moe cannot compute."""
+    op = "fused_moe"
     tensors = {"hidden_states": hidden, "w1": w1, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemmtune.fused_moe: {name} must be a tensor, got {type(t).__name__}")
-    if expert_map is not None and not isinstance(expert_map, torch.Tensor):
-        raise TypeError(f"gemmtune.fused_moe: expert_map must be a tensor or None, got {type(expert_map).__name__}")
-    if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int):
-        raise TypeError(f"gemmtune.fused_moe: num_shared_experts must be an int, got {num_shared_experts!r}")
-    if not isinstance(activation, str) or activation not in ACT_TYPES:
-        raise ValueError(f"gemmtune.fused_moe: unknown activation {activation!r} (one of {', '.join(ACT_TYPES)})")
+        check_tensor(op, name, t)
+    check_tensor(op, "expert_map", expert_map, optional=True)
+    check_int(op, "num_shared_experts", num_shared_experts, lo=None)  # its range depends on w1: below
+    check_choice(op, "activation", activation, tuple(ACT_TYPES))
+    check_bool(op, "doweight_stage1", doweight_stage1)
+    check_bool(op, "check_ids", check_ids, optional=True)
     if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
         raise _fused_error("hidden_states must be 2-D (tokens, hidden), w1 and w2 3-D (experts, out, in)", hidden,
                            w1, w2)  # fmt: skip
     T, H = hidden.shape
     E, inter = w2.shape[0], w2.shape[2]
+    if E < 1:
+        raise _fused_error(f"w2 has {E} experts (w2 (experts, hidden, inter)): fused_moe needs at least 1", hidden,
+                           w1, w2)  # fmt: skip
+    if inter < 1:
+        raise _fused_error(f"w2 has inter={inter} (w2 (experts, hidden, inter)): the inter size must be >= 1",
+                           hidden, w1, w2)  # fmt: skip
     if w1.shape[0] != E:
         raise _fused_error(f"w1 has {w1.shape[0]} experts, w2 {E}", hidden, w1, w2)
     if w2.shape[1] != H:
@@ -146,24 +154,26 @@ def _fused_signature(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
     em = None if expert_map is None else (expert_map.shape, expert_map.dtype, expert_map.device)
     return (hidden_states.shape, w1.shape, w2.shape, topk_ids.shape, topk_weights.shape, hidden_states.dtype,
             w1.dtype, w2.dtype, topk_ids.dtype, topk_weights.dtype, hidden_states.device, w1.device, w2.device,
-            topk_ids.device, topk_weights.device, activation, doweight_stage1, em, num_shared_experts)  # fmt: skip
+            topk_ids.device, topk_weights.device, activation, doweight_stage1, doweight_stage1.__class__, em,
+            num_shared_experts, num_shared_experts.__class__)  # fmt: skip
 
 
 def _fused_validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
                     num_shared_experts, check_ids) -> None:  # fmt: skip
-    validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
+    validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts,
+                   doweight_stage1, check_ids)  # fmt: skip
 
 
 def _fused_bind(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
                 num_shared_experts, check_ids):  # fmt: skip
     key = moe_key(hidden_states, w1, w2, topk_ids, activation, doweight_stage1, expert_map, num_shared_experts)
-    if key.token == 0:
-        run = lambda hidden, *rest: hidden.new_empty((0, key.model_dim))  # noqa: E731
+    if key.token == 0 or hidden_states.is_meta:  # nothing to compute, or shape inference
+        run = lambda hidden, *rest: hidden.new_empty((key.token, key.model_dim))  # noqa: E731
     else:
         run = _dispatcher.runner_for(key, hidden_states.device, family=FAMILY)
 
     def call(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, check_ids):
-        if _should_check(check_ids, topk_ids):
+        if _should_check("fused_moe", check_ids, topk_ids):
             _check_fused_ids(w1, topk_ids, expert_map, num_shared_experts)
         return run(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
 
@@ -172,7 +182,8 @@ def _fused_bind(hidden_states, w1, w2, topk_weights, topk_ids, activation, dowei
 
 def _fused_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
                 num_shared_experts):  # fmt: skip
-    validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts)
+    validate_fused(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, num_shared_experts,
+                   doweight_stage1)  # fmt: skip
     return hidden_states.new_empty(hidden_states.shape)
 
 
@@ -197,20 +208,18 @@ def _grouped_error(msg: str, x, w, ids) -> ValueError:
 
 def _check_flat_topk(x, w, ids, topk) -> None:
     """Flat (T * topk,) ids are read as (T, topk): topk must be a positive int dividing their count."""
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int)):
-        raise TypeError(f"gemmtune.grouped_gemm: topk must be an int or None, got {topk!r}")
+    check_int("grouped_gemm", "topk", topk, lo=None, optional=True)
     if topk is None or topk < 1 or ids.numel() % topk:
         raise _grouped_error(f"flat expert_ids need topk dividing {ids.numel()} (got topk={topk})", x, w, ids)
 
 
-def validate_grouped(x, w, ids, topk: int | None, weights_transposed: bool) -> None:
+def validate_grouped(x, w, ids, topk: int | None, weights_transposed: bool, check_ids: bool | None = None) -> None:
+    op = "grouped_gemm"
     for name, t in (("input", x), ("weights", w), ("expert_ids", ids)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemmtune.grouped_gemm: {name} must be a tensor, got {type(t).__name__}")
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int)):
-        raise TypeError(f"gemmtune.grouped_gemm: topk must be an int or None, got {topk!r}")
-    if not isinstance(weights_transposed, bool):
-        raise TypeError(f"gemmtune.grouped_gemm: weights_transposed must be a bool, got {weights_transposed!r}")
+        check_tensor(op, name, t)
+    check_int(op, "topk", topk, lo=None, optional=True)  # its range depends on expert_ids: below
+    check_bool(op, "weights_transposed", weights_transposed)
+    check_bool(op, "check_ids", check_ids, optional=True)
     if x.dim() not in (2, 3) or w.dim() != 3:
         raise _grouped_error("input must be (tokens, K) or (tokens, topk, K), weights 3-D", x, w, ids)
     if ids.dtype not in _INTS or ids.dim() not in (1, 2):
@@ -297,26 +306,27 @@ def _grouped_runner(input, weights, topk: int, weights_transposed: bool):
 
 def _grouped_signature(input, weights, expert_ids, topk, weights_transposed, check_ids) -> tuple:
     return (input.shape, weights.shape, expert_ids.shape, input.dtype, weights.dtype, expert_ids.dtype,
-            input.device, weights.device, expert_ids.device, topk, weights_transposed)  # fmt: skip
+            input.device, weights.device, expert_ids.device, topk, topk.__class__, weights_transposed,
+            weights_transposed.__class__)  # fmt: skip
 
 
 def _grouped_validate(input, weights, expert_ids, topk, weights_transposed, check_ids) -> None:
-    validate_grouped(input, weights, expert_ids, topk, weights_transposed)
+    validate_grouped(input, weights, expert_ids, topk, weights_transposed, check_ids)
 
 
 def _grouped_bind(input, weights, expert_ids, topk, weights_transposed, check_ids):
     flat = expert_ids.dim() == 1  # (T * topk,) ids, read as (T, topk)
     T, k_top = (expert_ids.numel() // topk, topk) if flat else tuple(expert_ids.shape)
     E = weights.shape[0]
-    if T == 0:
+    if T == 0 or input.is_meta:  # nothing to compute, or shape inference
         n = weights.shape[1] if weights_transposed else weights.shape[2]
-        return lambda input, weights, expert_ids, check_ids: input.new_empty((0, k_top, n))
+        return lambda input, weights, expert_ids, check_ids: input.new_empty((T, k_top, n))
     run = _grouped_runner(input, weights, k_top, weights_transposed)
 
     def call(input, weights, expert_ids, check_ids):
         if flat:
             expert_ids = expert_ids.view(-1, k_top)
-        checked = _should_check(check_ids, expert_ids)
+        checked = _should_check("grouped_gemm", check_ids, expert_ids)
         if checked:
             check_expert_ids("grouped_gemm", expert_ids, E)
         return run(input, weights.transpose(1, 2) if weights_transposed else weights, expert_ids, checked)
@@ -348,6 +358,7 @@ def grouped_gemm(input: torch.Tensor, weights: torch.Tensor, expert_ids: torch.T
 def prepare_expert_weights(weights: torch.Tensor) -> torch.Tensor:
     """Experts (E, K, N) re-stored once as (E, N, K) memory, returned as the same (E, K, N) view: the
     layout torch._grouped_mm needs and the Triton kernels read fastest. Pass it to grouped_gemm as is."""
+    check_tensor("prepare_expert_weights", "weights", weights)
     if weights.dim() != 3:
         raise ValueError(f"gemmtune.prepare_expert_weights: weights must be (E, K, N), got {_d(weights)}")
     return weights.transpose(1, 2).contiguous().transpose(1, 2)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.quantized import BlockKey, QuantKey
 from ..quant.formats import BLOCK, QUANT_DTYPES, SCALE_DTYPE
 from ..quant.shuffle import is_shuffled
 from .hot_path import public_op, spelling_of
 
-_OUT = (torch.float16, torch.bfloat16, torch.float32)
+_OUT = FLOAT_DTYPES
 _dispatcher = get_dispatcher()
 
 
@@ -43,8 +44,8 @@ def _check_common(op, XQ, WQ, x_scale, w_scale, bias, dtype) -> tuple[int, int, 
     """(M, N, K) after the checks every 8-bit op shares; raises naming the offending argument."""
     named = dict(XQ=XQ, WQ=WQ, x_scale=x_scale, w_scale=w_scale, bias=bias)
     for n, t in named.items():
-        if not isinstance(t, torch.Tensor) and not (n == "bias" and t is None):
-            raise TypeError(f"gemmtune.{op}: {n} must be a tensor, got {type(t).__name__}")
+        check_tensor(op, n, t, optional=n == "bias")
+    check_dtype(op, "dtype", dtype)  # which ones: below, with the shapes
     if XQ.dim() < 1 or WQ.dim() != 2:
         raise _error(op, "XQ must be [..., K] and WQ [N, K]", **named)
     k = XQ.shape[-1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import FLOAT_DTYPES, check_choice, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.sparse import ALIASES, LAYOUTS, PATTERNS, SparseKey, density_bucket
 from ..quant.semi_structured import describe, is_semi_structured, prune_2_4, semi_structured_reason
@@ -25,7 +26,7 @@ from .hot_path import public_helper, public_op
 __all__ = ["normalize_pattern", "prune_2_4", "semi_structured_reason", "sparse_gemm", "validate"]
 
 FAMILY = "sparse"
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_FLOATS = FLOAT_DTYPES
 _dispatcher = get_dispatcher()
 
 
@@ -45,19 +46,14 @@ _HOW = {
 def normalize_pattern(pattern) -> str:
     p = ALIASES.get(pattern, pattern) if isinstance(pattern, str) else pattern
     if p not in PATTERNS:
-        raise ValueError(
-            f"gemmtune.sparse_gemm: unknown sparsity_pattern {pattern!r} "
-            "(expected 'csr', 'coo', 'block' / 'bsr' or '2:4')"
-        )
+        check_choice("sparse_gemm", "sparsity_pattern", pattern, (*PATTERNS, *ALIASES))  # raises naming them
     return p
 
 
 def validate(x, w, bias, pattern: str) -> None:
-    for name, t in (("input", x), ("weight", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemmtune.sparse_gemm: {name} must be a tensor, got {type(t).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"gemmtune.sparse_gemm: bias must be a tensor or None, got {type(bias).__name__}")
+    check_tensor("sparse_gemm", "input", x)
+    check_tensor("sparse_gemm", "weight", w)
+    check_tensor("sparse_gemm", "bias", bias, optional=True)
     if pattern == "2:4":
         if not is_semi_structured(w):
             raise _error(f"sparsity_pattern '2:4' needs a SparseSemiStructuredTensor ({_HOW['2:4']})", x, w, bias)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..checks import bad, check_bool, check_callable, check_int, check_path
 from ..device import default_device
 from ..errors import missing_extra
 from .breakdown import SCRIPT, STEP, analyze
@@ -25,8 +26,19 @@ from .report import Profile
 from .timeline import build
 
 
-def _cuda_in_use(device) -> bool:
-    return (torch.device(device) if device is not None else default_device()).type == "cuda"
+def _cuda_in_use(device, fn: str) -> bool:
+    """Whether `device` (None: the default one) profiles CUDA; a device other than cpu / cuda is refused."""
+    if device is None:
+        return default_device().type == "cuda"
+    named = isinstance(device, (str, torch.device))
+    kind = None
+    if named:
+        with contextlib.suppress(RuntimeError):
+            kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise bad(fn, "device", "'cuda', 'cpu', a torch.device of either or None", device,
+                  ValueError if named else TypeError)  # fmt: skip
+    return kind == "cuda"
 
 
 def _activities(cuda: bool):
@@ -66,9 +78,15 @@ def profile(
     gemmtune.gemm calls by their key (adds a profiler range, ~1-2 us host time, per call).
     trace: write the chrome trace there.
     """
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"profile: iters must be >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
-    cuda = _cuda_in_use(device)
+    check_callable("profile", "fn", fn)
+    check_int("profile", "warmup", warmup, lo=0)
+    check_int("profile", "iters", iters, lo=1)
+    check_bool("profile", "annotate", annotate)
+    check_path("profile", "trace", trace, optional=True)
+    names = (*hints, *hints.values()) if isinstance(hints, dict) else (None,)
+    if hints is not None and not all(isinstance(v, str) for v in names):
+        raise bad("profile", "hints", "a dict of kernel name -> category (str -> str) or None", hints, TypeError)
+    cuda = _cuda_in_use(device, "profile")
     for _ in range(warmup):
         fn()
     _sync(cuda)
@@ -120,7 +138,7 @@ def profile_script(command: list[str], *, device=None, trace: str | None = None,
     that fails importing the package of a gemmtune extra (transformers ...) raises MissingExtraError.
     """
     kind, target, argv = _script_argv(command)
-    cuda = _cuda_in_use(device)
+    cuda = _cuda_in_use(device, "profile_script")
     from torch.profiler import profile as tprofile
 
     old_argv, old_path = sys.argv, list(sys.path)

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from ..checks import check_bool
 from ..device import NVIDIA, capability, vendor
 
 
@@ -79,6 +80,7 @@ def prune_2_4(weight: torch.Tensor, compress: bool = True):
     compress=True returns a SparseSemiStructuredTensor for sparse_gemm(..., '2:4') (NVIDIA sm80+,
     fp16/bf16, N and K multiples of 64; a clear ValueError elsewhere); compress=False the pruned dense
     tensor (any device), e.g. to measure the error or to keep a dense twin."""
+    check_bool("prune_2_4", "compress", compress)
     if not isinstance(weight, torch.Tensor) or weight.layout != torch.strided or weight.dim() != 2:
         raise ValueError(f"gemmtune.prune_2_4: weight must be a dense 2-D [N, K] tensor, got {describe(weight)}")
     if weight.shape[1] % 4:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.base import Solution
+from ..checks import check_bool, check_choice, check_int, check_list, check_number, check_str
 from ..families import Family
 from .timing import bench_gemm
 
@@ -65,6 +66,19 @@ class TuneOptions:
     # tune --from (donor.py): key -> the donor table's picks for it; a key without any gets the full
     # search. None: every key gets the full search.
     donor: dict | None = None
+
+    def __post_init__(self):
+        fn = "tuner.TuneOptions"
+        check_list(fn, "libtypes", self.libtypes, check_str, optional=True)
+        check_number(fn, "err_ratio", self.err_ratio, lo=0, lo_open=True, optional=True)
+        check_number(fn, "min_gain", self.min_gain, lo=0)
+        for name in ("top", "screen_reps", "reps", "batch"):
+            check_int(fn, name, getattr(self, name))
+        check_int(fn, "seed", self.seed, lo=None)
+        check_bool(fn, "verify_range", self.verify_range)
+        check_number(fn, "budget_s", self.budget_s, lo=0, lo_open=True, optional=True)
+        check_choice(fn, "search", self.search, SEARCHES)
+        check_int(fn, "stage_limit", self.stage_limit, optional=True)
 
 
 @dataclass

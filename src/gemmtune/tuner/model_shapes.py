@@ -62,10 +62,21 @@ class LinearShape:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+def _nests_text_config(config: dict) -> bool:
+    """Whether the language model's sizes are under text_config: a multimodal wrapper (Gemma 3, Llama 4 ...),
+    named by model_type or architectures, or a model type gemmtune does not read itself. A text model's own
+    sizes win over a stray text_config."""
+    mt = config.get("model_type")
+    if mt is None:
+        types = [_CLASS_TO_TYPE[c] for c in config.get("architectures") or [] if c in _CLASS_TO_TYPE]
+        mt = types[0] if types else None
+    return mt not in ARCHITECTURES or mt in NESTING_TYPES
+
+
 def text_config(config: dict) -> dict:
     """The language model's config: multimodal configs (Gemma 3, Llama 4 ...) keep it under text_config."""
     inner = config.get("text_config")
-    if isinstance(inner, dict):
+    if isinstance(inner, dict) and _nests_text_config(config):
         merged = {k: v for k, v in config.items() if k != "text_config"}
         merged.update(inner)
         if "model_type" in inner:
@@ -119,6 +130,11 @@ def _attention(cfg: dict, tp: int, qkv_bias: bool, o_bias: bool, layers: int) ->
     hidden = _req(cfg, "hidden_size")
     heads = _req(cfg, "num_attention_heads")
     kv = _opt(cfg, "num_key_value_heads", heads)
+    if heads % kv:
+        raise ModelConfigError(
+            f"model config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} "
+            "(each KV head serves a whole group of query heads)"
+        )
     head_dim = _opt(cfg, "head_dim", hidden // heads)
     if head_dim < 1:
         raise ModelConfigError(f"model config: hidden_size={hidden} / num_attention_heads={heads} gives head_dim 0")
@@ -318,6 +334,8 @@ ARCHITECTURES = {
     "granitemoe": _routed_moe("num_local_experts", "intermediate_size"),
     "glm4_moe": _glm4_moe,
 }
+# Model types above whose config is a multimodal wrapper: the language model's sizes are in text_config.
+NESTING_TYPES = frozenset({"gemma3"})
 # The `architectures` class names that map onto the model types above (configs without model_type).
 _CLASS_TO_TYPE = {
     "LlamaForCausalLM": "llama",

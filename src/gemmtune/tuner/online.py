@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from .. import backends
+from ..checks import check_number, check_path
 from ..device import identity
 from ..dispatch import get_dispatcher
 from ..errors import EnvVarError, OutputFileError, ReadOnlyPathError
@@ -137,11 +137,10 @@ def from_env(environ):
                           f"{DEFAULT_BUDGET_S:g})")  # fmt: skip
     libs = [s.strip() for s in environ.get(LIBTYPES_ENV, "").split(",") if s.strip()] or None
     if libs:
-        known = {n for fam in backends.families_with_backends() for n in backends.all_backends(fam)}
-        unknown = [n for n in libs if n not in known]
+        unknown, known = online_common.unknown_libtypes(libs)
         if unknown:
             raise EnvVarError(f"{LIBTYPES_ENV}={environ.get(LIBTYPES_ENV)!r}: unknown backend(s) "
-                              f"{', '.join(unknown)} (known: {', '.join(sorted(known))})")  # fmt: skip
+                              f"{', '.join(unknown)} (known: {', '.join(known)})")  # fmt: skip
     mode = environ.get(MODE_ENV, "").strip().lower() or MODES[0]
     if mode not in MODES:
         raise EnvVarError(f"{MODE_ENV}={environ.get(MODE_ENV)!r}: expected one of {', '.join(MODES)} "
@@ -160,7 +159,9 @@ def set_online_tuning(path: str | None, budget_s: float | None = None, libtypes:
     """Python API for GEMMTUNE_TUNE_ONLINE: tune keys no table answers into `path` (None: off, whatever
     the variable says), in the background (mode="background", the default: the default serves the miss)
     or in the missing call (mode="blocking"); clears the runner caches. Returns the miss hook."""
-    check_libtypes(libtypes)
+    check_path("set_online_tuning", "path", path, optional=True)
+    check_number("set_online_tuning", "budget_s", budget_s, lo=0, lo_open=True, optional=True)
+    libtypes = check_libtypes(libtypes)
     mode = MODES[0] if mode is None else check_mode(mode)
     dispatcher = get_dispatcher()
     old = dispatcher._miss_hook

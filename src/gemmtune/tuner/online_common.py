@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 
 import torch
 
-from .. import families
+from .. import backends, families
 from ..capture import capture_path
+from ..checks import check_choice, check_list, check_number, check_path
 from ..configs.files import TUNED_TABLE, check_output, check_writable
 from ..errors import GemmtuneError
 from ..families import Family
@@ -18,6 +18,7 @@ from ..families import Family
 log = logging.getLogger("gemmtune")
 
 MODES = ("background", "blocking")  # the first is the default
+_API = "set_online_tuning"  # the public function whose arguments these checks name
 DEFAULT_BUDGET_S = 20.0
 
 
@@ -41,29 +42,33 @@ def verdict(res) -> str:
     return "default kept" if res.kept_default else f"{res.winner.name}, {res.speedup:.2f}x"
 
 
-def check_libtypes(libtypes) -> None:
-    if libtypes is not None and (isinstance(libtypes, str) or not all(isinstance(x, str) for x in libtypes)):
-        raise TypeError(
-            f"gemmtune.set_online_tuning: libtypes must be a list of backend names or None, got {libtypes!r}"
-        )
+def unknown_libtypes(libtypes: list[str]) -> tuple[list[str], list[str]]:
+    """(the names in `libtypes` no family has a backend of, every backend name known)."""
+    known = sorted({n for fam in backends.families_with_backends() for n in backends.all_backends(fam)})
+    return [n for n in libtypes if n not in known], known
+
+
+def check_libtypes(libtypes) -> list[str] | None:
+    """None, or a list of backend names each of which some family has (as GEMMTUNE_TUNE_ONLINE_LIBTYPES)."""
+    if libtypes is None:
+        return None
+    known = tuple(unknown_libtypes([])[1])
+    return check_list(
+        _API, "libtypes", libtypes, lambda fn, name, lib: check_choice(fn, name, lib, known), optional=True
+    )
 
 
 def check_mode(mode) -> str:
-    if mode not in MODES:
-        raise ValueError(f"gemmtune.set_online_tuning: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
+    return check_choice(_API, "mode", mode, MODES)
 
 
 class OnlineSettings:
     """Where rows go and how long a key may take: what both modes share."""
 
     def __init__(self, path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str] | None = None):
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"gemmtune.set_online_tuning: path must be a str or None, got {type(path).__name__}")
-        check_libtypes(libtypes)
-        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
-            raise ValueError(f"gemmtune.set_online_tuning: budget_s must be a positive number of seconds, "
-                             f"got {budget_s!r}")  # fmt: skip
+        path = check_path(_API, "path", path)
+        libtypes = check_libtypes(libtypes)
+        check_number(_API, "budget_s", budget_s, lo=0, lo_open=True)  # seconds
         self.path = os.path.abspath(path)
         self.budget_s = budget_s
         self.libtypes = libtypes

@@ -20,7 +20,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..capture import read_shape_list
+from ..checks import check_int, check_list, check_path, check_str
 from ..device import DeviceIdentity, identity
+from ..errors import NoShapesError
 from ..families import Family
 from .compile_ahead import CompileAhead
 from .donor import check_donor_path, read_donor
@@ -89,7 +91,12 @@ def run_inprocess(keys: list, device: torch.device, opts: TuneOptions, log: Call
 def load_keys(shapes_path: str, family: str | None = None, ms: list[int] | None = None) -> tuple[Family, list]:
     """The shape list's family and keys, in file order (ShapesFileError names file and line); with `ms`,
     every shape of the list at each of those Ms instead of the list's own."""
+    check_path("tuner.load_keys", "shapes_path", shapes_path)
+    check_str("tuner.load_keys", "family", family, optional=True)
+    check_list("tuner.load_keys", "ms", ms, check_int, optional=True)
     fam, keyed = read_shape_list(shapes_path, family)
+    if not keyed:
+        raise NoShapesError(f"{shapes_path} has no shapes (a header alone: nothing to tune)")
     keys = [k for k, _ in keyed]
     if ms:
         shapes = dict.fromkeys(fam.with_m(k, 1) for k in keys)
