@@ -19,6 +19,7 @@ LAYERS = {
     "concurrency": 0,  # once-only initialization and fork handling for every lazy registry
     "device": 1,
     "plugins": 1,
+    "child_process": 1,  # the processes gemmtune starts: its own entry point, never the caller's __main__
     "quant": 2,
     "kernels": 3,  # Triton kernels and their plain-PyTorch references
     "families": 4,  # one module per GEMM family: keys, schemas, references, default policy

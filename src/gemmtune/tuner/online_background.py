@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
 
+from .. import child_process
 from ..configs.schema import TunedRow
 from ..device import identity
 from ..dispatch import get_dispatcher
@@ -86,6 +89,7 @@ class BackgroundTuner:
         self.failed: list[tuple] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
+        _tuners.add(self)
         # Under torch.distributed rows are adopted only at sync_online_rows (online_distributed.py), by
         # every rank at once: misses are kept here to be shared there, and tuned by one rank.
         self.lockstep = False
@@ -145,15 +149,28 @@ class BackgroundTuner:
                 return False
             self._seen.add(tag)
             self.waiting.append((key, family, device, dispatcher))
-            if len(self._threads) < self.jobs:
-                t = threading.Thread(target=self._work, name=f"gemmtune-online-{len(self._threads)}", daemon=True)
-                self._threads.append(t)
-                t.start()
+            self._start_threads()
             self._cond.notify()
         log.info("gemmtune: queued %s for online tuning (%d waiting)", family.describe(key), len(self.waiting))
         return True
 
     # ---- the background threads -----------------------------------------------------------------
+    def _start_threads(self) -> None:
+        """Start threads up to `jobs` for the keys waiting (the condition is held)."""
+        while len(self._threads) < min(self.jobs, len(self.waiting) + len(self.running)) and not self._closed:
+            t = threading.Thread(target=self._work, name=f"gemmtune-online-{len(self._threads)}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child has none of the parent's threads, and its locks may be held by them: it starts
+        clean, and the keys the parent was tuning wait here again, so this process gets their rows too
+        (its runner caches hold the default for them: it never misses them again)."""
+        self._cond = threading.Condition()
+        self.waiting.extendleft(reversed(self.running))
+        self.running = []
+        self._threads = []
+
     def _work(self) -> None:
         while True:
             with self._cond:
@@ -182,6 +199,8 @@ class BackgroundTuner:
             row = result_row(res, identity(device), family)
         except Exception as exc:  # noqa: BLE001 - the server goes on with the default
             self.failed.append(key)
+            if child_process.exiting():
+                return  # the process is ending and took the worker with it: nothing went wrong
             log.warning("gemmtune: online tuning of %s failed (%s: %s); the default serves it",
                         family.describe(key), type(exc).__name__, exc)  # fmt: skip
             return
@@ -201,6 +220,7 @@ class BackgroundTuner:
         """Block until nothing is waiting or running (True), or `timeout` seconds pass (False). For
         tests, benchmarks and warm-up scripts; a server never needs to call it."""
         with self._cond:
+            self._start_threads()  # keys inherited over a fork wait for a thread of this process
             return self._cond.wait_for(lambda: not self.waiting and not self.running, timeout)
 
     def close(self) -> None:
@@ -209,3 +229,14 @@ class BackgroundTuner:
             self._closed = True
             self.waiting.clear()
             self._cond.notify_all()
+
+
+_tuners: weakref.WeakSet[BackgroundTuner] = weakref.WeakSet()
+
+
+def _reset_tuners_in_fork_child() -> None:
+    for tuner in list(_tuners):
+        tuner._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_tuners_in_fork_child)

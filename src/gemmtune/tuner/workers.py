@@ -1,7 +1,8 @@
 """Tuning in worker processes, so a candidate that crashes or hangs ends a worker, not the run.
 
-One spawned process per GPU (or per CPU worker on a CPU machine), fed one key at a time through a
-pipe. Before each step (a candidate's check, a timing group) the worker sends a heartbeat naming the
+One process per GPU (or per CPU worker on a CPU machine), fed one key at a time through a pipe; each is
+a fresh interpreter running this module (child_process), never a re-import of the caller's main module.
+Before each step (a candidate's check, a timing group) the worker sends a heartbeat naming the
 candidates in flight, synchronously, so when the worker dies (segfault, os._exit, a CUDA error that
 kills the context) or stays silent longer than `timeout`, the parent knows which candidate did it:
 that candidate is recorded as crashed/timeout, the worker is restarted, and the key is tuned again
@@ -12,7 +13,6 @@ candidate per group, which pins the culprit down on the next failure.
 from __future__ import annotations
 
 import collections
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+from .. import child_process
 from ..plugins import PLUGINS_ENV, import_plugins
 from .candidates import CRASHED, TIMEOUT, DeviceLostError, TuneOptions
 from .search import tune_shape
@@ -87,7 +88,8 @@ class Lost:
 
 
 # ---- the worker process -----------------------------------------------------------------------------
-def _worker_main(wid: int, device_str: str, opts: TuneOptions, conn, plugins: str, verbose: bool) -> None:
+def worker_main(conn, wid: int, device_str: str, opts: TuneOptions, plugins: str, verbose: bool) -> None:
+    """The worker process: tune each Task received until None comes."""
     os.environ[PLUGINS_ENV] = plugins
     import_plugins()
     device = torch.device(device_str)
@@ -115,14 +117,11 @@ def _worker_main(wid: int, device_str: str, opts: TuneOptions, conn, plugins: st
 
 
 class _Worker:
-    def __init__(self, ctx, wid: int, device: str, opts: TuneOptions, verbose: bool):
+    def __init__(self, wid: int, device: str, opts: TuneOptions, verbose: bool):
         self.wid, self.device = wid, device
-        parent, child = ctx.Pipe()
-        self.conn = parent
-        args = (wid, device, opts, child, os.environ.get(PLUGINS_ENV, ""), verbose)
-        self.proc = ctx.Process(target=_worker_main, args=args, daemon=True)
-        self.proc.start()
-        child.close()
+        self.proc = child_process.start(f"{__name__}:worker_main", wid, device, opts,
+                                        os.environ.get(PLUGINS_ENV, ""), verbose)  # fmt: skip
+        self.conn = self.proc.conn
         self.ready = False
         self.started = time.monotonic()
         self.task: Task | None = None
@@ -136,10 +135,7 @@ class _Worker:
         self.conn.send(task)
 
     def stop(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
+        self.proc.close()
 
     def drain(self, log) -> list:
         """Handle every message waiting; return the finished results / failures."""
@@ -218,9 +214,8 @@ def _on_worker_loss(w: _Worker, hung: bool, timeout: float, pending, log, bans: 
 
 
 def start_workers(device: torch.device, opts: TuneOptions, n: int, verbose: bool) -> list[_Worker]:
-    """Spawn `n` tuning workers; each imports torch and takes its device, then waits for keys."""
-    ctx = mp.get_context("spawn")
-    return [_Worker(ctx, i, d, opts, verbose) for i, d in enumerate(worker_devices(device, n))]
+    """Start `n` tuning workers; each imports torch and takes its device, then waits for keys."""
+    return [_Worker(i, d, opts, verbose) for i, d in enumerate(worker_devices(device, n))]
 
 
 def stop_workers(workers: list[_Worker]) -> None:
@@ -240,7 +235,6 @@ def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: 
     """Yield ShapeResult / ShapeFailure for each key, tuned by `n` worker processes (`workers`: already
     started by start_workers, e.g. while the kernels compiled; this generator stops them at its end)."""
     m_lo = m_lo or {}
-    ctx = mp.get_context("spawn")
     workers = workers if workers is not None else start_workers(device, opts, n, verbose)
     for w in workers:  # the startup timeout counts from here: a precompile may have run beside the start
         w.started = time.monotonic()
@@ -278,7 +272,7 @@ def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: 
                 if dead or hung:
                     item = _on_worker_loss(w, hung, timeout, pending, log, bans, describe)
                     w.stop()
-                    workers[i] = _Worker(ctx, w.wid, w.device, opts, verbose)
+                    workers[i] = _Worker(w.wid, w.device, opts, verbose)
                     if item is not None:
                         yield item
     finally:

@@ -8,6 +8,7 @@ kernels/triton_gemm.py) with solidx its crc, so a table row means the same kerne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -16,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from ... import child_process
 from ...device import facts
 from ...kernels._common import pdl_enabled
 from ...kernels.tile_config import GemmTileConfig
@@ -286,16 +288,14 @@ def _compile_one(args):
 
 def compile_streaming(items: list[CompileItem], device: torch.device, workers: int,
                       on_done: Callable[[int, list, float, int], None]) -> None:  # fmt: skip
-    """Build `items` in one spawned pool of `workers` processes, handed out one at a time in list order (so
-    the first items are done first, whatever each costs), calling on_done(number in the list, failures,
-    seconds, process id) as each finishes. Returns when all are done."""
-    import multiprocessing as mp
-
-    if not items:
-        return
-    with mp.get_context("spawn").Pool(max(1, min(workers, len(items)))) as pool:
-        args = [(i, item, str(device)) for i, item in enumerate(items)]
-        for number, failed, seconds, pid in pool.imap_unordered(_compile_one, args, chunksize=1):
+    """Build `items` in `workers` processes (child_process: gemmtune's own entry, never the caller's main
+    module), handed out one at a time in list order (so the first items are done first, whatever each
+    costs), calling on_done(number in the list, failures, seconds, process id) as each finishes. Returns
+    when all are done."""
+    args = [(i, item, str(device)) for i, item in enumerate(items)]
+    results = child_process.map_unordered(f"{__name__}:_compile_one", args, workers)
+    with contextlib.closing(results):  # on_done may raise (a cancel): the processes end then, not at GC
+        for number, failed, seconds, pid in results:
             on_done(number, failed, seconds, pid)
 
 
