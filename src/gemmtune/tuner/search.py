@@ -32,7 +32,6 @@ against the family's default.
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 import zlib
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import backends, families
-from ..backends.base import Backend, Runner, Solution
+from ..backends.base import Backend, Runner, Solution, compile_items_of
 from ..families import Family
 from .candidates import (
     FAILED,
@@ -634,17 +633,6 @@ class CompileScope:
             return None
 
 
-def _compile_items_of(backend: Backend) -> Callable | None:
-    """A backend's `compile_items(jobs, scope=None) -> [(kernel name, key) or (name, key, builder class)]`
-    (a method, or its module's function), if it can compile ahead of time; `scope` is the tune's
-    CompileScope, for backends that also compile what the range verification runs. An item names the
-    key of the first job that needs its kernel (or that key at a stand-in M): ahead_items ranks it so."""
-    fn = getattr(backend, "compile_items", None)
-    if fn is None:
-        fn = getattr(importlib.import_module(type(backend).__module__), "compile_items", None)
-    return fn
-
-
 def _candidate_jobs(bname: str, backend: Backend, key, device: torch.device, plan: DonorPlan | None) -> list:
     """Every (solution, key) of the backend a tune of `key` times here (_offered)."""
     try:
@@ -709,7 +697,7 @@ def ahead_items(
     chosen = select_backends(device, opts.libtypes, family)
     plans = [_plan_or_none(fam, k, device, opts, chosen) if opts.donor is not None else None for k in keys]
     for name, backend in chosen.items():
-        fn = _compile_items_of(backend)
+        fn = compile_items_of(backend)
         if fn is None:
             continue
         per_key = [_candidate_jobs(name, backend, k, device, plan) for k, plan in zip(keys, plans)]
