@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 import gemmtune
-from gemmtune import backends
+from gemmtune import backends, families
 from gemmtune.backends.a16w16.pytorch import TorchBackend
 from gemmtune.backends.base import Solution, stable_solidx
 from gemmtune.capture import key_to_record
@@ -50,7 +50,7 @@ PLUGIN = textwrap.dedent(
     """
     import json, os, time
     import torch.nn.functional as F
-    from gemmtune import backends
+    from gemmtune import backends, families
     from gemmtune.backends.a16w16.pytorch import TorchBackend
     from gemmtune.backends.base import Backend, Solution, stable_solidx
 
@@ -524,6 +524,28 @@ def test_the_precompile_builds_only_what_a_donor_tune_times(tiles):
     assert names(TuneOptions(libtypes=["tiles"])) == set(GRID)
     other = {it.name for _, it in ahead_items([OTHER], CPU, TuneOptions(libtypes=["tiles"], donor=picks))}
     assert other == set(GRID)  # a key the donor lacks: the full search's kernels
+
+
+def test_the_precompile_lists_no_candidates_of_a_backend_that_compiles_nothing(algos_default, monkeypatch):
+    """A library's candidate list costs a heuristic query and a check per algorithm, and the precompile
+    has nothing to build from it; the tune itself lists it (the default's neighbourhood)."""
+    from gemmtune.tuner.search import ahead_items, donor_plan
+
+    algos = backends.get("algos")
+    listed = []
+
+    def candidates(key, device):
+        listed.append(key)
+        return type(algos).candidates(algos, key, device)
+
+    monkeypatch.setattr(algos, "candidates", candidates)
+    pick = lambda lib, name: donor_mod.DonorPick(lib, name, stable_solidx(name), 0, 9.0, "gfx942", 304)  # noqa: E731
+    picks = {KEY: (pick("tiles", PICK), pick("algos", "al_a1_c2"))}
+    opts = TuneOptions(libtypes=["tiles", "algos"], donor=picks)
+    items = ahead_items([KEY], CPU, opts)
+    assert {it.name for _, it in items} == {PICK} | PICK_NEIGHBOURS and listed == []
+    plan, _ = donor_plan(families.get("a16w16"), KEY, CPU, opts, {n: backends.get(n) for n in opts.libtypes})
+    assert listed and {s.kernel_name for _, s in plan.by_backend["algos"]} > {"al_a1_c2", "al_a1_c3_fa"}
 
 
 def test_a_fleet_reads_the_donor_on_rank_0_and_tunes_from_it(tiles, tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ own candidate list here, so every one can run; at most MAX_NEAR per key in all, 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -192,10 +193,13 @@ class DonorPlan:
 
 
 def plan_for(picks: tuple[DonorPick, ...], key, device: torch.device, chosen: dict[str, Backend],
-             default: Solution) -> DonorPlan:  # fmt: skip
+             default: Solution, listed: Collection[str] | None = None) -> DonorPlan:  # fmt: skip
     """The donor's solutions for `key` that run here among the `chosen` backends, and the neighbours of
     them and of the `default` (when its backend is chosen) among each backend's candidates for `key`
-    (module doc; a backend that cannot list them adds none)."""
+    (module doc; a backend that cannot list them adds none). `listed`: the backends whose neighbours
+    are wanted (None: all; the precompile lists only those that compile, and a library's candidate list
+    costs a heuristic query and a check per algorithm); the others' short lists hold their donor
+    solutions alone."""
     plan = DonorPlan()
     seen: set[tuple[str, str]] = {(default.libtype, default.kernel_name)}  # the default is timed anyway
     origins: dict[str, list[Solution]] = {}
@@ -225,6 +229,8 @@ def plan_for(picks: tuple[DonorPick, ...], key, device: torch.device, chosen: di
     cheap: list[tuple[str, Solution]] = []
     for bname, sols in origins.items():
         backend = chosen[bname]
+        if listed is not None and bname not in listed:
+            continue
         try:
             offered = [s for s in backend.candidates(key, device) if backend.supports(s, key, device)]
         except Exception:  # noqa: BLE001 - the donor's own solution is still timed

@@ -161,15 +161,16 @@ def _offered(bname: str, backend: Backend, key, device, plan: DonorPlan | None) 
     return [("", s) for s in backend.candidates(key, device) if backend.supports(s, key, device)]
 
 
-def donor_plan(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend]) -> tuple[DonorPlan | None, str]:
+def donor_plan(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend],
+               listed=None) -> tuple[DonorPlan | None, str]:  # fmt: skip
     """A donor tune's plan for `key` (None: not a donor tune, or the full search) and, for the full
-    search, why."""
+    search, why; `listed`: the backends whose short lists are wanted (donor.plan_for)."""
     if opts.donor is None:
         return None, ""
     picks = opts.donor.get(key)
     if not picks:
         return None, "no donor row"
-    plan = plan_for(picks, key, device, chosen, backends.default(fam.name, key, device)[1])
+    plan = plan_for(picks, key, device, chosen, backends.default(fam.name, key, device)[1], listed)
     if not plan.usable:
         return None, f"no donor solution runs here ({'; '.join(plan.unusable)})"
     return plan, ""
@@ -641,9 +642,10 @@ def _candidate_jobs(bname: str, backend: Backend, key, device: torch.device, pla
         return []
 
 
-def _plan_or_none(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend]) -> DonorPlan | None:
+def _plan_or_none(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend],
+                  listed) -> DonorPlan | None:  # fmt: skip
     try:
-        return donor_plan(fam, key, device, opts, chosen)[0]
+        return donor_plan(fam, key, device, opts, chosen, listed)[0]
     except Exception:  # noqa: BLE001 - tune_shape reports it per shape
         return None
 
@@ -695,7 +697,9 @@ def ahead_items(
     per_backend = []
     needs: dict = {}  # (builder, kernel name, shape) -> the first key listing it
     chosen = select_backends(device, opts.libtypes, family)
-    plans = [_plan_or_none(fam, k, device, opts, chosen) if opts.donor is not None else None for k in keys]
+    compiling = {n for n, b in chosen.items() if compile_items_of(b) is not None}  # only these are listed
+    plans = [_plan_or_none(fam, k, device, opts, chosen, compiling) if opts.donor is not None else None
+             for k in keys]  # fmt: skip
     for name, backend in chosen.items():
         fn = compile_items_of(backend)
         if fn is None:
