@@ -3,7 +3,9 @@ scripted timings (a virtual clock: a kernel's delay advances it without waiting,
 
 The `tiles` plugin backend offers a 3x3 grid of configs, `tl_bm{32,64,128}_s{2,3,4}`, each as slow as
 TILE_DELAYS says (virtual seconds; 0.03 for any config it does not name), and slows the default by
-TILE_DEFAULT_DELAY, in workers too."""
+TILE_DEFAULT_DELAY, in workers too; it compiles its kernels ahead (compile_items), as Triton's do. The
+`algos` plugin backend stands for a library (cuBLASLt): ready-made kernels (no compile_items), listed
+in its heuristic's order per mode (plain, then `_fa`), each as slow as TILE_DELAYS says (0.03 else)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 import gemmtune
-from gemmtune import backends
+from gemmtune import backends, families
 from gemmtune.backends.a16w16.pytorch import TorchBackend
 from gemmtune.backends.base import Solution, stable_solidx
 from gemmtune.capture import key_to_record
@@ -48,7 +50,7 @@ PLUGIN = textwrap.dedent(
     """
     import json, os, time
     import torch.nn.functional as F
-    from gemmtune import backends
+    from gemmtune import backends, families
     from gemmtune.backends.a16w16.pytorch import TorchBackend
     from gemmtune.backends.base import Backend, Solution, stable_solidx
 
@@ -90,6 +92,9 @@ PLUGIN = textwrap.dedent(
         def supports(self, solution, key, device):
             return True
 
+        def compile_items(self, jobs, scope=None):
+            return [(sol.kernel_name, key) for sol, key in jobs]
+
         def make_runner(self, sol, key, device):
             wait = json.loads(os.environ.get("TILE_DELAYS", "{}")).get(sol.kernel_name, 0.03)
 
@@ -99,6 +104,21 @@ PLUGIN = textwrap.dedent(
                 return F.linear(x, w, b).to(key.outdtype)
 
             return run
+
+
+    # the heuristic's order: the first of each mode is its best guess
+    ALGOS = [f"al_a{a}_c{c}{fa}" for fa in ("", "_fa") for a, c in ((1, 3), (1, 2), (2, 0), (1, 0), (1, 1))]
+
+
+    class Algos(Tiles):
+        name = "algos"
+        compile_items = None  # a library's kernels: nothing to compile
+
+        def candidates(self, key, device):
+            return [Solution("algos", n, stable_solidx(n)) for n in ALGOS]
+
+        def solution_from_row(self, solidx, kernel_name, splitk):
+            return Solution("algos", kernel_name, stable_solidx(kernel_name)) if kernel_name in ALGOS else None
 
 
     def _slow_default(make):
@@ -119,6 +139,7 @@ PLUGIN = textwrap.dedent(
     if not getattr(TorchBackend.make_runner, "tiles_slowed", False):
         TorchBackend.make_runner = _slow_default(TorchBackend.make_runner)
     backends.register(Tiles())
+    backends.register(Algos())
     """
 )
 
@@ -139,6 +160,7 @@ def tiles(tmp_path, monkeypatch, virtual_clock):
 
     yield tiles_backend
     backends._registry.pop(("a16w16", "tiles"), None)
+    backends._registry.pop(("a16w16", "algos"), None)
     sys.modules.pop("tiles_backend", None)
 
 
@@ -340,8 +362,9 @@ def _sols(names):
     return [Solution("triton", n, stable_solidx(n)) for n in names]
 
 
-def test_neighbours_are_one_step_along_one_axis_of_the_name():
+def test_neighbours_are_one_step_along_one_axis_of_the_name_or_one_flag_toggled():
     base = "tg_bm128_bn128_bk64_g8_w8_s4_sk1"
+    tma = "tg_bm128_bn128_bk64_g8_w8_s4_sk1_tma"
     offered = _sols([
         "tg_bm64_bn128_bk64_g8_w8_s4_sk1",  # bm down
         "tg_bm32_bn128_bk64_g8_w8_s4_sk1",  # bm two steps down: not the nearest
@@ -350,17 +373,33 @@ def test_neighbours_are_one_step_along_one_axis_of_the_name():
         "tg_bm128_bn128_bk64_g8_w8_s4_sk2f",  # split-K up
         "tg_bm128_bn128_bk64_g8_w8_s4_sk2r",  # the same split in the other mode: one is enough
         "tg_bm64_bn256_bk64_g8_w8_s4_sk1",  # two axes at once
-        "tg_bm128_bn128_bk64_g8_w8_s4_sk1_tma",  # another variant (a field more)
+        tma,  # a flag added: one step
+        "tg_bm128_bn128_bk64_g8_w8_s3_sk1_tma",  # a flag added and a step: two
+        "tg_bm128_bn128_bk64_g8_w8_s4_sk1_pf_tma",  # two flags added
         base,
     ])  # fmt: skip
     got = [s.kernel_name for s in neighbours(Solution("triton", base, 0), offered)]
     assert set(got) == {"tg_bm64_bn128_bk64_g8_w8_s4_sk1", "tg_bm256_bn128_bk64_g8_w8_s4_sk1",
-                        "tg_bm128_bn128_bk64_g8_w8_s3_sk1", "tg_bm128_bn128_bk64_g8_w8_s4_sk2f"}  # fmt: skip
-    # one step of every axis before a second step of any, and never more than asked
-    assert got[:3] == ["tg_bm64_bn128_bk64_g8_w8_s4_sk1", "tg_bm128_bn128_bk64_g8_w8_s3_sk1",
+                        "tg_bm128_bn128_bk64_g8_w8_s3_sk1", "tg_bm128_bn128_bk64_g8_w8_s4_sk2f", tma}  # fmt: skip
+    # the toggles first, then one step of every axis before a second step of any, never more than asked
+    assert got[:4] == [tma, "tg_bm64_bn128_bk64_g8_w8_s4_sk1", "tg_bm128_bn128_bk64_g8_w8_s3_sk1",
                        "tg_bm128_bn128_bk64_g8_w8_s4_sk2f"]  # fmt: skip
     assert len(neighbours(Solution("triton", base, 0), offered, most=2)) == 2
     assert neighbours(Solution("torch", "native", 0), _sols(["native"]) + [Solution("torch", "mm_out_dtype", 1)]) == []
+
+
+def test_a_fast_accumulation_toggle_is_one_step_both_ways():
+    """cuBLASLt's a8w8 names: `_fa` added to or dropped from the default's algorithm is a neighbour."""
+    plain = "lt130100_a66_t20_s36_k1_r0_w0_c7_i0_cl2"
+    names = [plain, plain + "_fa", "lt130100_a66_t20_s36_k1_r0_w0_c0_i0_cl3_fa",  # three steps: no
+             "lt130100_a66_t20_s36_k1_r0_w0_c6_i0_cl2", "lt130100_a66_t20_s36_k1_r0_w0_c7_i0_cl3",
+             "lt130100_a66_t20_s36_k1_r0_w0_c6_i0_cl2_fa"]  # fmt: skip
+    offered = [Solution("blaslt", n, stable_solidx(n)) for n in names]
+    got = [s.kernel_name for s in neighbours(offered[0], offered)]
+    assert got[0] == plain + "_fa"
+    assert set(got) == {plain + "_fa", names[3], names[4]}
+    back = [s.kernel_name for s in neighbours(offered[1], offered)]
+    assert back[0] == plain and names[5] in back and names[2] not in back
 
 
 def test_neighbours_of_a_real_triton_config_come_from_its_candidate_list():
@@ -374,7 +413,7 @@ def test_neighbours_of_a_real_triton_config_come_from_its_candidate_list():
     assert all(s in offered for s in near)
 
 
-def test_a_donor_row_naming_the_default_times_nothing_else(tiles, tmp_path, monkeypatch):
+def test_a_donor_row_naming_the_default_times_only_the_defaults_neighbourhood(tiles, tmp_path, monkeypatch):
     delays(monkeypatch, **{PICK: 0.0})
     shapes = write_shapes(tmp_path / "shapes.csv", [KEY])
     donor = tmp_path / "donor.csv"
@@ -382,23 +421,131 @@ def test_a_donor_row_naming_the_default_times_nothing_else(tiles, tmp_path, monk
     report = tune_file(shapes, str(tmp_path / "new.csv"), OPTS, CPU, progress=False, log=lambda m: None,
                        donor=str(donor))  # fmt: skip
     res = report.results[0]
-    assert res.donor == DEFAULT_KEPT and not [c for c in res.candidates if c.libtype == "tiles"]
+    assert res.donor == DEFAULT_KEPT and {c.libtype for c in res.candidates} == {"torch"}
+
+
+# ---- the default's neighbourhood -------------------------------------------------------------------
+DEFAULT_ALGO = "al_a1_c3"  # the algos plugin's heuristic pick: the first of its list
+DEFAULT_NEAR = {"al_a1_c3_fa", "al_a1_c2"}  # its flag toggled, one step down its c axis
+LIBRARY_FIRST = {"al_a1_c2_fa"}  # the `_fa` mode's second pick (its first is the toggle above)
+
+
+@pytest.fixture
+def algos_default(tiles, monkeypatch):
+    """The family's default is the algos library's heuristic pick (as the a8w8 default is cuBLASLt's)."""
+    sol = Solution("algos", DEFAULT_ALGO, stable_solidx(DEFAULT_ALGO))
+    monkeypatch.setitem(backends._policies, "a16w16", lambda key, device: ("algos", sol))
+    return sol
+
+
+def test_a_neighbour_of_the_default_is_timed_and_wins_where_the_donor_never_looked(algos_default, tmp_path,
+                                                                                   monkeypatch):  # fmt: skip
+    """The donor names a Triton-like tile; the library's fast-accumulation twin of its default wins here."""
+    delays(monkeypatch, **{PICK: 0.02, DEFAULT_ALGO: 0.01, "al_a1_c3_fa": 0.0, "al_a1_c0": 0.0})
+    report, out = run_from(tmp_path, [KEY], {KEY: [(PICK, 9.0)]})
+    res = report.results[0]
+    assert res.default.kernel_name == DEFAULT_ALGO
+    assert res.donor == NEIGHBOUR and res.winner.kernel_name == "al_a1_c3_fa" and not res.kept_default
+    timed = {c.kernel_name for c in res.candidates if c.libtype == "algos"} - {DEFAULT_ALGO}
+    assert timed == DEFAULT_NEAR | LIBRARY_FIRST  # not al_a1_c0: as fast, but off the short list
+    assert {c.kernel_name for c in res.candidates if c.libtype == "tiles"} == {PICK} | PICK_NEIGHBOURS
+    assert read_table_file(str(out)).rows[0].kernel_name == "al_a1_c3_fa"
+
+
+def test_the_librarys_first_picks_are_timed_and_can_win(algos_default, tmp_path, monkeypatch):
+    delays(monkeypatch, **{PICK: 0.02, DEFAULT_ALGO: 0.01, "al_a1_c2_fa": 0.0})
+    report, _ = run_from(tmp_path, [KEY], {KEY: [(PICK, 9.0)]})
+    res = report.results[0]
+    assert res.donor == NEIGHBOUR and res.winner.kernel_name == "al_a1_c2_fa"
+
+
+def test_the_default_is_kept_where_its_neighbours_lose_too(algos_default, tmp_path, monkeypatch):
+    delays(monkeypatch, **{PICK: 0.02, DEFAULT_ALGO: 0.01})  # every other algo 0.03
+    report, _ = run_from(tmp_path, [KEY], {KEY: [(PICK, 9.0)]})
+    res = report.results[0]
+    assert res.donor == DEFAULT_KEPT and res.winner.kernel_name == DEFAULT_ALGO
+
+
+def test_a_compiling_backend_adds_no_first_picks_of_its_list(tiles, tmp_path, monkeypatch):
+    """tiles compiles its kernels: its list's first entries are no cheaper than any other, so only the
+    steps from the donor's pick are timed (GRID[0] is two steps from PICK)."""
+    delays(monkeypatch, **{PICK: 0.0})
+    report, _ = run_from(tmp_path, [KEY], {KEY: [(PICK, 9.0)]})
+    assert GRID[0] not in {c.kernel_name for c in report.results[0].candidates}
+
+
+class _Grid(TorchBackend):
+    """A backend of a 4-axis grid (3^4 configs) with a mode flag, compiling nothing; `lib` names it."""
+
+    name = "grid"
+    NAMES = [f"gr_a{a}_b{b}_c{c}_d{d}{fa}" for fa in ("", "_fa") for a in (1, 2, 3) for b in (1, 2, 3)
+             for c in (1, 2, 3) for d in (1, 2, 3)]  # fmt: skip
+
+    def candidates(self, key, device):
+        return [Solution("grid", n, stable_solidx(n)) for n in self.NAMES]
+
+    def solution_from_row(self, solidx, kernel_name, splitk):
+        return Solution("grid", kernel_name, stable_solidx(kernel_name))
+
+    def supports(self, solution, key, device):
+        return True
+
+
+def test_the_short_list_is_bounded_and_deterministic():
+    grid = _Grid()
+    picks = tuple(donor_mod.DonorPick("grid", n, stable_solidx(n), 0, 9.0 + i, "gfx942", 304)
+                  for i, n in enumerate(["gr_a2_b2_c2_d2", "gr_a1_b3_c2_d1_fa", "gr_a3_b1_c1_d3"]))  # fmt: skip
+    default = Solution("grid", "gr_a2_b2_c2_d1", 0)
+
+    def plan():
+        return donor_mod.plan_for(picks, KEY, CPU, {"grid": grid}, default)
+
+    first = plan()
+    entries = first.by_backend["grid"]
+    donors = [s.kernel_name for role, s in entries if role == donor_mod.DONOR]
+    near = [s.kernel_name for role, s in entries if role == donor_mod.NEAR]
+    assert donors == [p.kernel_name for p in picks]
+    # three origins' neighbours (each up to MAX_NEIGHBOURS) and the default's exceed the bound
+    assert len(near) == donor_mod.MAX_NEAR and len(set(near)) == len(near)
+    assert default.kernel_name not in near and not set(donors) & set(near)
+    assert plan().by_backend == first.by_backend  # the same list every time
+    one = donor_mod.neighbours(Solution("grid", "gr_a2_b2_c2_d2", 0), grid.candidates(KEY, CPU))
+    assert len(one) == donor_mod.MAX_NEIGHBOURS
+    firsts = donor_mod.library_first(grid.candidates(KEY, CPU))
+    assert [s.kernel_name for s in firsts] == grid.NAMES[:2] + grid.NAMES[81:83]  # per mode
 
 
 def test_the_precompile_builds_only_what_a_donor_tune_times(tiles):
     from gemmtune.tuner.search import ahead_items
 
-    def compile_items(jobs, scope=None):
-        return [(sol.kernel_name, key) for sol, key in jobs]
-
-    backend = backends.get("tiles")
-    backend.compile_items = compile_items  # an instance attribute: gone with the registry entry
     picks = {KEY: (donor_mod.DonorPick("tiles", PICK, stable_solidx(PICK), 0, 9.0, "gfx942", 304),)}
     names = lambda opts: {it.name for _, it in ahead_items([KEY, OTHER], CPU, opts) if it.key == KEY}  # noqa: E731
     assert names(TuneOptions(libtypes=["tiles"], donor=picks)) == {PICK} | PICK_NEIGHBOURS
     assert names(TuneOptions(libtypes=["tiles"])) == set(GRID)
     other = {it.name for _, it in ahead_items([OTHER], CPU, TuneOptions(libtypes=["tiles"], donor=picks))}
     assert other == set(GRID)  # a key the donor lacks: the full search's kernels
+
+
+def test_the_precompile_lists_no_candidates_of_a_backend_that_compiles_nothing(algos_default, monkeypatch):
+    """A library's candidate list costs a heuristic query and a check per algorithm, and the precompile
+    has nothing to build from it; the tune itself lists it (the default's neighbourhood)."""
+    from gemmtune.tuner.search import ahead_items, donor_plan
+
+    algos = backends.get("algos")
+    listed = []
+
+    def candidates(key, device):
+        listed.append(key)
+        return type(algos).candidates(algos, key, device)
+
+    monkeypatch.setattr(algos, "candidates", candidates)
+    pick = lambda lib, name: donor_mod.DonorPick(lib, name, stable_solidx(name), 0, 9.0, "gfx942", 304)  # noqa: E731
+    picks = {KEY: (pick("tiles", PICK), pick("algos", "al_a1_c2"))}
+    opts = TuneOptions(libtypes=["tiles", "algos"], donor=picks)
+    items = ahead_items([KEY], CPU, opts)
+    assert {it.name for _, it in items} == {PICK} | PICK_NEIGHBOURS and listed == []
+    plan, _ = donor_plan(families.get("a16w16"), KEY, CPU, opts, {n: backends.get(n) for n in opts.libtypes})
+    assert listed and {s.kernel_name for _, s in plan.by_backend["algos"]} > {"al_a1_c2", "al_a1_c3_fa"}
 
 
 def test_a_fleet_reads_the_donor_on_rank_0_and_tunes_from_it(tiles, tmp_path, monkeypatch):

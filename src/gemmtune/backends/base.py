@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -110,3 +111,16 @@ class Backend(ABC):
         from ..families import get
 
         return get(self.family).shape_family(key)
+
+
+def compile_items_of(backend: Backend) -> Callable | None:
+    """A backend's `compile_items(jobs, scope=None) -> [(kernel name, key) or (name, key, builder class)]`
+    (a method, or its module's function), if it can compile ahead of time: a backend whose kernels are
+    compiled before they run (Triton's) has one, a library's ready-made kernels (torch, cuBLASLt) none.
+    `scope` is the tune's CompileScope (tuner/search.py), for backends that also compile what the range
+    verification runs. An item names the key of the first job that needs its kernel (or that key at a
+    stand-in M)."""
+    fn = getattr(backend, "compile_items", None)
+    if fn is None:
+        fn = getattr(importlib.import_module(type(backend).__module__), "compile_items", None)
+    return fn

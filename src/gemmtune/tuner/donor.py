@@ -1,6 +1,7 @@
 """Tuning from a donor table (`gemmtune tune SHAPES --from DONOR.csv`): a table tuned on another GPU
 kind names, per key, a winner that most likely carries over; this GPU times only that winner, a few of
-its neighbours in its backend's solution space and the default, instead of every candidate.
+its neighbours in its backend's solution space, the default and a few of the default's neighbours,
+instead of every candidate.
 
 The donor's rows are matched by key alone (any gfx/cu_num; several rows of one key give every
 distinct solution they name). The search itself is the full tune's (search.py: check, screen, final
@@ -8,26 +9,38 @@ timing against the default with its noise rule, head-to-head, M-range verificati
 short list; a key the donor lacks, or whose donor solutions cannot run here, gets the full search.
 
 Neighbours: a solution's kernel name is read as `_`-separated fields, each a label with a number
-(`bm128`, `s4`, `sk2f`) or a literal (`tg`, `tma`). A candidate of the same backend for this key is a
-neighbour when its name differs from the donor's in exactly one numbered field: one step along one
-axis (tile sizes, warps, stages, split-K), the nearest value below and above on each axis, at most
-MAX_NEIGHBOURS in all. They come from the backend's own candidate list here, so every one can run.
+(`bm128`, `s4`, `sk2f`) or a literal (`tg`, `tma`, `fa`). A candidate of the same backend for this key
+is one step away when its name differs in exactly one numbered field (one step along one axis: tile
+sizes, warps, stages, split-K, cuBLASLt's custom option or cluster shape; the nearest value below and
+above on each axis) or has one literal flag field more or less (a mode toggled: cuBLASLt's `_fa` fast
+accumulation, Triton's `_tma`), toggles first, then one step of each axis before a second, at most
+MAX_NEIGHBOURS per origin. The origins are the donor's solutions and, where the family's default is a
+solution of a backend in use, the default itself: a new GPU's library may offer there what the donor's
+GPU never picked (an H200's cuBLASLt fast-accumulation algorithms, where the H100 table names Triton).
+A backend whose kernels cost no compile (no compile_items: cuBLASLt, torch) also adds, per mode of its
+names (their set of literal fields), its first LIBRARY_FIRST candidates: its list is in the library's
+own heuristic order, and the library's best guesses cost only their timing. All come from the backend's
+own candidate list here, so every one can run; at most MAX_NEAR per key in all, in that order
+(the donor's neighbours, the default's, the library's first).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.base import Backend, Solution
+from ..backends.base import Backend, Solution, compile_items_of
 from ..configs.files import same_file
 from ..configs.table import read_table_file
 from ..errors import ConfigError
 from ..families import Family
 
-MAX_NEIGHBOURS = 6  # a handful: the point of a donor is to time a few candidates, not the space
+MAX_NEIGHBOURS = 6  # per origin, a handful: the point of a donor is to time a few candidates, not the space
+LIBRARY_FIRST = 2  # per mode of a backend that compiles nothing: its heuristic's first picks
+MAX_NEAR = 16  # neighbours of every origin of a key together (the donor's solutions come on top)
 
 # What happened to a key (ShapeResult.donor, the summary, the profile file's `donor` column).
 CARRIED = "carried over"  # the donor's solution beat the default here too
@@ -104,18 +117,36 @@ def _axis(a: list, b: list) -> int | None:
     return diff[0]
 
 
+def _toggled(a: list, b: list) -> str | None:
+    """The literal flag field that name fields `b` add to or drop from `a`, all else equal, or None."""
+    short, longer = (a, b) if len(a) < len(b) else (b, a)
+    if len(longer) != len(short) + 1:
+        return None
+    for i, f in enumerate(longer):
+        if f[1] is None and longer[:i] + longer[i + 1 :] == short:
+            return f[0]
+    return None
+
+
 def neighbours(solution: Solution, offered: list[Solution], most: int = MAX_NEIGHBOURS) -> list[Solution]:
-    """The solutions of `offered` one step from `solution` along one axis of its name (module doc): per
-    axis the nearest value below and above, one of each axis first, at most `most`."""
+    """The solutions of `offered` one step from `solution` (module doc): each literal flag toggled, and
+    per numbered axis the nearest value below and above; the toggles first, then one of each axis before
+    any axis's second, at most `most`."""
     base = _fields(solution.kernel_name)
     per_axis: dict[int, list[Solution]] = {}
+    toggles: dict[str, Solution] = {}
     for sol in offered:
         if sol.libtype != solution.libtype or sol.kernel_name == solution.kernel_name:
             continue
-        axis = _axis(base, _fields(sol.kernel_name))
+        fields = _fields(sol.kernel_name)
+        axis = _axis(base, fields)
         if axis is not None:
             per_axis.setdefault(axis, []).append(sol)
-    steps: list[list[Solution]] = []
+            continue
+        flag = _toggled(base, fields)
+        if flag is not None:
+            toggles.setdefault(flag, sol)
+    steps: list[list[Solution]] = [[s] for s in toggles.values()]
     for axis in sorted(per_axis):
         v = base[axis][1]
         num = lambda s, axis=axis: _fields(s.kernel_name)[axis][1]  # noqa: E731
@@ -130,6 +161,19 @@ def neighbours(solution: Solution, offered: list[Solution], most: int = MAX_NEIG
     for rank in range(3):  # every axis's first step before any axis's second
         out += [s[rank] for s in steps if len(s) > rank]
     return out[:most]
+
+
+def library_first(offered: list[Solution], per_mode: int = LIBRARY_FIRST) -> list[Solution]:
+    """The first `per_mode` solutions of `offered` of each mode (the set of literal fields of their names),
+    modes in the order they first appear: a library's list is in its heuristic's order, each mode (the
+    cuBLASLt a8w8 backend's plain and `_fa` problems) ranked apart."""
+    taken: dict[frozenset, list[Solution]] = {}
+    for sol in offered:
+        mode = frozenset(label for label, number, _ in _fields(sol.kernel_name) if number is None)
+        picked = taken.setdefault(mode, [])
+        if len(picked) < per_mode:
+            picked.append(sol)
+    return [s for picked in taken.values() for s in picked]
 
 
 # ---- one key's short list -------------------------------------------------------------------------
@@ -149,11 +193,16 @@ class DonorPlan:
 
 
 def plan_for(picks: tuple[DonorPick, ...], key, device: torch.device, chosen: dict[str, Backend],
-             default: Solution) -> DonorPlan:  # fmt: skip
-    """The donor's solutions for `key` that run here among the `chosen` backends, and their neighbours
-    among each backend's candidates for `key` (a backend that cannot list them adds none)."""
+             default: Solution, listed: Collection[str] | None = None) -> DonorPlan:  # fmt: skip
+    """The donor's solutions for `key` that run here among the `chosen` backends, and the neighbours of
+    them and of the `default` (when its backend is chosen) among each backend's candidates for `key`
+    (module doc; a backend that cannot list them adds none). `listed`: the backends whose neighbours
+    are wanted (None: all; the precompile lists only those that compile, and a library's candidate list
+    costs a heuristic query and a check per algorithm); the others' short lists hold their donor
+    solutions alone."""
     plan = DonorPlan()
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str]] = {(default.libtype, default.kernel_name)}  # the default is timed anyway
+    origins: dict[str, list[Solution]] = {}
     for pick in picks:
         if (pick.libtype, pick.kernel_name) == (default.libtype, default.kernel_name):
             plan.default_pick = True
@@ -170,17 +219,35 @@ def plan_for(picks: tuple[DonorPick, ...], key, device: torch.device, chosen: di
             continue
         seen.add((pick.libtype, sol.kernel_name))
         plan.by_backend.setdefault(pick.libtype, []).append((DONOR, sol))
-    for bname, entries in list(plan.by_backend.items()):
+        origins.setdefault(pick.libtype, []).append(sol)
+    if not plan.usable:
+        return plan  # the full search: no short list
+    if default.libtype in chosen:
+        origins.setdefault(default.libtype, [])
+    donors_near: list[tuple[str, Solution]] = []
+    default_near: list[tuple[str, Solution]] = []
+    cheap: list[tuple[str, Solution]] = []
+    for bname, sols in origins.items():
         backend = chosen[bname]
+        if listed is not None and bname not in listed:
+            continue
         try:
             offered = [s for s in backend.candidates(key, device) if backend.supports(s, key, device)]
         except Exception:  # noqa: BLE001 - the donor's own solution is still timed
             offered = []
-        for _, sol in list(entries):
-            for near in neighbours(sol, offered):
-                if (bname, near.kernel_name) not in seen:
-                    seen.add((bname, near.kernel_name))
-                    entries.append((NEAR, near))
+        donors_near += [(bname, s) for sol in sols for s in neighbours(sol, offered)]
+        if bname == default.libtype:
+            default_near += [(bname, s) for s in neighbours(default, offered)]
+        if compile_items_of(backend) is None:
+            cheap += [(bname, s) for s in library_first(offered)]
+    count = 0
+    for bname, sol in donors_near + default_near + cheap:
+        if count >= MAX_NEAR:
+            break
+        if (bname, sol.kernel_name) not in seen:
+            seen.add((bname, sol.kernel_name))
+            plan.by_backend.setdefault(bname, []).append((NEAR, sol))
+            count += 1
     return plan
 
 

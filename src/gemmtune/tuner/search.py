@@ -32,7 +32,6 @@ against the family's default.
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 import zlib
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import backends, families
-from ..backends.base import Backend, Runner, Solution
+from ..backends.base import Backend, Runner, Solution, compile_items_of
 from ..families import Family
 from .candidates import (
     FAILED,
@@ -162,15 +161,16 @@ def _offered(bname: str, backend: Backend, key, device, plan: DonorPlan | None) 
     return [("", s) for s in backend.candidates(key, device) if backend.supports(s, key, device)]
 
 
-def donor_plan(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend]) -> tuple[DonorPlan | None, str]:
+def donor_plan(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend],
+               listed=None) -> tuple[DonorPlan | None, str]:  # fmt: skip
     """A donor tune's plan for `key` (None: not a donor tune, or the full search) and, for the full
-    search, why."""
+    search, why; `listed`: the backends whose short lists are wanted (donor.plan_for)."""
     if opts.donor is None:
         return None, ""
     picks = opts.donor.get(key)
     if not picks:
         return None, "no donor row"
-    plan = plan_for(picks, key, device, chosen, backends.default(fam.name, key, device)[1])
+    plan = plan_for(picks, key, device, chosen, backends.default(fam.name, key, device)[1], listed)
     if not plan.usable:
         return None, f"no donor solution runs here ({'; '.join(plan.unusable)})"
     return plan, ""
@@ -634,17 +634,6 @@ class CompileScope:
             return None
 
 
-def _compile_items_of(backend: Backend) -> Callable | None:
-    """A backend's `compile_items(jobs, scope=None) -> [(kernel name, key) or (name, key, builder class)]`
-    (a method, or its module's function), if it can compile ahead of time; `scope` is the tune's
-    CompileScope, for backends that also compile what the range verification runs. An item names the
-    key of the first job that needs its kernel (or that key at a stand-in M): ahead_items ranks it so."""
-    fn = getattr(backend, "compile_items", None)
-    if fn is None:
-        fn = getattr(importlib.import_module(type(backend).__module__), "compile_items", None)
-    return fn
-
-
 def _candidate_jobs(bname: str, backend: Backend, key, device: torch.device, plan: DonorPlan | None) -> list:
     """Every (solution, key) of the backend a tune of `key` times here (_offered)."""
     try:
@@ -653,9 +642,10 @@ def _candidate_jobs(bname: str, backend: Backend, key, device: torch.device, pla
         return []
 
 
-def _plan_or_none(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend]) -> DonorPlan | None:
+def _plan_or_none(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend],
+                  listed) -> DonorPlan | None:  # fmt: skip
     try:
-        return donor_plan(fam, key, device, opts, chosen)[0]
+        return donor_plan(fam, key, device, opts, chosen, listed)[0]
     except Exception:  # noqa: BLE001 - tune_shape reports it per shape
         return None
 
@@ -707,9 +697,11 @@ def ahead_items(
     per_backend = []
     needs: dict = {}  # (builder, kernel name, shape) -> the first key listing it
     chosen = select_backends(device, opts.libtypes, family)
-    plans = [_plan_or_none(fam, k, device, opts, chosen) if opts.donor is not None else None for k in keys]
+    compiling = {n for n, b in chosen.items() if compile_items_of(b) is not None}  # only these are listed
+    plans = [_plan_or_none(fam, k, device, opts, chosen, compiling) if opts.donor is not None else None
+             for k in keys]  # fmt: skip
     for name, backend in chosen.items():
-        fn = _compile_items_of(backend)
+        fn = compile_items_of(backend)
         if fn is None:
             continue
         per_key = [_candidate_jobs(name, backend, k, device, plan) for k, plan in zip(keys, plans)]
