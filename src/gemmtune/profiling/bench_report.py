@@ -253,6 +253,7 @@ def plot(res: Result, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     names = _names(res)
     kinds = {}
@@ -265,9 +266,11 @@ def plot(res: Result, path: str) -> None:
                              gridspec_kw={"width_ratios": [1.3] + [1] * len(kinds)})  # fmt: skip
     ax1 = axes[0][0]
     width = 0.8 / max(1, len(names))
+    handles = []  # plain swatches: a hatched first bar would hatch its contender's legend entry
     for i, n in enumerate(names):
         xs = [j + i * width for j in range(len(res.scenarios))]
         bars = ax1.bar(xs, [_speedup(sc, n) for sc in res.scenarios], width, label=n)
+        handles.append(Patch(facecolor=bars.patches[0].get_facecolor(), label=n) if bars.patches else bars)
         for bar, sc in zip(bars, res.scenarios):
             if n in sc.cells and sc.cells[n].busy:
                 bar.set_hatch("//")
@@ -282,7 +285,8 @@ def plot(res: Result, path: str) -> None:
         caveats.append("hatched: timed on a busy machine")
     ax1.set_title(textwrap.fill(str(res.meta["model"]), 60) + "".join(f"\n{c}" for c in caveats), fontsize=10)
     # Legends sit outside the axes: inside, they covered the bars.
-    ax1.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(4, max(1, len(names))))
+    ax1.legend(handles=handles, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+               ncol=min(4, max(1, len(names))))  # fmt: skip
     for ax, (kind, rows) in zip(axes[0][1:], kinds.items()):
         xs = list(range(len(rows)))
         bottom = [0.0] * len(rows)
