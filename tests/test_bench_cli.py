@@ -40,7 +40,7 @@ def test_bench_cli_writes_table_csv_json_and_plot_or_says_why(tmp_path):
     assert res.exit_code == 0, res.output
     for rng in ("M<=16", "16<M<=512", "M>512"):
         assert rng in res.output
-    assert "dispatch overhead" in res.output
+    assert "dispatch overhead" in res.output and "CPU: this measures the harness, not a speedup" in res.output
     data = json.loads((tmp_path / "out" / "b.json").read_text())
     assert data["summary"]["shapes"] == 3 and set(data["summary"]["ranges"]) == {"M<=16", "16<M<=512", "M>512"}
     assert [(r["M"], r["solution"]) for r in data["rows"]] == [(600, "torch:native"), (1, "torch:native"),
@@ -179,3 +179,23 @@ def test_bench_any_ms_through_the_table_and_other_families(tmp_path):
     rows = json.loads((tmp_path / "bb.json").read_text())["rows"]
     assert [(r["family"], r["M"]) for r in rows] == [("batched", 1), ("batched", 4), ("batched", 9)]
     assert "B=2" in rows[0]["shape"] and "N=8" in rows[0]["shape"]
+
+
+def test_bench_plot_ticks_m_in_plain_numbers():
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gemmtune.tuner.bench import _m_axis
+
+    fig, ax = plt.subplots()
+    ax.plot([3, 12, 24], [1, 2, 3])
+    _m_axis(ax, [3, 12, 24, 12])
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["3", "12", "24"]
+    assert not ax.xaxis.get_minorticklocs().size
+    plt.close(fig)

@@ -98,3 +98,6 @@ def test_capture_cli_passes_the_exit_code(tmp_path):
         text=True,
     )
     assert res.returncode == 3
+    # nothing went through gemmtune: the summary says how a GEMM would
+    assert "no GEMM went through gemmtune" in res.stderr and "gemmtune.optimize(model)" in res.stderr
+    assert "gemmtune.gemm" in res.stderr and not (tmp_path / "x.csv").exists()

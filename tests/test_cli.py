@@ -94,7 +94,9 @@ def test_profile_of_a_script_missing_another_module_keeps_its_traceback(tmp_path
     out = tmp_path / "prof"
     res = CliRunner().invoke(cli, ["profile", "--device", "cpu", "-o", str(out), "--", "python", str(script)])
     assert res.exit_code == 1 and "gemmtune[" not in res.output, res.output
-    assert (out / "profile.json").is_file()  # the profile of what ran is still written
+    assert "no_such_module_of_any_extra" in res.output  # its traceback, not an extra to install
+    # it failed before any op: no profile (it would chart only the host time of the failed import)
+    assert "before running any op: no profile written" in res.output and not (out / "profile.json").exists()
 
 
 @pytest.mark.parametrize(

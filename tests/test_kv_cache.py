@@ -187,3 +187,29 @@ def test_gpu_static_write_replays_in_a_cuda_graph(gpu):
 
 if __name__ == "__main__":  # the interpreter subprocess
     print(json.dumps(_all("cpu")))
+
+
+def test_static_layer_under_torch_compile_warns_nothing(monkeypatch):
+    """Under torch.compile the cache keeps its own update, decided before any functools.cache call:
+    dynamo warns once per process about each such call it traces into."""
+    import warnings
+
+    import torch._dynamo.utils as dynamo_utils
+
+    from gemmtune.models import static_cache
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())  # an earlier test's warning does not hide ours
+    k = torch.zeros(1, 1, 1, 4)
+    no_cache = None
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def taken(k):
+        return k + (0.0 if static_cache.static_layer(no_cache, 0, k, k) is None else 1.0)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = taken(k)
+    torch._dynamo.reset()
+    assert torch.equal(out, k)
+    assert not [w for w in caught if "static_cache.py" in str(w.message)], [str(w.message) for w in caught]

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from test_models_parity import batch, build, tiny_config  # noqa: E402
 
 import gemmtune  # noqa: E402
+from gemmtune.device import triton_reason  # noqa: E402
 from gemmtune.models import api as opt_mod  # noqa: E402
 from gemmtune.models import version  # noqa: E402
 from gemmtune.models.linear import FusedLinear  # noqa: E402
@@ -50,6 +51,9 @@ def test_optimize_report_groups_by_module_type():
     assert "Linear x2 [model.layers.*.mlp.down_proj]: GEMM N=64 K=128" in text
     assert "LlamaAttention x1 [model.layers.*.self_attn]: q/k/v not fused: k_proj" in text
     assert "attention: 1" not in text and "route: " not in text
+    # where Triton cannot run (the CPU), the kernels the report names run as their PyTorch references
+    why = triton_reason(next(model.parameters()).device)
+    assert (f"note: {why}: the kernels named above run as their PyTorch references" in text) == bool(why), text
 
 
 def test_optimize_twice_is_a_noop_and_other_options_raise():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import textwrap
 
@@ -151,6 +152,35 @@ def test_cli_profile_writes_the_profile_of_a_failing_script(tmp_path):
     assert res.exit_code == 1
     data = json.loads((out / "profile.json").read_text())
     assert [(g["M"], g["N"], g["K"]) for g in data["gemms"]] == [(4, 4, 4)]
+    assert "the script exited with status 1: this profile covers what ran before" in data["notes"]
+
+
+def test_cli_profile_writes_nothing_for_a_script_that_raised_before_any_op(tmp_path):
+    script = tmp_path / "fails_at_once.py"
+    script.write_text("raise RuntimeError('boom')\n")
+    out = tmp_path / "prof"
+    res = CliRunner().invoke(cli, ["profile", "-o", str(out), "--device", "cpu", "--", "python", str(script)])
+    assert res.exit_code == 1 and "before running any op: no profile written" in res.output, res.output
+    assert not out.exists() or not list(out.iterdir())  # not even the trace
+
+
+def test_cli_profile_says_a_missing_script_is_missing(tmp_path):
+    res = CliRunner().invoke(cli, ["profile", "-o", str(tmp_path / "p"), "--", "python", str(tmp_path / "nope.py")])
+    assert res.exit_code != 0 and "no such file" in res.output and "nope.py" in res.output, res.output
+    assert "expected `python script.py" not in res.output
+
+
+def test_profiler_start_and_stop_lines_are_dropped_and_others_kept(capfd):
+    from gemmtune.profiling import collect
+
+    with collect._without_kineto_chatter():
+        os.write(2, b"USDT:2026-12-02 01:23:44 13346:13346 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"STAGE:2026-12-02 01:25:05 15049:15049 SyncActivityProfilerHandler.cpp:51] Completed\n")
+        os.write(2, b"a warning worth reading\n")
+    gemmtune.profile(lambda: torch.ones(8, 8) @ torch.ones(8, 8), warmup=0, iters=1, device="cpu")
+    err = capfd.readouterr().err
+    assert "a warning worth reading" in err
+    assert "USDT:" not in err and "STAGE:" not in err and "SyncActivityProfilerHandler" not in err, err
 
 
 def test_cli_profile_needs_a_python_script(tmp_path):
@@ -176,6 +206,9 @@ def test_cli_bench_model_cpu_end_to_end(tmp_path):
         assert p["ok"] and len(p["step_rel_err"]) == 17 and all(p["greedy_equal"]), (name, p)
     md = (out / "report.md").read_text()
     assert "| prefill 1x16 |" in md and "Time by category" in md and "Decode parity" in md
+    # the CPU report says what its times are and does not describe CUDA-graph replays
+    assert "measures the harness, not a speedup" in md and "Decode rows profile eager steps" in md
+    assert "CUDA-graph" not in md
     assert (out / "report.png").stat().st_size > 0
 
 
@@ -209,6 +242,9 @@ def test_cli_bench_model_decode_parity_failure_exits_nonzero(tmp_path):
     data = json.loads((tmp_path / "stop" / "report.json").read_text())
     assert data["decode_parity"]["stock"]["ok"] and not data["decode_parity"]["optimize"]["ok"]
     assert data["scenarios"] == [] and any("decode parity optimize" in e for e in data["errors"])
+    md = (tmp_path / "stop" / "report.md").read_text()
+    assert "Nothing was timed: the run stopped before timing" in md and "| scenario |" not in md
+    assert not (tmp_path / "stop" / "report.png").exists() and "no report.png: nothing was timed" in res.output
     res = CliRunner().invoke(cli, [*base, "--keep-going", "-o", str(tmp_path / "go")])
     assert res.exit_code == 0, res.output
     md = (tmp_path / "go" / "report.md").read_text()
@@ -559,3 +595,25 @@ def test_a_cut_model_names_its_dense_and_moe_layers():
     assert "4 layers (1 dense, 3 MoE)" in desc, desc
     kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
     assert kinds == ["DeepseekV3MLP", "DeepseekV3MoE", "DeepseekV3MoE", "DeepseekV3MoE"], kinds
+
+
+def test_bench_model_times_again_while_rounds_disagree_and_marks_what_stays_busy():
+    from gemmtune.profiling import bench_model
+
+    quiet = {"stock": [10.0, 10.2, 10.1], "optimize": [5.0, 5.1, 5.0]}
+    noisy = {"stock": [10.0, 30.0, 10.1], "optimize": [5.0, 5.1, 5.0]}
+    runs = iter([noisy, quiet, noisy])
+    times, busy = bench_model.quietest_rounds(lambda: next(runs))
+    assert times is quiet and busy == {}  # re-measured once, the quiet run kept whole
+    worse = {"stock": [10.0, 50.0, 10.1], "optimize": [5.0, 5.1, 5.0]}
+    runs = iter([worse, noisy, worse])
+    times, busy = bench_model.quietest_rounds(lambda: next(runs))
+    assert times is noisy and list(busy) == ["stock"] and "10-30 ms" in busy["stock"], busy
+    assert next(runs, None) is None  # 1 + REMEASURE runs, no more
+
+
+def test_model_description_counts_parameters_in_a_readable_unit():
+    from gemmtune.profiling.build import parameter_count
+
+    assert [parameter_count(n) for n in (1_912_345_678, 8_450_000, 37_100, 999_999, 12)] == [
+        "1.91 B", "8.45 M", "37.1 k", "1 M", "12"]  # fmt: skip

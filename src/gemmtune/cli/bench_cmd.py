@@ -92,8 +92,8 @@ def command(tuned, prefix, reps, device, seed, plugin, progress, ms) -> None:  #
         meta["ceilings"] = {"read_bw_TBps": c.read_bw / 1e12, "matmul_TFLOPs": c.flops / 1e12}
         click.echo(f"{meta['gpu']}: {c.describe()}")
     else:
-        click.echo("CPU: times are eager wall-clock (no CUDA graphs), so the tuned column includes gemmtune's "
-                   "per-call dispatch overhead; no roofline.")  # fmt: skip
+        click.echo("CPU: this measures the harness, not a speedup. Times are eager wall-clock (no CUDA graphs), "
+                   "so the tuned column includes gemmtune's per-call dispatch overhead; no roofline.")  # fmt: skip
     click.echo(HEADER)
     rows = bench_table(table, dev, reps=reps, seed=seed, log=click.echo, progress=progress, ms=ladder)
     summary = summarize(rows)

@@ -41,7 +41,9 @@ def capture(output: str, command: tuple[str, ...]) -> None:
         calls = sum(c for _, c in shapes)
         click.echo(f"gemmtune: {len(shapes)} distinct shapes, {calls} calls recorded in {path} ({fam.name})", err=True)
     if not written:
-        click.echo(f"gemmtune: no GEMM went through gemmtune; {output} not written", err=True)
+        click.echo(f"gemmtune: no GEMM went through gemmtune; {output} not written. Capture sees only GEMMs "
+                   "gemmtune dispatches: gemmtune.optimize(model) routes a transformers model's Linear layers, "
+                   "or call gemmtune.gemm", err=True)  # fmt: skip
     sys.exit(shell_exit_status(rc))
 
 

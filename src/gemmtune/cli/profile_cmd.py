@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import click
 
@@ -40,14 +41,25 @@ def command(out_dir, device, top, no_annotate, command) -> None:
     from ..profiling.report import profile_outputs
 
     v.outputs_checked(profile_outputs(out_dir), folder=out_dir)  # before the script runs (files.py)
-    trace = os.path.join(out_dir, "trace.json")
-    try:
-        prof, code = profile_script(list(command), device=device, trace=trace, annotate=not no_annotate)
-    except MissingExtraError as exc:
-        raise v.missing_extra_usage(exc) from None
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(prof.table(top))
-    for note in prof.save(out_dir, title=" ".join(command)[-60:]):
-        click.echo(note, err=True)
+    # The trace goes to a scratch folder first: out_dir only receives a profile worth keeping, atomically.
+    with tempfile.TemporaryDirectory(prefix="gemmtune-profile-") as scratch:
+        try:
+            prof, code = profile_script(list(command), device=device, trace=os.path.join(scratch, "trace.json"),
+                                        annotate=not no_annotate)  # fmt: skip
+        except MissingExtraError as exc:
+            raise v.missing_extra_usage(exc) from None
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        ran = any(i.category != "idle" for i in prof.breakdown.items)
+        if code and not ran:  # an empty profile would only chart the host time of a failed start
+            click.echo(f"Error: the script exited with status {code} before running any op: no profile written",
+                       err=True)  # fmt: skip
+            sys.exit(code)
+        title = " ".join(command)[-60:]
+        if code:
+            prof.breakdown.notes.append(f"the script exited with status {code}: this profile covers what ran before")
+            title += f" [exited {code}: partial]"
+        click.echo(prof.table(top))
+        for note in prof.save(out_dir, title=title):
+            click.echo(note, err=True)
     sys.exit(code)

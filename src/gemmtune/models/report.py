@@ -11,6 +11,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..device import triton_reason
+
 # Which heading each kind of change is listed under; kinds missing here are shown elsewhere (attention).
 _SECTIONS = {
     "fuse": "fused",
@@ -141,7 +143,16 @@ class OptimizeReport:
         if not self.entries:
             lines.append("  nothing changed")
         lines.extend(f"  note: {n}" for n in self.notes)
+        why = self._no_triton()
+        if why and self.entries:
+            lines.append(f"  note: {why}: the kernels named above run as their PyTorch references")
         return "\n".join(lines)
+
+    def _no_triton(self) -> str:
+        """Why the attached model's Triton kernels cannot run on its device ('' when they can, or unknown)."""
+        params = getattr(self._model, "parameters", None)
+        first = next(params(), None) if callable(params) else None
+        return "" if first is None else triton_reason(first.device)
 
     def __str__(self) -> str:
         return self.summary()

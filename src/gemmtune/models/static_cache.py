@@ -30,8 +30,11 @@ def _stock_classes():
 
 def static_layer(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
     """The cache's StaticLayer for `layer_idx` when static_write can stand in for its update, else None."""
+    # Compiling first: dynamo warns about every functools.cache function it traces into.
+    if torch.compiler.is_compiling():
+        return None
     cache_cls, layer_cls = _stock_classes()
-    if layer_cls is None or torch.compiler.is_compiling() or k.requires_grad or v.requires_grad:
+    if layer_cls is None or k.requires_grad or v.requires_grad:
         return None
     if getattr(type(cache), "update", None) is not cache_cls.update or getattr(cache, "offloading", False):
         return None

@@ -45,28 +45,18 @@ def markdown(res: Result, command: str = "") -> str:
     lines += _decode_parity_section(res)
     lines += [f"Note: {n}" for n in res.notes] + ([""] if res.notes else [])
     lines += ["## Speed: median ms per call (speedup vs stock)", ""]
-    lines += ["| scenario | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for sc in res.scenarios:
-        row = []
-        for n in names:
-            c = sc.cells.get(n)
-            mark = "" if res.decode_parity.get(n) is None or res.decode_parity[n].ok else " PARITY FAIL"
-            if c is None or c.error:
-                row.append(("error" if c is not None else "-") + mark)
-            elif n == "stock":
-                row.append(_f(c.ms) + mark)
-            else:
-                row.append(f"{_f(c.ms)} ({_f(_speedup(sc, n), 2)}x){mark}")
-        lines.append(f"| {sc.name} | " + " | ".join(row) + " |")
-    lines.append("")
+    lines += _speed_section(res, names)
     prof_rows = [(sc, n, sc.cells[n].profile) for sc in res.scenarios for n in names
                  if n in sc.cells and sc.cells[n].profile is not None]  # fmt: skip
     if prof_rows:
         mode = prof_rows[0][2].mode
         lines += ["## Time by category (torch.profiler, ms per call)", ""]
+        graphed = any(c.gemm_profile is not None for sc in res.scenarios for c in sc.cells.values())
         lines += ["Profiled apart from the timed rounds (each step ends with a synchronize), so totals differ a "
-                  "little from the medians above. Decode rows profile the CUDA-graph replays; their kernels are "
-                  "categorized by the un-graphed step's launch sites.", ""]  # fmt: skip
+                  "little from the medians above."
+                  + (" Decode rows profile the CUDA-graph replays; their kernels are categorized by the "
+                     "un-graphed step's launch sites." if graphed else " Decode rows profile eager steps."),
+                  ""]  # fmt: skip
         heads = [label(c, mode) for c in CATEGORIES]
         lines += ["| scenario | contender | " + " | ".join(heads) + " | total |", "|---" * (len(heads) + 3) + "|"]
         for sc, n, p in prof_rows:
@@ -84,6 +74,52 @@ def markdown(res: Result, command: str = "") -> str:
     if command:
         lines += [f"Command: `{command}`", ""]
     return "\n".join(lines)
+
+
+def _cpu(res: Result) -> bool:
+    return res.meta.get("device") == "cpu"
+
+
+def nothing_timed(res: Result) -> str:
+    """Why no scenario was timed ('' when some contender was)."""
+    if any(c.ms == c.ms for sc in res.scenarios for c in sc.cells.values()):  # some ms is not NaN
+        return ""
+    if res.parity_failures():
+        return ("the run stopped before timing: a contender fails decode parity (above); --keep-going times it "
+                "anyway, marked")  # fmt: skip
+    return "every contender failed (see Errors)" if res.errors else "no scenario ran"
+
+
+def _speed_section(res: Result, names: list[str]) -> list[str]:
+    why = nothing_timed(res)
+    if why:
+        return [f"Nothing was timed: {why}.", ""]
+    out = []
+    if _cpu(res):
+        out += ["CPU: gemmtune's Triton kernels do not run here (their PyTorch references stand in) and the times "
+                "are eager wall clock, so this measures the harness, not a speedup.", ""]  # fmt: skip
+    out += ["| scenario | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    busy = []
+    for sc in res.scenarios:
+        row = []
+        for n in names:
+            c = sc.cells.get(n)
+            mark = "" if res.decode_parity.get(n) is None or res.decode_parity[n].ok else " PARITY FAIL"
+            if c is not None and c.busy:
+                mark += " BUSY"
+                busy.append(f"- {sc.name}, {n}: {c.busy}")
+            if c is None or c.error:
+                row.append(("error" if c is not None else "-") + mark)
+            elif n == "stock":
+                row.append(_f(c.ms) + mark)
+            else:
+                row.append(f"{_f(c.ms)} ({_f(_speedup(sc, n), 2)}x){mark}")
+        out.append(f"| {sc.name} | " + " | ".join(row) + " |")
+    out.append("")
+    if busy:
+        out += ["BUSY: timed on a busy machine (other work shared it; on the CPU try OMP_NUM_THREADS=1): these "
+                "times and the speedups they enter are not measurements.", "", *busy, ""]  # fmt: skip
+    return out
 
 
 def _decode_parity_section(res: Result) -> list[str]:
@@ -174,6 +210,7 @@ def to_dict(res: Result) -> dict:
                 "spread": _num(c.spread),
                 "speedup_vs_stock": _num(_speedup(sc, n)),
                 "error": c.error,
+                "busy": c.busy,
             }
             if c.profile is not None:
                 d["profile"] = c.profile.to_dict(top=20)
@@ -210,39 +247,68 @@ def to_dict(res: Result) -> dict:
 
 
 def plot(res: Result, path: str) -> None:
+    """Speedups vs stock per scenario; beside them, where profiled, ms by category: one panel per
+    scenario kind, each on its own scale (a prefill is many times a decode step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     names = _names(res)
-    bars = [(f"{sc.name}\n{n}", sc.cells[n].profile) for sc in res.scenarios for n in names
-            if n in sc.cells and sc.cells[n].profile is not None]  # fmt: skip
-    # The profile panel only when something was profiled (--no-profile: one panel, never an empty one).
-    fig, axes = plt.subplots(1, 2 if bars else 1, figsize=(16 if bars else 9, 5.5), squeeze=False)
-    ax1, ax2 = axes[0][0], (axes[0][1] if bars else None)
+    kinds = {}
+    for sc in res.scenarios:
+        for n in names:
+            if n in sc.cells and sc.cells[n].profile is not None:
+                kinds.setdefault(sc.kind, []).append((sc, n, sc.cells[n].profile))
+    # The profile panels only when something was profiled (--no-profile: one panel, never an empty one).
+    fig, axes = plt.subplots(1, 1 + len(kinds), figsize=(9 + 7 * len(kinds), 6.5), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.3] + [1] * len(kinds)})  # fmt: skip
+    ax1 = axes[0][0]
     width = 0.8 / max(1, len(names))
+    handles = []  # plain swatches: a hatched first bar would hatch its contender's legend entry
     for i, n in enumerate(names):
         xs = [j + i * width for j in range(len(res.scenarios))]
-        ax1.bar(xs, [_speedup(sc, n) for sc in res.scenarios], width, label=n)
+        bars = ax1.bar(xs, [_speedup(sc, n) for sc in res.scenarios], width, label=n)
+        handles.append(Patch(facecolor=bars.patches[0].get_facecolor(), label=n) if bars.patches else bars)
+        for bar, sc in zip(bars, res.scenarios):
+            if n in sc.cells and sc.cells[n].busy:
+                bar.set_hatch("//")
     ax1.axhline(1.0, color="gray", lw=0.8)
-    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(res.scenarios))], [sc.name for sc in res.scenarios],
-                   fontsize=8)  # fmt: skip
-    ax1.set_ylabel("speedup vs stock (stock ms / ms)")
-    ax1.set_title(textwrap.fill(str(res.meta["model"]), 50), fontsize=9)
+    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(res.scenarios))],
+                   [textwrap.fill(sc.name, 18) for sc in res.scenarios], fontsize=9)  # fmt: skip
+    ax1.set_ylabel("speedup vs stock (stock ms / ms)", fontsize=10)
+    caveats = []
+    if _cpu(res):
+        caveats.append("CPU: measures the harness, not a speedup")
+    if any(c.busy for sc in res.scenarios for c in sc.cells.values()):
+        caveats.append("hatched: timed on a busy machine")
+    ax1.set_title(textwrap.fill(str(res.meta["model"]), 60) + "".join(f"\n{c}" for c in caveats), fontsize=10)
     # Legends sit outside the axes: inside, they covered the bars.
-    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(4, max(1, len(names))))
-    if ax2 is not None:
-        bottom = [0.0] * len(bars)
-        xs = list(range(len(bars)))
+    ax1.legend(handles=handles, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+               ncol=min(4, max(1, len(names))))  # fmt: skip
+    for ax, (kind, rows) in zip(axes[0][1:], kinds.items()):
+        xs = list(range(len(rows)))
+        bottom = [0.0] * len(rows)
         for c in CATEGORIES:
-            vals = [p.categories[c] for _, p in bars]
-            ax2.bar(xs, vals, bottom=bottom, color=COLORS[c], label=label(c, bars[0][1].mode))
+            vals = [p.categories[c] for _, _, p in rows]
+            ax.bar(xs, vals, bottom=bottom, color=COLORS[c], label=label(c, rows[0][2].mode))
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax2.set_xticks(xs, [b for b, _ in bars], fontsize=6, rotation=90)
-        ax2.set_ylabel("ms per call (profiled)")
-        ax2.set_title("time by category", fontsize=9)
-        ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        ax.set_xticks(xs, [n for _, n, _ in rows], fontsize=9, rotation=40, ha="right")
+        # One group of bars per scenario, named above it.
+        groups: dict[str, list[int]] = {}
+        for x, (sc, _, _) in zip(xs, rows):
+            groups.setdefault(sc.name, []).append(x)
+        for g, (name, gx) in enumerate(groups.items()):
+            if g:
+                ax.axvline(gx[0] - 0.5, color="gray", lw=0.8, ls=":")
+            ax.text((gx[0] + gx[-1]) / 2, 1.01, textwrap.fill(name, 22), transform=ax.get_xaxis_transform(),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.set_ylabel(f"{kind}: ms per call (profiled)", fontsize=10)
+        ax.set_title(f"{kind}: time by category", fontsize=10, pad=28)
+    if kinds:
+        last = axes[0][-1]
+        last.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     try:
         save_figure(fig, path)
@@ -270,9 +336,15 @@ def write(res: Result, out_dir: str, command: str = "") -> list[str]:
     js = os.path.join(out_dir, "report.json")
     replace_file(js, json.dumps(to_dict(res), indent=1), REPORT_JSON)
     notes = [f"wrote {md} and {js}"]
+    png = os.path.join(out_dir, "report.png")
+    why = nothing_timed(res)
+    if why:  # no chart of nothing; one left from an earlier run would pass for this one's
+        stale = " (the report.png there is from an earlier run)" if os.path.exists(png) else ""
+        notes.append(f"no report.png: nothing was timed{stale}")
+        return notes
     try:
-        plot(res, os.path.join(out_dir, "report.png"))
-        notes.append(f"wrote {os.path.join(out_dir, 'report.png')}")
+        plot(res, png)
+        notes.append(f"wrote {png}")
     except ImportError:
         notes.append("matplotlib is not installed: no report.png (pip install matplotlib, a dependency of gemmtune)")
     return notes

@@ -11,6 +11,14 @@ _DROP = ("torch_dtype", "dtype", "architectures", "auto_map", "quantization_conf
          "_name_or_path", "use_cache")  # fmt: skip
 
 
+def parameter_count(n: int) -> str:
+    """1.91 B, 8.45 M, 37.1 k: three significant figures in the largest unit that keeps one before the point."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if float(f"{n / scale:.3g}") >= 1:  # rounded first: 999_999 is 1 M, not 1e+03 k
+            return f"{float(f'{n / scale:.3g}'):g} {unit}"
+    return str(n)
+
+
 def architecture(model: str | dict, layers: int | None = None) -> tuple[dict, str]:
     """(config dict of the language model, source) for a preset name, config.json, folder or dict (a
     multimodal config gives its text_config)."""
@@ -76,6 +84,6 @@ def build_model(
     n_params = sum(p.numel() for p in net.parameters())
     dense = cfg.get("first_k_dense_replace")
     mix = f" ({dense} dense, {config.num_hidden_layers - dense} MoE)" if isinstance(dense, int) else ""
-    desc = (f"{source}: {mt}, {config.num_hidden_layers} layers{mix}, {n_params / 1e9:.2f} B parameters, "
+    desc = (f"{source}: {mt}, {config.num_hidden_layers} layers{mix}, {parameter_count(n_params)} parameters, "
             f"random weights, {str(dtype).replace('torch.', '')}")  # fmt: skip
     return net, desc

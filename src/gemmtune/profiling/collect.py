@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import runpy
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 
@@ -45,6 +47,49 @@ def _activities(cuda: bool):
     from torch.profiler import ProfilerActivity
 
     return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+
+
+# Kineto writes these to fd 2 at every profiler start and stop, whatever KINETO_LOG_LEVEL says.
+_KINETO_CHATTER = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_kineto_chatter():
+    """fd 2 held in a temporary file while the profiler starts or stops; what it wrote goes back to
+    stderr less Kineto's own start/stop lines."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no fd 2 to hold: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [ln for ln in held.read().decode(errors="replace").splitlines(True) if not _KINETO_CHATTER.match(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _profiling(cuda: bool):
+    """torch.profiler over the block (CPU activity, CUDA too when `cuda`), recording shapes."""
+    from torch.profiler import profile as tprofile
+
+    prof = tprofile(activities=_activities(cuda), record_shapes=True)
+    with _without_kineto_chatter():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _without_kineto_chatter():
+            prof.__exit__(None, None, None)
 
 
 def _sync(cuda: bool) -> None:
@@ -90,10 +135,8 @@ def profile(
     for _ in range(warmup):
         fn()
     _sync(cuda)
-    from torch.profiler import profile as tprofile
-
     hook = annotate_gemms() if annotate else contextlib.nullcontext(False)
-    with hook as annotated, tprofile(activities=_activities(cuda), record_shapes=True) as prof:
+    with hook as annotated, _profiling(cuda) as prof:
         for _ in range(iters):
             with torch.profiler.record_function(STEP):
                 fn()
@@ -123,7 +166,9 @@ def _script_argv(command: list[str]) -> tuple[str, str, list[str]]:
         if len(args) < 2:
             raise ValueError("profile: -m needs a module name")
         return "module", args[1], [args[1], *args[2:]]
-    if not args or not args[0].endswith(".py") or not os.path.isfile(args[0]):
+    if args and args[0].endswith(".py") and not os.path.isfile(args[0]):
+        raise ValueError(f"profile: no such file: {args[0]!r} (in {os.getcwd()})")
+    if not args or not args[0].endswith(".py"):
         raise ValueError(
             f"profile runs a Python script in this process: expected `python script.py ...` or "
             f"`python -m module ...`, got {' '.join(command)!r}"
@@ -139,7 +184,6 @@ def profile_script(command: list[str], *, device=None, trace: str | None = None,
     """
     kind, target, argv = _script_argv(command)
     cuda = _cuda_in_use(device, "profile_script")
-    from torch.profiler import profile as tprofile
 
     old_argv, old_path = sys.argv, list(sys.path)
     sys.argv = argv
@@ -148,7 +192,7 @@ def profile_script(command: list[str], *, device=None, trace: str | None = None,
     code = 0
     hook = annotate_gemms() if annotate else contextlib.nullcontext(False)
     try:
-        with hook as annotated, tprofile(activities=_activities(cuda), record_shapes=True) as prof:
+        with hook as annotated, _profiling(cuda) as prof:
             with torch.profiler.record_function(SCRIPT):
                 try:
                     if kind == "path":

@@ -188,6 +188,8 @@ def profile_outputs(out_dir: str) -> list[tuple[str, Kind, str]]:
             (os.path.join(out_dir, "profile.png"), PNG, "-o")]  # fmt: skip
 
 
+# GEMM rows by gemms.status: tuned rows in the GEMM colour, what falls back in greys.
+STATUS_COLORS = {"tuned": "#4c72b0", "untuned-M": "#8fa8d0", "default": "#999999", "n/a": "#cccccc"}
 COLORS = {"gemm": "#4c72b0", "attention": "#dd8452", "elementwise": "#55a868", "memory": "#c44e52",
           "other": "#8172b3", "idle": "#bbbbbb"}  # fmt: skip
 
@@ -207,6 +209,7 @@ def plot(profiles: list[tuple[str, Profile]], path: str, title: str = "") -> Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     gemm_rows = [r for r in profiles[0][1].breakdown.gemms if r.ms > 0][:12] if len(profiles) == 1 else []
     single = bool(gemm_rows)  # the GEMM panel only when there is a GEMM to show: never an empty panel
@@ -219,6 +222,8 @@ def plot(profiles: list[tuple[str, Profile]], path: str, title: str = "") -> Non
         vals = [p.categories[c] for _, p in profiles]
         ax.bar(names, vals, bottom=bottom, color=COLORS[c], label=label(c, profiles[0][1].mode))
         bottom = [b + v for b, v in zip(bottom, vals)]
+    # Bars are named by their command: long ones wrap instead of running off the figure.
+    ax.set_xticks(range(len(names)), [_fit(n, 30) for n in names], fontsize=9)
     ax.set_ylabel("ms per step")
     ax.set_title(_fit(title or "time by category", 45 if single else 70), fontsize=10)
     # Outside the axes: inside, the legend covered the bars it explains.
@@ -227,11 +232,15 @@ def plot(profiles: list[tuple[str, Profile]], path: str, title: str = "") -> Non
         ax.tick_params(axis="x", labelrotation=30)
     if single:
         ax2 = axes[1]
-        labels = [r.call.describe() if r.call else "shapes unknown" for r in gemm_rows]
-        ax2.barh(labels[::-1], [r.ms for r in gemm_rows][::-1], color=COLORS["gemm"])
+        labels = [f"{r.call.describe() if r.call else 'shapes unknown'}\n{r.status}" for r in gemm_rows]
+        colors = [STATUS_COLORS.get(r.status, STATUS_COLORS["n/a"]) for r in gemm_rows]
+        ax2.barh(labels[::-1], [r.ms for r in gemm_rows][::-1], color=colors[::-1])
         ax2.set_xlabel("ms per step")
-        ax2.set_title(f"GEMM shapes (top {len(gemm_rows)})", fontsize=10)
-        ax2.tick_params(axis="y", labelsize=7)
+        ax2.set_title(f"GEMM shapes (top {len(gemm_rows)}) by what the tables in effect run", fontsize=10)
+        ax2.tick_params(axis="y", labelsize=8)
+        shown = dict.fromkeys(r.status for r in gemm_rows)
+        handles = [Patch(color=STATUS_COLORS.get(st, STATUS_COLORS["n/a"]), label=st) for st in shown]
+        ax2.legend(handles=handles, fontsize=8, loc="lower right")
     fig.tight_layout()
     try:
         save_figure(fig, path)

@@ -411,14 +411,33 @@ def write_outputs(rows: list[BenchRow], summary: dict, prefix: str, meta: dict) 
     replace_file(prefix + ".json", json.dumps(_finite(data), indent=1), BENCH_JSON)
     notes.append(f"wrote {prefix}.csv and {prefix}.json")
     try:
-        plot(rows, prefix + ".png", meta.get("title", "gemmtune bench"))
+        plot(rows, prefix + ".png", meta.get("title", "gemmtune bench"), cpu=meta.get("device") == "cpu")
         notes.append(f"wrote {prefix}.png")
     except ImportError:
         notes.append(f"matplotlib is not installed: no {prefix}.png (pip install matplotlib, a dependency of gemmtune)")
     return notes
 
 
-def plot(rows: list[BenchRow], path: str, title: str) -> None:
+def _m_axis(ax, ms: list[int]) -> None:
+    """A log M axis ticked at the Ms benched, in plain numbers (not 3x10^0); powers of two only when
+    there are too many to read."""
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+    ticks = sorted(set(ms))
+    if len(ticks) > 12:
+        ticks = [m for m in ticks if m & (m - 1) == 0] or ticks[:: max(1, len(ticks) // 12)]
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    fmt = ScalarFormatter()
+    fmt.set_scientific(False)
+    ax.xaxis.set_major_formatter(fmt)
+    ax.tick_params(axis="x", labelsize=8, labelrotation=45 if len(ticks) > 8 else 0)
+
+
+def plot(rows: list[BenchRow], path: str, title: str, cpu: bool = False) -> None:
+    """Speedup vs M per shape; beside it % of roof (GPU), or on the CPU, with no roofline, the times
+    themselves (speedups there sit on 1x and would hide one another)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -428,24 +447,44 @@ def plot(rows: list[BenchRow], path: str, title: str) -> None:
     for r in rows:
         label = f"{r.N}x{r.K}{'+b' if r.bias else ''}" if r.family == "a16w16" else r.shape
         shapes.setdefault(label, []).append(r)
-    roofed = any(r.roof_us == r.roof_us and r.roof_us > 0 for r in rows)  # no roofline (CPU): no empty panel
-    fig, axes = plt.subplots(1, 2 if roofed else 1, figsize=(14 if roofed else 9, 5), squeeze=False)
-    ax1, ax2 = axes[0][0], (axes[0][1] if roofed else None)
+    roofed = any(r.roof_us == r.roof_us and r.roof_us > 0 for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), squeeze=False)
+    ax1, ax2 = axes[0]
     for label, rs in shapes.items():
         rs = sorted(rs, key=lambda r: r.M)
         ms = [r.M for r in rs]
         line = ax1.plot(ms, [r.speedup for r in rs], marker="o", label=label)[0]
-        if ax2 is not None:
+        if roofed:
             ax2.plot(ms, [r.roof_pct(r.tuned_us) for r in rs], marker="o", color=line.get_color())
             ax2.plot(ms, [r.roof_pct(r.default_us) for r in rs], ls="--", color=line.get_color())
+        else:
+            ax2.plot(ms, [r.tuned_us for r in rs], marker="o", color=line.get_color())
+            ax2.plot(ms, [r.default_us for r in rs], ls="--", color=line.get_color())
     ax1.axhline(1.0, color="gray", lw=0.8)
-    ax1.set(xscale="log", xlabel="M (tokens)", ylabel="speedup vs default (default us / tuned us)")
-    ax1.set_title(textwrap.fill(title, 60), fontsize=10)
+    ax1.set(xlabel="M (tokens)", ylabel="speedup vs default (default us / tuned us)")
+    caveats = []
+    if cpu:
+        caveats.append("CPU: measures the harness, not a speedup")
+    if rows and all(r.is_default for r in rows):
+        caveats.append("every key dispatches the default itself: 1x by construction")
+    ax1.set_title("\n".join([textwrap.fill(title, 60), *caveats]), fontsize=10)
+    if roofed:
+        ax2.set(ylabel="% of roof (solid tuned, dashed default)", ylim=(0, 105))
+    else:
+        from matplotlib.ticker import FuncFormatter
+
+        ax2.set(yscale="log", ylabel="us per call (solid tuned, dashed default)")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 6, not 6x10^0
+        ax2.yaxis.set_major_formatter(plain)
+        ax2.yaxis.set_minor_formatter(plain)
+        ax2.set_title("time per call (no roofline without a GPU)", fontsize=10)
+    all_ms = [r.M for r in rows]
+    for ax in (ax1, ax2):
+        ax.set_xlabel("M (tokens)")
+        _m_axis(ax, all_ms)
     # The legend goes right of the last panel: inside, it covered the points.
-    (ax2 or ax1).legend(fontsize=7, title="shape", loc="upper left", bbox_to_anchor=(1.02, 1.0),
-                        borderaxespad=0.0, handles=ax1.get_legend_handles_labels()[0])  # fmt: skip
-    if ax2 is not None:
-        ax2.set(xscale="log", xlabel="M (tokens)", ylabel="% of roof (solid tuned, dashed default)", ylim=(0, 105))
+    ax2.legend(fontsize=7, title="shape", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+               borderaxespad=0.0, handles=ax1.get_legend_handles_labels()[0])  # fmt: skip
     fig.tight_layout()
     try:
         save_figure(fig, path)
