@@ -34,6 +34,7 @@ LAYERS = {
     "profiling": 12,
     "doctor": 12,
     "cli": 13,
+    "__main__": 14,  # python -m gemmtune: the command line
 }
 
 
