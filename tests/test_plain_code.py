@@ -1,4 +1,5 @@
-"""gemmtune's code is the code a reader sees: no module builds functions from source at run time.
+"""gemmtune's code is the code a reader sees: no module builds functions from source at run time, and
+every public op's function is defined in its module's file.
 
 Every call of exec / eval / compile (the builtins, also through `builtins.`) in src/gemmtune is found
 from the modules' syntax trees, so `model.eval()` or `torch.compile(...)` do not count and a call
@@ -8,9 +9,12 @@ cannot hide in a string or a comment.
 from __future__ import annotations
 
 import ast
+import inspect
+import sys
 from pathlib import Path
 
 import gemmtune
+from gemmtune.ops import registry
 
 SRC = Path(gemmtune.__file__).parent
 CODE_BUILDERS = {"exec", "eval", "compile"}
@@ -56,3 +60,12 @@ def test_no_module_of_gemmtune_builds_code_at_run_time():
     }
     builders = {path: sorted(call.partition(": ")[2] for call in calls) for path, calls in found.items()}
     assert builders == ALLOWED, f"exec/eval/compile builds code at {found}; allowed: {ALLOWED}"
+
+
+def test_every_public_op_is_defined_in_its_modules_file():
+    entries = [e for e in registry.public_ops() if e.fn.__module__.startswith("gemmtune.")]
+    assert {"gemm", "fused_moe", "gemm_a8w8_blockscale"} <= {e.name for e in entries}
+    for e in entries:
+        module_file = Path(sys.modules[e.fn.__module__].__file__)
+        assert Path(inspect.getsourcefile(e.fn)) == module_file, e.name
+        assert inspect.getsource(e.fn).lstrip().startswith(("@", "def ")), e.name
