@@ -1,15 +1,14 @@
-"""The public ops as declared (ops/registry.py) and built (ops/hot_path.py).
+"""The public ops as declared (ops/registry.py) and the pieces they share (ops/hot_path.py).
 
 Every public op and helper is declared with its custom op and family; gemmtune.__all__, gemmtune.ops,
 tuned_gemm's aiter names and profiling's GEMM op list are read from the declarations and stay the public
-API they were. An op built by public_op keeps its prototype's face, validates once per signature, and
-runs as its custom op under torch.compile.
+API they were. An op written with OpCache, public_op and custom_op is declared as it is, validates once
+per signature, and runs as its custom op under torch.compile.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 import gemmtune
 from gemmtune.dispatch import get_dispatcher
 from gemmtune.ops import registry
-from gemmtune.ops.hot_path import public_op
+from gemmtune.ops.hot_path import OpCache, custom_op, public_op
 
 # name: (the gemmtune:: custom op it runs as, its GEMM family); None where it has none
 DECLARED = {
@@ -96,18 +95,14 @@ def test_profiling_gemm_ops_are_the_declared_gemm_custom_ops():
     assert "gemmtune::softcap_attention" not in GEMM_OPS
 
 
-# ---- public_op on a toy op ------------------------------------------------------------------------
+# ---- hot_path's pieces on a toy op ----------------------------------------------------------------
 TOY = "toy_scale_for_tests"
-
-
-def toy_scale_for_tests(x: torch.Tensor, scale: float = 2.0, *, exact: bool = True) -> torch.Tensor:
-    """x * scale (a toy op of the tests)."""
 
 
 @functools.cache
 def _toy():
     """The toy op, built once per process (its custom op is registered for good) and what it was asked."""
-    seen = {"validate": 0, "bind": []}
+    seen = {"validate": 0, "bind": [], "grad": []}
 
     def signature(x, scale, exact):
         return (x.shape, x.dtype, x.device, exact)
@@ -119,29 +114,47 @@ def _toy():
 
     def bind(x, scale, exact):
         seen["bind"].append(exact)
+        seen["grad"].append(torch.is_grad_enabled())
         return lambda x, scale: x * scale
 
     def fake(x, scale):
         return torch.empty_like(x)
 
-    op = public_op(family=TOY, signature=signature, validate=validate, bind=bind, fake=fake, call=("x", "scale"),
-                   op_params=("x", "scale"), op_fixed={"exact": False})(toy_scale_for_tests)  # fmt: skip
-    return op, seen
+    cache = OpCache(TOY, family=TOY, validate=validate, bind=bind)
+
+    @public_op(cache)
+    def toy_scale_for_tests(x: torch.Tensor, scale: float = 2.0, *, exact: bool = True) -> torch.Tensor:
+        """x * scale (a toy op of the tests)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.gemmtune.toy_scale_for_tests(x, scale)
+        try:
+            call = cache.get(sig := signature(x, scale, exact))
+        except (AttributeError, TypeError):
+            cache.reject(x, scale, exact)
+            raise
+        if call is None:
+            call = cache.miss(sig, x, scale, exact)
+        return call(x, scale)
+
+    @custom_op(cache, fake=fake)
+    def _toy_op(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return toy_scale_for_tests(x, scale, exact=False)
+
+    return toy_scale_for_tests, _toy_op, seen
 
 
-def test_public_op_keeps_the_prototype_face_and_declares_the_op():
-    op, _ = _toy()
-    assert inspect.signature(op) == inspect.signature(toy_scale_for_tests)
+def test_public_op_declares_the_function_as_it_is_with_its_custom_op():
+    op, custom, _ = _toy()
     assert op.__doc__ == "x * scale (a toy op of the tests)." and op.__name__ == TOY
     assert op.__defaults__ == (2.0,) and op.__kwdefaults__ == {"exact": True}
     entry = registry.entry(TOY)
     assert (entry.fn, entry.custom_op, entry.family) == (op, f"gemmtune::{TOY}", TOY)
-    schema = str(getattr(torch.ops.gemmtune, TOY).default._schema)
-    assert schema == f"gemmtune::{TOY}(Tensor x, float scale) -> Tensor"
+    assert custom is getattr(torch.ops.gemmtune, TOY)
+    assert str(custom.default._schema) == f"gemmtune::{TOY}(Tensor x, float scale) -> Tensor"
 
 
-def test_public_op_validates_once_per_signature_and_names_a_bad_argument():
-    op, seen = _toy()
+def test_op_cache_validates_once_per_signature_and_names_a_bad_argument():
+    op, _, seen = _toy()
     get_dispatcher().clear_cache()
     before = seen["validate"]
     x = torch.arange(4.0)
@@ -154,28 +167,29 @@ def test_public_op_validates_once_per_signature_and_names_a_bad_argument():
     assert seen["validate"] == before + 2
     with pytest.raises(TypeError, match=f"{TOY}: x must be a tensor, got list"):
         op([1.0, 2.0])
+    with pytest.raises(TypeError, match="unhashable"):  # validate passes: the signature's own error
+        op(x, exact=[True])
 
 
-def test_public_op_runs_as_its_custom_op_under_compile_with_the_fixed_arguments():
-    op, seen = _toy()
+def test_custom_op_runs_the_eager_function_under_compile_without_grad():
+    op, custom, seen = _toy()
     get_dispatcher().clear_cache()
     seen["bind"].clear()
+    seen["grad"].clear()
     x = torch.arange(6.0).reshape(2, 3)
     compiled = torch.compile(lambda t: op(t, 0.5), backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), x * 0.5)
-    assert seen["bind"] == [False]  # the custom op ran the eager function with op_fixed's exact=False
-    assert torch.equal(torch.ops.gemmtune.toy_scale_for_tests(x, 2.0), x * 2)
+    assert seen["bind"] == [False]  # the custom op's body ran the eager function with exact=False
+    assert seen["grad"] == [False]  # and without grad: the op's autograd is the op's own
+    assert torch.equal(custom(x, 2.0), x * 2)
 
 
-def test_public_op_rejects_a_prototype_it_cannot_generate():
-    def bad(x: torch.Tensor, *rest) -> torch.Tensor:
-        """varargs"""
+def test_public_op_refuses_a_function_of_another_name():
+    cache = OpCache("toy_named_for_tests", family=TOY, validate=len, bind=len)
 
-    with pytest.raises(TypeError, match="parameter rest must be a plain or keyword-only one"):
-        public_op(family=TOY, signature=len, validate=len, bind=len, fake=len)(bad)
+    def other(x):
+        """not the cache's op"""
 
-    def clash(x: torch.Tensor, sig: int) -> torch.Tensor:
-        """a parameter named like the hot path's local"""
-
-    with pytest.raises(TypeError, match="parameter name 'sig' is reserved"):
-        public_op(family=TOY, signature=len, validate=len, bind=len, fake=len)(clash)
+    with pytest.raises(TypeError, match="public_op: other is declared with the cache of toy_named_for_tests"):
+        public_op(cache)(other)
+    assert "other" not in {e.name for e in registry.public_ops()}

@@ -1,5 +1,5 @@
 """A GEMM family added from outside gemmtune: a plugin package written into a temp folder (a family spec
-module, an op module built with ops.hot_path.public_op, one backend module with two solutions and a policy)
+module, an op module written with ops.hot_path's OpCache, one backend module with two solutions and a policy)
 whose only link into gemmtune is one registration line, imported through GEMMTUNE_PLUGINS.
 
 With nothing else edited, the family's op runs eagerly and under torch.compile, capture records its
@@ -107,7 +107,7 @@ PACKAGE = {
         import torch
 
         from gemmtune.dispatch import get_dispatcher
-        from gemmtune.ops.hot_path import public_op
+        from gemmtune.ops.hot_path import OpCache, custom_op, public_op
 
         from .family import ToyKey
 
@@ -135,9 +135,27 @@ PACKAGE = {
             return x.new_empty((x.shape[0], w.shape[0]))
 
 
-        @public_op(family="toy", signature=_signature, validate=_validate, bind=_bind, fake=_fake)
+        _cache = OpCache("toy_gemm", family="toy", validate=_validate, bind=_bind)
+
+
+        @public_op(_cache)
         def toy_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
             """y[M, N] = (x[M, K] @ w[N, K]^T) * s[N], the toy family's tuned solution."""
+            if torch.compiler.is_compiling():
+                return torch.ops.gemmtune.toy_gemm(x, w, s)
+            try:
+                call = _cache.get(sig := _signature(x, w, s))
+            except (AttributeError, TypeError):  # a non-tensor argument: validate names it
+                _cache.reject(x, w, s)
+                raise
+            if call is None:
+                call = _cache.miss(sig, x, w, s)
+            return call(x, w, s)
+
+
+        @custom_op(_cache, fake=_fake)
+        def _toy_gemm_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            return toy_gemm(x, w, s)
     ''',
     "backend.py": '''
         """The toy family's `torch` backend (two solutions) and its policy (what an untuned key runs)."""

@@ -14,7 +14,7 @@ import torch
 from ..checks import FLOAT_DTYPES, check_bool, check_dtype, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.batched import BatchedKey
-from .hot_path import public_op
+from .hot_path import OpCache, custom_op, public_op
 
 FAMILY = "batched"
 _FLOATS = FLOAT_DTYPES
@@ -106,9 +106,28 @@ def _backward(ctx, grad):
     return (ga.transpose(-1, -2) if ta else ga), (gb.transpose(-1, -2) if tb else gb), None, None, None
 
 
-@public_op(family=FAMILY, signature=_signature, validate=validate, bind=_bind, call=("a", "b"), fake=_fake,
-           autograd=(_backward, _setup_context))  # fmt: skip
+_cache = OpCache("batched_gemm", family=FAMILY, validate=validate, bind=_bind)
+_is_compiling = torch.compiler.is_compiling
+
+
+@public_op(_cache)
 def batched_gemm(a: torch.Tensor, b: torch.Tensor, transpose_a: bool = False, transpose_b: bool = False,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """(B, M, N) = op(a) @ op(b) per batch, in `out_dtype` (default a's dtype); the tuned solution for
     this (B, M, N, K, dtype, layout), else torch.bmm. Same result as torch.bmm within the dtype's tolerance."""
+    if _is_compiling():
+        return torch.ops.gemmtune.batched_gemm(a, b, transpose_a, transpose_b, out_dtype)
+    try:
+        call = _cache.get(sig := _signature(a, b, transpose_a, transpose_b, out_dtype))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _cache.reject(a, b, transpose_a, transpose_b, out_dtype)
+        raise
+    if call is None:
+        call = _cache.miss(sig, a, b, transpose_a, transpose_b, out_dtype)
+    return call(a, b)
+
+
+@custom_op(_cache, fake=_fake, autograd=(_backward, _setup_context))
+def _batched_gemm_op(a: torch.Tensor, b: torch.Tensor, transpose_a: bool, transpose_b: bool,
+                     out_dtype: torch.dtype | None) -> torch.Tensor:  # fmt: skip
+    return batched_gemm(a, b, transpose_a, transpose_b, out_dtype)

@@ -16,7 +16,7 @@ from ..checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.quantized import BatchedQuantKey
 from ..quant import formats
-from .hot_path import public_op
+from .hot_path import OpCache, custom_op, public_op
 
 FAMILY = "batched_a8w8"
 OP_NAME = "batched_gemm_a8w8"
@@ -83,9 +83,28 @@ def _fake(XQ, WQ, x_scale, w_scale, dtype):
     return XQ.new_empty((key.B, key.M, key.N), dtype=dtype)
 
 
-@public_op(family=FAMILY, signature=_signature, validate=validate, bind=_bind, call=("XQ", "WQ", "x_scale", "w_scale"),
-           fake=_fake)  # fmt: skip
+_cache = OpCache("batched_gemm_a8w8", family=FAMILY, validate=validate, bind=_bind)
+_is_compiling = torch.compiler.is_compiling
+
+
+@public_op(_cache)
 def batched_gemm_a8w8(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """[B, M, N] = (XQ @ WQ^T) * x_scale * w_scale per batch, in `dtype`: the tuned solution for this
     (B, M, N, K, dtype), else dequantize + torch.bmm."""
+    if _is_compiling():
+        return torch.ops.gemmtune.batched_gemm_a8w8(XQ, WQ, x_scale, w_scale, dtype)
+    try:
+        call = _cache.get(sig := _signature(XQ, WQ, x_scale, w_scale, dtype))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _cache.reject(XQ, WQ, x_scale, w_scale, dtype)
+        raise
+    if call is None:
+        call = _cache.miss(sig, XQ, WQ, x_scale, w_scale, dtype)
+    return call(XQ, WQ, x_scale, w_scale)
+
+
+@custom_op(_cache, fake=_fake)
+def _batched_gemm_a8w8_op(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    return batched_gemm_a8w8(XQ, WQ, x_scale, w_scale, dtype)

@@ -25,7 +25,7 @@ from ..backends.epilogue.pytorch import UNFUSED, TorchEpilogueBackend
 from ..checks import FLOAT_DTYPES, check_bool, check_choice, check_dtype, check_number, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.epilogue import ACTS, EpilogueKey, apply_act, expand_c
-from .hot_path import public_op, spelling_of
+from .hot_path import OpCache, custom_op, public_op, spelling_of
 
 FAMILY = "epilogue"
 _FLOATS = FLOAT_DTYPES
@@ -224,11 +224,11 @@ def _backward(ctx, grad):
     return (*out, None, None, None, None, None)
 
 
-@public_op(
-    family=FAMILY, signature=_signature, validate=_validate, bind=_bind, call=("x", "w", "bias", "c", "alpha", "beta"),
-    op_params=("x", "w", "bias", "c", "act", "alpha", "beta", "out_dtype", "w_layout"), fake=_fake,
-    autograd=(_backward, _setup_context),
-)  # fmt: skip
+_cache = OpCache("gemm_epilogue", family=FAMILY, validate=_validate, bind=_bind)
+_is_compiling = torch.compiler.is_compiling
+
+
+@public_op(_cache)
 def gemm_epilogue(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -245,6 +245,31 @@ def gemm_epilogue(
     "nk", nn.Linear) or W = w for w [K, N] ("kn"); act one of none, relu, gelu, gelu_tanh. Runs the
     tuned solution for this key, else the unfused torch path; the same result within the dtype's
     tolerance."""
+    if _is_compiling():
+        return torch.ops.gemmtune.gemm_epilogue(x, w, bias, c, act, alpha, beta, out_dtype, w_layout)
+    try:
+        call = _cache.get(sig := _signature(x, w, bias, act, alpha, beta, c, out_dtype, w_layout))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _cache.reject(x, w, bias, act, alpha, beta, c, out_dtype, w_layout)
+        raise
+    if call is None:
+        call = _cache.miss(sig, x, w, bias, act, alpha, beta, c, out_dtype, w_layout)
+    return call(x, w, bias, c, alpha, beta)
+
+
+@custom_op(_cache, fake=_fake, autograd=(_backward, _setup_context))
+def _gemm_epilogue_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    c: torch.Tensor | None,
+    act: str,
+    alpha: float,
+    beta: float,
+    out_dtype: torch.dtype | None,
+    w_layout: str,
+) -> torch.Tensor:
+    return gemm_epilogue(x, w, bias, act=act, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype, w_layout=w_layout)
 
 
 # ---- aiter's spellings --------------------------------------------------------------------------

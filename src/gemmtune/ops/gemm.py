@@ -14,7 +14,7 @@ from ..checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ..dispatch import A16W16, get_dispatcher
 from ..keys import GemmKey
 from .autograd import linear_backward, with_autograd
-from .hot_path import public_op
+from .hot_path import OpCache, custom_op, public_op
 
 # The dtypes every backend computes, in and out (float64, fp8 and integer GEMMs are not gemm's job).
 DTYPES = FLOAT_DTYPES
@@ -102,11 +102,31 @@ def _backward(ctx, grad):
     return gx, gw, gb, None
 
 
-@public_op(family=A16W16, signature=_signature, validate=validate, bind=_bind, call=("x", "w", "bias"), fake=_fake,
-           autograd=(_backward, _setup_context))  # fmt: skip
+_cache = OpCache("gemm", family=A16W16, validate=validate, bind=_bind)
+_is_compiling = torch.compiler.is_compiling
+
+
+@public_op(_cache)
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """y[..., N] = x[..., K] @ w[N, K]^T (+ bias), in `out_dtype` (default x's dtype).
 
     Runs the solution the config table recorded for this (M, N, K, dtype, bias), else the vendor
     default. Same result as F.linear within the dtype's tolerance.
     """
+    if _is_compiling():
+        return torch.ops.gemmtune.gemm(x, w, bias, out_dtype)
+    try:
+        call = _cache.get(sig := _signature(x, w, bias, out_dtype))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _cache.reject(x, w, bias, out_dtype)
+        raise
+    if call is None:
+        call = _cache.miss(sig, x, w, bias, out_dtype)
+    return call(x, w, bias)
+
+
+@custom_op(_cache, fake=_fake, autograd=(_backward, _setup_context))
+def _gemm_op(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    return gemm(x, w, bias, out_dtype)

@@ -38,7 +38,7 @@ from ..dispatch import get_dispatcher
 from ..families.fmoe import ACT_TYPES, MoeKey
 from ..kernels import fused_moe as kmoe
 from ..kernels.moe_align import moe_align
-from .hot_path import public_helper, public_op
+from .hot_path import OpCache, custom_op, public_helper, public_op
 
 FAMILY = "fmoe"
 _FLOATS = FLOAT_DTYPES
@@ -187,18 +187,39 @@ def _fused_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, dowei
     return hidden_states.new_empty(hidden_states.shape)
 
 
-@public_op(
-    family=FAMILY, signature=_fused_signature, validate=_fused_validate, bind=_fused_bind, fake=_fused_fake,
-    call=("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "expert_map", "check_ids"),
-    op_params=("hidden=hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation", "doweight_stage1",
-               "expert_map", "num_shared_experts"),
-    op_fixed={"check_ids": False},  # the check syncs with the host: never inside a compiled graph
-)  # fmt: skip
+_fused_cache = OpCache("fused_moe", family=FAMILY, validate=_fused_validate, bind=_fused_bind)
+
+
+@public_op(_fused_cache)
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", *, doweight_stage1: bool = False,
               expert_map: torch.Tensor | None = None, num_shared_experts: int = 0,
               check_ids: bool | None = None) -> torch.Tensor:  # fmt: skip
     """(T, H) mixture-of-experts output in hidden_states' dtype (see the module doc for the semantics)."""
+    if _is_compiling():
+        return torch.ops.gemmtune.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1,
+                                            expert_map, num_shared_experts)  # fmt: skip
+    try:
+        sig = _fused_signature(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
+                               num_shared_experts, check_ids)  # fmt: skip
+        call = _fused_cache.get(sig)
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _fused_cache.reject(hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1, expert_map,
+                            num_shared_experts, check_ids)  # fmt: skip
+        raise
+    if call is None:
+        call = _fused_cache.miss(sig, hidden_states, w1, w2, topk_weights, topk_ids, activation, doweight_stage1,
+                                 expert_map, num_shared_experts, check_ids)  # fmt: skip
+    return call(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, check_ids)
+
+
+@custom_op(_fused_cache, fake=_fused_fake)
+def _fused_moe_op(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str, doweight_stage1: bool, expert_map: torch.Tensor | None,
+                  num_shared_experts: int) -> torch.Tensor:  # fmt: skip
+    # No id check: it syncs with the host, never inside a compiled graph.
+    return fused_moe(hidden, w1, w2, topk_weights, topk_ids, activation, doweight_stage1=doweight_stage1,
+                     expert_map=expert_map, num_shared_experts=num_shared_experts, check_ids=False)  # fmt: skip
 
 
 # ---- grouped_gemm ---------------------------------------------------------------------------------
@@ -344,14 +365,32 @@ def _grouped_fake(input, weights, expert_ids, topk, weights_transposed):
 
 
 # grouped_gemm is not tuned: its runner is a heuristic choice, cached apart from fused_moe's.
-@public_op(
-    family=FAMILY, cache="fmoe.grouped_gemm", signature=_grouped_signature, validate=_grouped_validate,
-    bind=_grouped_bind, fake=_grouped_fake, call=("input", "weights", "expert_ids", "check_ids"),
-    op_params=("x=input", "w=weights", "ids=expert_ids", "topk", "weights_transposed"), op_fixed={"check_ids": False},
-)  # fmt: skip
+_grouped_cache = OpCache("grouped_gemm", family=FAMILY, cache="fmoe.grouped_gemm", validate=_grouped_validate,
+                         bind=_grouped_bind)  # fmt: skip
+
+
+@public_op(_grouped_cache)
 def grouped_gemm(input: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, topk: int | None = None, *,
                  weights_transposed: bool = False, check_ids: bool | None = None) -> torch.Tensor:  # fmt: skip
     """(T, topk, N): each token's rows times its experts' weights (see the module doc)."""
+    if _is_compiling():
+        return torch.ops.gemmtune.grouped_gemm(input, weights, expert_ids, topk, weights_transposed)
+    try:
+        call = _grouped_cache.get(sig := _grouped_signature(input, weights, expert_ids, topk, weights_transposed,
+                                                            check_ids))  # fmt: skip
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _grouped_cache.reject(input, weights, expert_ids, topk, weights_transposed, check_ids)
+        raise
+    if call is None:
+        call = _grouped_cache.miss(sig, input, weights, expert_ids, topk, weights_transposed, check_ids)
+    return call(input, weights, expert_ids, check_ids)
+
+
+@custom_op(_grouped_cache, fake=_grouped_fake)
+def _grouped_gemm_op(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int | None,
+                     weights_transposed: bool) -> torch.Tensor:  # fmt: skip
+    # No id check: it syncs with the host, never inside a compiled graph.
+    return grouped_gemm(x, w, ids, topk, weights_transposed=weights_transposed, check_ids=False)
 
 
 @public_helper(family=FAMILY)

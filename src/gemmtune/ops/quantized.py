@@ -18,6 +18,8 @@ through the custom ops torch.ops.gemmtune.gemm_a8w8* (fake impls give the output
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..checks import FLOAT_DTYPES, check_dtype, check_tensor
@@ -25,10 +27,11 @@ from ..dispatch import get_dispatcher
 from ..families.quantized import BlockKey, QuantKey
 from ..quant.formats import BLOCK, QUANT_DTYPES, SCALE_DTYPE
 from ..quant.shuffle import is_shuffled
-from .hot_path import public_op, spelling_of
+from .hot_path import OpCache, custom_op, public_op, spelling_of
 
 _OUT = FLOAT_DTYPES
 _dispatcher = get_dispatcher()
+_is_compiling = torch.compiler.is_compiling
 
 
 def _d(t) -> str:
@@ -181,8 +184,9 @@ def _block_signature(XQ, WQ, x_scale, w_scale, dtype) -> tuple:
             w_scale.stride(), dtype)  # fmt: skip
 
 
-def _a8w8_pieces(family: str, op: str) -> dict:
-    """validate, bind and fake of gemm_a8w8 (family a8w8) or gemm_a8w8_bpreshuffle (a8w8_bpreshuffle)."""
+def _a8w8_pieces(family: str, op: str) -> tuple[OpCache, Callable]:
+    """The cache (validate, bind) and fake of gemm_a8w8 (family a8w8) or gemm_a8w8_bpreshuffle
+    (a8w8_bpreshuffle)."""
     shuffled = family == "a8w8_bpreshuffle"
 
     def validate(XQ, WQ, x_scale, w_scale, bias, dtype):
@@ -204,12 +208,11 @@ def _a8w8_pieces(family: str, op: str) -> dict:
         key = validate_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype, op)
         return XQ.new_empty((*XQ.shape[:-1], key.N), dtype=dtype)
 
-    return dict(family=family, signature=_a8w8_signature, validate=validate, bind=bind, fake=fake,
-                call=("XQ", "WQ", "x_scale", "w_scale", "bias"), aiter_names=(op,))  # fmt: skip
+    return OpCache(op, family=family, validate=validate, bind=bind), fake
 
 
-def _block_pieces(family: str, op: str) -> dict:
-    """validate, bind and fake of gemm_a8w8_blockscale (and its bpreshuffle twin)."""
+def _block_pieces(family: str, op: str) -> tuple[OpCache, Callable]:
+    """The cache (validate, bind) and fake of gemm_a8w8_blockscale (and its bpreshuffle twin)."""
     shuffled = family == "a8w8_blockscale_bpreshuffle"
 
     def validate(XQ, WQ, x_scale, w_scale, dtype):
@@ -232,18 +235,45 @@ def _block_pieces(family: str, op: str) -> dict:
         key = validate_blockscale(XQ, WQ, x_scale, w_scale, dtype, op)
         return XQ.new_empty((*XQ.shape[:-1], key.N), dtype=dtype)
 
-    return dict(family=family, signature=_block_signature, validate=validate, bind=bind, fake=fake,
-                call=("XQ", "WQ", "x_scale", "w_scale"), aiter_names=(op,))  # fmt: skip
+    return OpCache(op, family=family, validate=validate, bind=bind), fake
 
 
 # ---- the ops ----------------------------------------------------------------------------------------
-@public_op(**_a8w8_pieces("a8w8", "gemm_a8w8"))
+_a8w8_cache, _a8w8_fake = _a8w8_pieces("a8w8", "gemm_a8w8")
+
+
+@public_op(_a8w8_cache, aiter_names=("gemm_a8w8",))
 def gemm_a8w8(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """y[..., N] = (XQ[..., K] @ WQ[N, K]^T) * x_scale * w_scale (+ bias), in `dtype`."""
+    if _is_compiling():
+        return torch.ops.gemmtune.gemm_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype)
+    try:
+        call = _a8w8_cache.get(sig := _a8w8_signature(XQ, WQ, x_scale, w_scale, bias, dtype))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _a8w8_cache.reject(XQ, WQ, x_scale, w_scale, bias, dtype)
+        raise
+    if call is None:
+        call = _a8w8_cache.miss(sig, XQ, WQ, x_scale, w_scale, bias, dtype)
+    return call(XQ, WQ, x_scale, w_scale, bias)
 
 
-@public_op(**_a8w8_pieces("a8w8_bpreshuffle", "gemm_a8w8_bpreshuffle"))
+@custom_op(_a8w8_cache, fake=_a8w8_fake)
+def _gemm_a8w8_op(
+    XQ: torch.Tensor,
+    WQ: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return gemm_a8w8(XQ, WQ, x_scale, w_scale, bias, dtype)
+
+
+_a8w8_bpreshuffle_cache, _a8w8_bpreshuffle_fake = _a8w8_pieces("a8w8_bpreshuffle", "gemm_a8w8_bpreshuffle")
+
+
+@public_op(_a8w8_bpreshuffle_cache, aiter_names=("gemm_a8w8_bpreshuffle",))
 def gemm_a8w8_bpreshuffle(
     XQ: torch.Tensor,
     WQ: torch.Tensor,
@@ -253,6 +283,28 @@ def gemm_a8w8_bpreshuffle(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """gemm_a8w8 with WQ from shuffle_weight (its own tuned table, a8w8_bpreshuffle)."""
+    if _is_compiling():
+        return torch.ops.gemmtune.gemm_a8w8_bpreshuffle(XQ, WQ, x_scale, w_scale, bias, dtype)
+    try:
+        call = _a8w8_bpreshuffle_cache.get(sig := _a8w8_signature(XQ, WQ, x_scale, w_scale, bias, dtype))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _a8w8_bpreshuffle_cache.reject(XQ, WQ, x_scale, w_scale, bias, dtype)
+        raise
+    if call is None:
+        call = _a8w8_bpreshuffle_cache.miss(sig, XQ, WQ, x_scale, w_scale, bias, dtype)
+    return call(XQ, WQ, x_scale, w_scale, bias)
+
+
+@custom_op(_a8w8_bpreshuffle_cache, fake=_a8w8_bpreshuffle_fake)
+def _gemm_a8w8_bpreshuffle_op(
+    XQ: torch.Tensor,
+    WQ: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return gemm_a8w8_bpreshuffle(XQ, WQ, x_scale, w_scale, bias, dtype)
 
 
 @spelling_of(gemm_a8w8, aiter_names=("int8_gemm",))
@@ -265,13 +317,38 @@ def int8_gemm(input: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tens
     return gemm_a8w8(input, weight, input_scale, weight_scale, None, output_dtype)
 
 
-@public_op(**_block_pieces("a8w8_blockscale", "gemm_a8w8_blockscale"))
+_blockscale_cache, _blockscale_fake = _block_pieces("a8w8_blockscale", "gemm_a8w8_blockscale")
+
+
+@public_op(_blockscale_cache, aiter_names=("gemm_a8w8_blockscale",))
 def gemm_a8w8_blockscale(XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """y[..., N] = sum over 128-wide K groups g of (XQ[:, g] @ WQ[:, g]^T) * x_scale[m, g] * w_scale[n // 128, g]."""
+    if _is_compiling():
+        return torch.ops.gemmtune.gemm_a8w8_blockscale(XQ, WQ, x_scale, w_scale, dtype)
+    try:
+        call = _blockscale_cache.get(sig := _block_signature(XQ, WQ, x_scale, w_scale, dtype))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _blockscale_cache.reject(XQ, WQ, x_scale, w_scale, dtype)
+        raise
+    if call is None:
+        call = _blockscale_cache.miss(sig, XQ, WQ, x_scale, w_scale, dtype)
+    return call(XQ, WQ, x_scale, w_scale)
 
 
-@public_op(**_block_pieces("a8w8_blockscale_bpreshuffle", "gemm_a8w8_blockscale_bpreshuffle"))
+@custom_op(_blockscale_cache, fake=_blockscale_fake)
+def _gemm_a8w8_blockscale_op(
+    XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    return gemm_a8w8_blockscale(XQ, WQ, x_scale, w_scale, dtype)
+
+
+_blockscale_bpreshuffle_cache, _blockscale_bpreshuffle_fake = _block_pieces(
+    "a8w8_blockscale_bpreshuffle", "gemm_a8w8_blockscale_bpreshuffle"
+)
+
+
+@public_op(_blockscale_bpreshuffle_cache, aiter_names=("gemm_a8w8_blockscale_bpreshuffle",))
 def gemm_a8w8_blockscale_bpreshuffle(
     XQ: torch.Tensor,
     WQ: torch.Tensor,
@@ -280,6 +357,23 @@ def gemm_a8w8_blockscale_bpreshuffle(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """gemm_a8w8_blockscale with WQ from shuffle_weight (its own tuned table)."""
+    if _is_compiling():
+        return torch.ops.gemmtune.gemm_a8w8_blockscale_bpreshuffle(XQ, WQ, x_scale, w_scale, dtype)
+    try:
+        call = _blockscale_bpreshuffle_cache.get(sig := _block_signature(XQ, WQ, x_scale, w_scale, dtype))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _blockscale_bpreshuffle_cache.reject(XQ, WQ, x_scale, w_scale, dtype)
+        raise
+    if call is None:
+        call = _blockscale_bpreshuffle_cache.miss(sig, XQ, WQ, x_scale, w_scale, dtype)
+    return call(XQ, WQ, x_scale, w_scale)
+
+
+@custom_op(_blockscale_bpreshuffle_cache, fake=_blockscale_bpreshuffle_fake)
+def _gemm_a8w8_blockscale_bpreshuffle_op(
+    XQ: torch.Tensor, WQ: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    return gemm_a8w8_blockscale_bpreshuffle(XQ, WQ, x_scale, w_scale, dtype)
 
 
 __all__ = [

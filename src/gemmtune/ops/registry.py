@@ -1,7 +1,7 @@
 """Every public op and helper of gemmtune.ops, as its module declares it.
 
-The op modules record their public functions here when imported (ops/hot_path.py does it for each op it
-builds); the package exports, `gemmtune.__all__`, tuned_gemm's aiter names and profiling's list of GEMM
+The op modules record their public functions here when imported (ops/hot_path.py's public_op, spelling_of,
+public_helper); the package exports, `gemmtune.__all__`, tuned_gemm's aiter names and profiling's list of GEMM
 ops are read from this record, so adding an op touches only its own module and ops/__init__'s module list.
 """
 

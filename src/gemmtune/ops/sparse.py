@@ -21,7 +21,7 @@ from ..checks import FLOAT_DTYPES, check_choice, check_tensor
 from ..dispatch import get_dispatcher
 from ..families.sparse import ALIASES, LAYOUTS, PATTERNS, SparseKey, density_bucket
 from ..quant.semi_structured import describe, is_semi_structured, prune_2_4, semi_structured_reason
-from .hot_path import public_helper, public_op
+from .hot_path import OpCache, custom_op, public_helper, public_op
 
 __all__ = ["normalize_pattern", "prune_2_4", "semi_structured_reason", "sparse_gemm", "validate"]
 
@@ -145,14 +145,33 @@ def _fake(input, weight, sparsity_pattern, bias):
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
 
-# The custom op returns a fresh plain tensor, not the transposed view torch.sparse may give.
-@public_op(family=FAMILY, signature=_signature, validate=_validate, bind=_bind, call=("input", "weight", "bias"),
-           fake=_fake, finish=torch.Tensor.contiguous, aiter_names=("sparse_gemm",))  # fmt: skip
+_cache = OpCache("sparse_gemm", family=FAMILY, validate=_validate, bind=_bind)
+_is_compiling = torch.compiler.is_compiling
+
+
+@public_op(_cache, aiter_names=("sparse_gemm",))
 def sparse_gemm(input: torch.Tensor, weight: torch.Tensor, sparsity_pattern: str,
                 bias: torch.Tensor | None = None):  # fmt: skip
     """y[..., N] = input[..., K] @ weight^T (+ bias) with weight a sparse [N, K] tensor stored as
     `sparsity_pattern` says ('csr', 'coo', 'block'/'bsr', '2:4'). Runs the tuned solution for this
     (shape, pattern, density, block), else the weight's own format."""
+    if _is_compiling():
+        return torch.ops.gemmtune.sparse_gemm(input, weight, sparsity_pattern, bias)
+    try:
+        call = _cache.get(sig := _signature(input, weight, sparsity_pattern, bias))
+    except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
+        _cache.reject(input, weight, sparsity_pattern, bias)
+        raise
+    if call is None:
+        call = _cache.miss(sig, input, weight, sparsity_pattern, bias)
+    return call(input, weight, bias)
+
+
+@custom_op(_cache, fake=_fake)
+def _sparse_gemm_op(input: torch.Tensor, weight: torch.Tensor, sparsity_pattern: str,
+                    bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    # A fresh plain tensor, not the transposed view torch.sparse may give.
+    return sparse_gemm(input, weight, sparsity_pattern, bias).contiguous()
 
 
 public_helper(family=FAMILY)(prune_2_4)
