@@ -1,4 +1,4 @@
-"""`gemmtune doctor`: device, arch, SM/CU count, library versions, backends available."""
+"""`gemmtune doctor`: device, arch, SM/CU count, library versions, backends available, settings in effect."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from ..doctor import environment_report
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(as_json: bool) -> None:
-    """Report the device (arch, SM/CU count), torch/triton/CUDA/ROCm versions and available backends."""
+    """Report the device (arch, SM/CU count), torch/triton/CUDA/ROCm versions, available backends and
+    every GEMMTUNE_* setting in effect with where it came from (environment, default, an API call)."""
     report = environment_report()
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
@@ -21,7 +22,8 @@ def doctor(as_json: bool) -> None:
     for k, v in report.items():
         if isinstance(v, dict):
             click.echo(f"{k}:")
+            inner = max([width - 2, *map(len, v)])
             for name, state in v.items():
-                click.echo(f"  {name:<{width - 2}}  {state}")
+                click.echo(f"  {name:<{inner}}  {state}")
         else:
             click.echo(f"{k:<{width}}  {v}")

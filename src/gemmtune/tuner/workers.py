@@ -20,6 +20,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+from .. import settings
 from ..plugins import PLUGINS_ENV, import_plugins
 from .candidates import CRASHED, TIMEOUT, DeviceLostError, TuneOptions
 from .search import tune_shape
@@ -119,7 +120,7 @@ class _Worker:
         self.wid, self.device = wid, device
         parent, child = ctx.Pipe()
         self.conn = parent
-        args = (wid, device, opts, child, os.environ.get(PLUGINS_ENV, ""), verbose)
+        args = (wid, device, opts, child, settings.PLUGINS.raw(), verbose)
         self.proc = ctx.Process(target=_worker_main, args=args, daemon=True)
         self.proc.start()
         child.close()
