@@ -8,7 +8,7 @@ the fused ops) is passed to get(check=...) by that layer, and fails the same way
 
 The families' table variables (GEMMTUNE_CONFIG_<FAMILY>) are named by each family (families/*.py
 `env_var`); here one pattern entry declares their parser and doc, so adding a family adds no line here.
-The table in docs/settings.md is generated from this module: `python -m gemmtune.settings --markdown`.
+The table in docs/settings.md is generated from this module (markdown_table: `gemmtune doctor --settings-table`).
 Some variables have a Python API that overrides them (set_config, set_capture, ...); that API records
 itself here (api_called) so `gemmtune doctor` says where each effective value came from.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -278,9 +277,3 @@ def effective(environ: Mapping[str, str] | None = None, names: list[str] | None 
             continue
         out[name] = f"{value} ({s.source(environ, name)})"
     return out
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m gemmtune.settings --markdown")
-    sys.stdout.write(markdown_table())

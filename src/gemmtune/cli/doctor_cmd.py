@@ -6,14 +6,19 @@ import json
 
 import click
 
+from .. import settings
 from ..doctor import environment_report
 
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def doctor(as_json: bool) -> None:
+@click.option("--settings-table", is_flag=True, help="Print docs/settings.md's table of every setting and exit.")
+def doctor(as_json: bool, settings_table: bool) -> None:
     """Report the device (arch, SM/CU count), torch/triton/CUDA/ROCm versions, available backends and
     every GEMMTUNE_* setting in effect with where it came from (environment, default, an API call)."""
+    if settings_table:
+        click.echo(settings.markdown_table(), nl=False)
+        return
     report = environment_report()
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
