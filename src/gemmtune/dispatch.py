@@ -182,7 +182,7 @@ class Dispatcher:
         return capture.for_family(family or families.get(A16W16))
 
     def _read_capture(self) -> None:
-        path = self._from_env(settings.CAPTURE.name, settings.CAPTURE.get)
+        path = settings.CAPTURE.get()
         if path:
             self._capture = self._from_env(settings.CAPTURE.name, lambda: _env_capture(path))
         self._capture_from_env = False

@@ -26,7 +26,7 @@ _imports: dict[str, Once] = {}
 
 
 def env_plugins(environ=None) -> list[str]:
-    return settings.PLUGINS.get(environ)
+    return list(settings.PLUGINS.get(environ))
 
 
 def import_plugin(name: str, source: str = PLUGINS_ENV) -> None:

@@ -101,7 +101,7 @@ def api_called(name: str) -> None:
 class Setting:
     name: str  # the variable, or the prefix of a pattern entry ("GEMMTUNE_CONFIG_")
     parse: Callable[[str], object]  # stripped non-empty text -> value; ValueError(why) when it cannot
-    default: object  # the value when the variable is unset or empty
+    default: object  # the value when the variable is unset or empty (immutable: every reader shares it)
     read: str  # IMPORT, FIRST_USE or PER_CALL
     doc: str  # one line, markdown
     example: str = ""  # the value the docs show (`GEMMTUNE_LOG=1`)
@@ -141,9 +141,9 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("GEMMTUNE_CONFIG", path_list, [], FIRST_USE, "tuned tables to dispatch with (merged as [the config "
+    Setting("GEMMTUNE_CONFIG", path_list, (), FIRST_USE, "tuned tables to dispatch with (merged as [the config "
             "format](config.md) says; each file to the family its header names)", "a.csv:b.csv", ("set_config",)),
-    Setting("GEMMTUNE_CONFIG_", path_list, [], FIRST_USE, "one family's tables; each family names its variable "
+    Setting("GEMMTUNE_CONFIG_", path_list, (), FIRST_USE, "one family's tables; each family names its variable "
             "(`_BATCHED`, `_A8W8`, `_FMOE`, ...: [families](families.md))", "<FAMILY>=...", ("set_config",),
             pattern=True),
     Setting("GEMMTUNE_CAPTURE", text, "", FIRST_USE, "record every distinct key dispatched, with call counts "
@@ -158,7 +158,7 @@ SETTINGS: tuple[Setting, ...] = (
             "(default: all)", "torch,triton", ("set_online_tuning", "set_miss_hook")),
     Setting("GEMMTUNE_TUNE_ONLINE_MODE", choice("background", "blocking"), "background", FIRST_USE, "`blocking` "
             "tunes a missed key in the missing call", "blocking", ("set_online_tuning", "set_miss_hook")),
-    Setting("GEMMTUNE_PLUGINS", name_list, [], FIRST_USE, "modules that register extra backends or families "
+    Setting("GEMMTUNE_PLUGINS", name_list, (), FIRST_USE, "modules that register extra backends or families "
             "(imported at the first resolution; tuner workers import them too)", "mod1,mod2"),
     Setting("GEMMTUNE_LOG", boolean, False, IMPORT, "log which row / backend each new shape resolved to", "1"),
     Setting("GEMMTUNE_PDL", boolean, True, FIRST_USE, "0: no programmatic dependent launch (read at a device's "
@@ -238,11 +238,11 @@ TUNE_EXIT_AFTER = _BY_NAME["GEMMTUNE_TUNE_EXIT_AFTER"]
 
 
 def _shown(value) -> str:
-    if value is None or value == "" or value == []:
+    if value is None or value == "" or value == () or value == []:
         return "-"
     if isinstance(value, bool):
         return "1" if value else "0"
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return ",".join(value)
     return f"{value:g}" if isinstance(value, float) else str(value)
 

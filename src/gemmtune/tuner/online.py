@@ -125,7 +125,7 @@ def from_env(environ):
     if not path:
         return None
     budget = settings.TUNE_ONLINE_BUDGET.get(environ)
-    libs = settings.TUNE_ONLINE_LIBTYPES.get(environ, check=_known_libtypes)
+    libs = settings.TUNE_ONLINE_LIBTYPES.get(environ, check=_known_libtypes) or None  # ", ": all backends
     mode = settings.TUNE_ONLINE_MODE.get(environ)
     try:
         return make_tuner(path, budget, libs, mode)
