@@ -15,6 +15,8 @@ import pytest
 import torch
 from kernel_cases import kernel_results, nan_outputs
 
+from gemmtune import settings
+from gemmtune.errors import EnvVarError
 from gemmtune.kernels import attention_softcap as kattn
 from gemmtune.ops import attention as attn_ops
 
@@ -479,7 +481,7 @@ def test_masked_prefill_without_softcap_goes_to_the_kernel(kernel_on_cpu, monkey
     from test_attention_flex import hf_mask, qkv, reference
 
     attn_mod, calls = kernel_on_cpu
-    env_mode = lambda: attn_mod.env_mode("GEMMTUNE_MASKED_PREFILL", attn_mod.MASKED_PREFILL_MODES, "triton")  # noqa: E731
+    env_mode = settings.MASKED_PREFILL.get
     q, k, v = qkv(2, 4, 2, 20, 33, 64)
     mask = hf_mask(2, 20, 33, 9, (0, 5))
     want = reference(q, k, v, mask, None, 0.1)
@@ -510,7 +512,7 @@ def test_masked_prefill_without_softcap_goes_to_the_kernel(kernel_on_cpu, monkey
     monkeypatch.setenv("GEMMTUNE_MASKED_PREFILL", "Triton")
     assert env_mode() == "triton"
     monkeypatch.setenv("GEMMTUNE_MASKED_PREFILL", "flex")
-    with pytest.raises(ValueError, match="GEMMTUNE_MASKED_PREFILL='flex'"):
+    with pytest.raises(EnvVarError, match="GEMMTUNE_MASKED_PREFILL='flex'"):
         env_mode()
     with pytest.raises(ValueError, match="masked prefill mode 'fast'"):
         attn_mod.set_masked_prefill("fast")

@@ -20,6 +20,7 @@ import torch
 
 from gemmtune.backends.a16w16.blaslt import BlasLtBackend
 from gemmtune.backends.lib import blaslt as bl
+from gemmtune.errors import EnvVarError
 from gemmtune.keys import GemmKey
 
 NAME = "lt130200_a66_t20_s35_k1_r0_w0_c0_i0_cl2"
@@ -51,7 +52,7 @@ def test_search_mode_from_env(monkeypatch):
     monkeypatch.setenv("GEMMTUNE_BLASLT_SEARCH", " Wide ")
     assert bl.search_mode() == "wide"
     monkeypatch.setenv("GEMMTUNE_BLASLT_SEARCH", "all")
-    with pytest.raises(ValueError, match="GEMMTUNE_BLASLT_SEARCH='all'"):
+    with pytest.raises(EnvVarError, match="GEMMTUNE_BLASLT_SEARCH='all'"):
         bl.search_mode()
 
 

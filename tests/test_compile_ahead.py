@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gemmtune.backends.lib import triton_tiles
+from gemmtune.errors import EnvVarError
 from gemmtune.keys import GemmKey
 from gemmtune.tuner import compile_ahead as C
 from gemmtune.tuner.runner import compile_processes, finish_compile
@@ -237,5 +238,5 @@ def test_compile_processes_split_the_hosts_total_over_its_ranks(monkeypatch):
 @pytest.mark.parametrize("value", ["many", "0", "-3", "2.5"])
 def test_a_bad_compile_process_count_is_named(monkeypatch, value):
     monkeypatch.setenv("GEMMTUNE_COMPILE_PROCESSES", value)
-    with pytest.raises(ValueError, match=rf"GEMMTUNE_COMPILE_PROCESSES='{re.escape(value)}'"):
+    with pytest.raises(EnvVarError, match=rf"GEMMTUNE_COMPILE_PROCESSES='{re.escape(value)}'"):
         compile_processes(2)

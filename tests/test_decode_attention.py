@@ -22,6 +22,8 @@ from kernel_cases import (
     split_attention_facts,
 )
 
+from gemmtune import settings
+from gemmtune.errors import EnvVarError
 from gemmtune.kernels import decode_attention as kdec
 
 HAS_GPU = torch.cuda.is_available()
@@ -191,17 +193,16 @@ def test_decode_kernel_is_left_out_where_it_does_not_apply(decode_on_cpu):
 
 def test_decode_kernel_setting(monkeypatch):
     pytest.importorskip("transformers")
-    from gemmtune.models import attention as attn_mod
 
     def read():
-        return attn_mod.env_mode("GEMMTUNE_DECODE_ATTENTION", attn_mod.DECODE_KERNEL_MODES, "triton")
+        return settings.DECODE_ATTENTION.get()
 
     monkeypatch.delenv("GEMMTUNE_DECODE_ATTENTION", raising=False)
     assert read() == "triton"
     monkeypatch.setenv("GEMMTUNE_DECODE_ATTENTION", "SDPA")
     assert read() == "sdpa"
     monkeypatch.setenv("GEMMTUNE_DECODE_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="GEMMTUNE_DECODE_ATTENTION='flash': expected one of sdpa, triton"):
+    with pytest.raises(EnvVarError, match="GEMMTUNE_DECODE_ATTENTION='flash': expected one of sdpa, triton"):
         read()
 
 

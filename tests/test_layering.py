@@ -17,24 +17,25 @@ LAYERS = {
     "checks": 0,  # the argument checks of every public function
     "keys": 0,
     "concurrency": 0,  # once-only initialization and fork handling for every lazy registry
-    "device": 1,
-    "plugins": 1,
-    "child_process": 1,  # the processes gemmtune starts: its own entry point, never the caller's __main__
-    "quant": 2,
-    "kernels": 3,  # Triton kernels and their plain-PyTorch references
-    "families": 4,  # one module per GEMM family: keys, schemas, references, default policy
-    "configs": 5,  # the tuned tables
-    "backends": 5,  # one module per (family, library)
-    "capture": 6,  # shape capture, a sink the dispatcher writes to
-    "dispatch": 7,  # key -> runner, with a miss hook installed from above
-    "ops": 8,  # the public ops
-    "tuned_gemm": 9,  # aiter's tuned_gemm names over the ops
-    "tuner": 10,  # model -> shapes, timing, search, online tuning
-    "models": 11,  # optimize(model)
-    "profiling": 12,
-    "doctor": 12,
-    "cli": 13,
-    "__main__": 14,  # python -m gemmtune: the command line
+    "settings": 1,  # every environment variable, parsed and validated in one place
+    "device": 2,
+    "plugins": 2,
+    "child_process": 2,  # the processes gemmtune starts: its own entry point, never the caller's __main__
+    "quant": 3,
+    "kernels": 4,  # Triton kernels and their plain-PyTorch references
+    "families": 5,  # one module per GEMM family: keys, schemas, references, default policy
+    "configs": 6,  # the tuned tables
+    "backends": 6,  # one module per (family, library)
+    "capture": 7,  # shape capture, a sink the dispatcher writes to
+    "dispatch": 8,  # key -> runner, with a miss hook installed from above
+    "ops": 9,  # the public ops
+    "tuned_gemm": 10,  # aiter's tuned_gemm names over the ops
+    "tuner": 11,  # model -> shapes, timing, search, online tuning
+    "models": 12,  # optimize(model)
+    "profiling": 13,
+    "doctor": 13,
+    "cli": 14,
+    "__main__": 15,  # python -m gemmtune: the command line
 }
 
 

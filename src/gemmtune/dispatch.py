@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from . import backends, families
+from . import backends, families, settings
 from .backends.base import Runner, Solution
 from .capture import CaptureSet, ShapeCapture
 from .checks import bad, check_paths, check_str
@@ -58,12 +58,11 @@ def set_miss_hook_factory(factory: Callable[[Mapping[str, str]], MissHook | None
     _miss_hook_factory = factory
 
 
-def _log_enabled() -> bool:
-    return os.environ.get("GEMMTUNE_LOG", "").strip().lower() not in ("", "0", "false", "no")
+LOG_RESOLUTIONS = settings.LOG.get()  # read at import: each new key's resolution is logged at INFO
 
 
 def _setup_logging() -> None:
-    if _log_enabled() and not log.handlers:
+    if LOG_RESOLUTIONS and not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[gemmtune] %(message)s"))
         log.addHandler(handler)
@@ -164,6 +163,7 @@ class Dispatcher:
             check_stores_agree(config, group)
         self._store = config
         self._store_from_env = False
+        settings.api_called("set_config")
         self.clear_cache()
         return self._store
 
@@ -182,9 +182,9 @@ class Dispatcher:
         return capture.for_family(family or families.get(A16W16))
 
     def _read_capture(self) -> None:
-        path = os.environ.get("GEMMTUNE_CAPTURE", "").strip()
+        path = settings.CAPTURE.get()
         if path:
-            self._capture = self._from_env("GEMMTUNE_CAPTURE", lambda: _env_capture(path))
+            self._capture = self._from_env(settings.CAPTURE.name, lambda: _env_capture(path))
         self._capture_from_env = False
 
     def set_capture(self, path: str | None) -> CaptureSet | None:
@@ -196,7 +196,8 @@ class Dispatcher:
             self._capture.flush()
         self._capture = CaptureSet(path) if path else None
         self._capture_from_env = False
-        self._env_errors.pop("GEMMTUNE_CAPTURE", None)
+        self._env_errors.pop(settings.CAPTURE.name, None)
+        settings.api_called("set_capture")
         self.clear_cache()
         return self._capture
 
@@ -216,6 +217,7 @@ class Dispatcher:
             raise TypeError(f"set_miss_hook: hook must have an on_miss method or be None, got {type(hook).__name__}")
         self._miss_hook = hook
         self._miss_hook_from_env = False
+        settings.api_called("set_miss_hook")
         self._env_errors.pop(MISS_HOOK, None)
         self.clear_cache()
         return hook
@@ -262,7 +264,7 @@ class Dispatcher:
         self._plugins_once.run(self._read_plugins)
 
     def _read_plugins(self) -> None:
-        self._from_env("GEMMTUNE_PLUGINS", import_plugins)
+        self._from_env(settings.PLUGINS.name, import_plugins)
         self._plugins_from_env = False
 
     def resolve(self, key, device: torch.device, family: str = A16W16) -> Resolution:
@@ -306,7 +308,7 @@ class Dispatcher:
         if hook is not None and res.row is None and backends.all_backends(family):
             if hook.on_miss(key, res.family, device, self):
                 res = self.resolve(key, device, family)
-        (log.info if _log_enabled() else log.debug)("%s", res.describe())
+        (log.info if LOG_RESOLUTIONS else log.debug)("%s", res.describe())
         run = res.runner
         if autograd is not None and res.solution.libtype != DEFAULT_BACKEND:  # a forward-only kernel
             run = autograd(run)
@@ -350,7 +352,7 @@ def _env_capture(path: str) -> CaptureSet:
     try:
         return CaptureSet(path)
     except GemmtuneError as exc:
-        raise type(exc)(f"GEMMTUNE_CAPTURE={path}: {exc}") from None
+        raise type(exc)(f"{settings.CAPTURE.name}={path}: {exc}") from None
 
 
 def _nonempty(key, fam: Family) -> bool:

@@ -1,4 +1,4 @@
-"""Environment report: what `gemmtune doctor` prints (device, versions, backends)."""
+"""Environment report: what `gemmtune doctor` prints (device, versions, backends, settings)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import platform
 
 import torch
 
-from . import backends
+from . import backends, settings
 from .device import default_device, facts, identity, rocm_version, vendor
+from .errors import EnvVarError
 
 
 def _version(dist: str) -> str:
@@ -21,7 +22,10 @@ def _version(dist: str) -> str:
 def _pdl_status(dev: torch.device) -> str:
     from .kernels._common import pdl_reason
 
-    why = pdl_reason(dev)
+    try:
+        why = pdl_reason(dev)
+    except EnvVarError as exc:
+        return f"unknown ({exc})"
     return f"off ({why})" if why else "on (GEMMTUNE_PDL=0 turns it off)"
 
 
@@ -63,7 +67,16 @@ def environment_report() -> dict[str, object]:
         rows.setdefault(name, f"unavailable: {why}")
     report["backends"] = rows
     report["GEMM families"] = family_status(dev)
+    report["settings"] = effective_settings()
     return report
+
+
+def effective_settings() -> dict[str, str]:
+    """Every GEMMTUNE_* variable (each family's table variable too): its value in effect and where it
+    came from (environment, default, or the API call that overrides it)."""
+    from . import families
+
+    return settings.effective(names=[fam.env_var for fam in families.all_families()])
 
 
 def family_status(dev: torch.device) -> dict[str, str]:

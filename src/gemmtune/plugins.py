@@ -12,12 +12,12 @@ imported again: half of it may have registered already, and a mode that changes 
 from __future__ import annotations
 
 import importlib
-import os
 
+from . import settings
 from .concurrency import Once
 from .errors import EnvVarError
 
-PLUGINS_ENV = "GEMMTUNE_PLUGINS"  # comma list of modules to import (they register backends or families)
+PLUGINS_ENV = settings.PLUGINS.name
 _imported: set[str] = set()
 _failed: dict[str, str] = {}  # module -> why its import failed
 # module -> the Once its import runs under: another thread waits for it, while a plugin whose import asks
@@ -26,8 +26,7 @@ _imports: dict[str, Once] = {}
 
 
 def env_plugins(environ=None) -> list[str]:
-    text = (os.environ if environ is None else environ).get(PLUGINS_ENV, "")
-    return [m.strip() for m in text.split(",") if m.strip()]
+    return list(settings.PLUGINS.get(environ))
 
 
 def import_plugin(name: str, source: str = PLUGINS_ENV) -> None:

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from .. import settings
 from ..capture import check_capture_targets, read_shape_list
 from ..errors import GemmtuneError
 from . import _validate as v
@@ -30,7 +31,7 @@ def capture(output: str, command: tuple[str, ...]) -> None:
         check_capture_targets(output)  # before COMMAND runs: a refused file is left as it was
     except GemmtuneError as exc:
         raise click.BadParameter(str(exc), param_hint="'-o' / '--output'") from None
-    env = dict(os.environ, GEMMTUNE_CAPTURE=os.path.abspath(output))
+    env = {**os.environ, settings.CAPTURE.name: os.path.abspath(output)}
     try:
         rc = subprocess.call(list(command), env=env)
     except FileNotFoundError:

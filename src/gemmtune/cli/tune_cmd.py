@@ -9,6 +9,7 @@ import threading
 
 import click
 
+from .. import settings
 from ..errors import GemmtuneError, NoShapesError
 from ..tuner.candidates import MIN_GAIN, SEARCHES, TuneOptions
 from ..tuner.distributed import joined, launched_by_torchrun, tune_fleet
@@ -160,7 +161,7 @@ def command(shapes, output, libtype, err_ratio, min_gain, top, batch, reps, time
     dev = device
     v.outputs_checked(tune_outputs(output, profile_file), [shapes])
     if plugin:
-        os.environ[PLUGINS_ENV] = ",".join(filter(None, [os.environ.get(PLUGINS_ENV, ""), *plugin]))
+        os.environ[PLUGINS_ENV] = ",".join(filter(None, [settings.PLUGINS.raw(), *plugin]))
     if mp_workers is None:
         mp_workers = 1 if dev.type == "cuda" else 0
     libs = [s.strip() for s in libtype.split(",") if s.strip()] if libtype else None

@@ -23,7 +23,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .. import families
+from .. import families, settings
 from ..checks import check_paths
 from ..device import DeviceIdentity
 from ..errors import ConfigError
@@ -361,7 +361,7 @@ class ConfigStore:
         seen: dict[str, str] = {}
         for fam in families.all_families():
             forced = None if fam.name == "a16w16" else fam
-            for path in _split(environ.get(fam.env_var, "")):
+            for path in settings.get(fam.env_var, environ):
                 real = os.path.realpath(path)
                 if real in seen:
                     warn_once(f"gemmtune: {path} is named twice ({seen[real]} and {fam.env_var}); read once")
@@ -395,8 +395,7 @@ def unique_paths(paths: list[str], where: str = "") -> list[str]:
 
 def env_sources(environ) -> list[tuple[str, str]]:
     """(variable, path) for every table named by a GEMMTUNE_CONFIG* variable, in family order."""
-    return [(fam.env_var, p) for fam in families.all_families()
-            for p in environ.get(fam.env_var, "").split(":") if p.strip()]  # fmt: skip
+    return [(fam.env_var, p) for fam in families.all_families() for p in settings.get(fam.env_var, environ)]
 
 
 def load_paths_env(value: str) -> ConfigTable:

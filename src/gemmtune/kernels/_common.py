@@ -5,10 +5,9 @@ runs on a device is device.py's question (`triton_on_gpu`, `triton_runs_on`)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import settings
 from ..device import NVIDIA, Needs
 
 try:
@@ -46,8 +45,8 @@ def pdl_reason(device: torch.device) -> str:
         return why
     if not HAS_PDL:
         return "this Triton has no gdc_wait"
-    if os.environ.get("GEMMTUNE_PDL", "1") == "0":
-        return "GEMMTUNE_PDL=0"
+    if not settings.PDL.get():
+        return f"{settings.PDL.name}={settings.PDL.raw()}"
     return ""
 
 

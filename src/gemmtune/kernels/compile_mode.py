@@ -12,11 +12,11 @@ compiled graph is guarded on the modes it was traced with, so a change recompile
 from __future__ import annotations
 
 import contextlib
-import os
+
+from .. import settings
 
 OPS = ("rmsnorm", "add_rmsnorm", "act_mul", "rope")
 MODES = ("ref", "op")
-ENV = "GEMMTUNE_COMPILE_OPS"
 # Without GEMMTUNE_COMPILE_OPS. Measure with benchmarks/bench_compile_ops.py before changing one.
 DEFAULTS = {"rmsnorm": "ref", "add_rmsnorm": "ref", "act_mul": "ref", "rope": "ref"}
 
@@ -30,7 +30,7 @@ def parse(spec: str) -> dict[str, str]:
         name, _, mode = part.rpartition("=")
         if mode not in MODES or (name and name not in OPS):
             raise ValueError(
-                f"{ENV}/compile ops {spec!r}: bad part {part!r} (expected 'ref', 'op' or OP=ref|op with OP in "
+                f"compile ops {spec!r}: bad part {part!r} (expected 'ref', 'op' or OP=ref|op with OP in "
                 f"{', '.join(OPS)})"
             )
         if name:
@@ -40,7 +40,7 @@ def parse(spec: str) -> dict[str, str]:
     return out
 
 
-_modes: dict[str, str] = parse(os.environ.get(ENV, ""))
+_modes: dict[str, str] = parse(settings.COMPILE_OPS.get(check=parse))
 
 
 def compile_impl(op: str) -> str:
@@ -55,6 +55,7 @@ def set_compile_ops(spec: str | dict[str, str]) -> dict[str, str]:
     if bad:
         raise ValueError(f"compile ops: bad entries {bad} (ops {', '.join(OPS)}; modes {', '.join(MODES)})")
     old = dict(_modes)
+    settings.api_called("set_compile_ops")
     _modes.update(new)  # in place: traced code holds this dict
     return old
 

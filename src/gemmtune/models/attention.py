@@ -33,21 +33,21 @@ GEMMTUNE_ATTENTION=flash|triton|flex|sdpa|eager forces a tier (it wins over opti
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from .. import device as _device
+from .. import settings
 from ..kernels import attention_softcap as kattn
 from ..kernels import decode_attention as kdecode
 from ..kernels._common import ArrivalCounters
 from ..ops import attention as attn_ops
 from . import flex
 
-TIERS = ("flash", "triton", "flex", "sdpa", "eager")
-ENV = "GEMMTUNE_ATTENTION"
+TIERS = settings.ATTENTION.parse.modes  # flash, triton, flex, sdpa, eager
+ENV = settings.ATTENTION.name
 NAMES = {
     "flash": "gemmtune_tier1", "triton": "gemmtune_tier_triton", "flex": "gemmtune_tier_flex",
     "sdpa": "gemmtune_tier2", "eager": "gemmtune_tier3",
@@ -69,7 +69,7 @@ KERNEL_MASKED = True
 # use the flash kernel. Measured on an H100 at Llama-3-8B shapes (1x2048, causal mask): 103.5 us vs
 # SDPA-with-mask 288.1 us (benchmarks/results/h100/softcap_attention/bench_attention_softcap.md).
 # GEMMTUNE_MASKED_PREFILL=triton|sdpa picks; set_masked_prefill for benchmarks.
-MASKED_PREFILL_MODES = ("sdpa", "triton")
+MASKED_PREFILL_MODES = settings.MASKED_PREFILL.parse.modes  # sdpa, triton
 MASKED_PREFILL_MIN_D = 64
 PACK_MAX_Q = 16  # fold query heads into rows up to this many query tokens (decode, speculation)
 # GQA decode against a materialized mask (static cache, padding), L <= PACK_MAX_Q query tokens:
@@ -80,17 +80,15 @@ PACK_MAX_Q = 16  # fold query heads into rows up to this many query tokens (deco
 # 1.393 / 1.350 ms at batch 1 and 1.286 / 1.385 / 1.431 / 2.057 ms at batch 8 in that order
 # (benchmarks/results/h100/e2e_llama_decode/llama-3-8b_default_dispatch.md). Older torch may run
 # enable_gqa-with-mask on the math kernel, so it folds; GEMMTUNE_SDPA_DECODE overrides.
-MASKED_DECODE_MODES = ("gqa", "fold", "fold_efficient", "repeat")
+MASKED_DECODE_MODES = settings.SDPA_DECODE.parse.modes  # gqa, fold, fold_efficient, repeat
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _HAS_ENABLE_GQA = _TORCH >= (2, 5)
 
 
 def _default_masked_decode() -> str:
-    env = os.environ.get("GEMMTUNE_SDPA_DECODE", "").strip()
-    if env:
-        if env not in MASKED_DECODE_MODES:
-            raise ValueError(f"GEMMTUNE_SDPA_DECODE={env!r}: expected one of {', '.join(MASKED_DECODE_MODES)}")
-        return env
+    mode = settings.SDPA_DECODE.get()
+    if mode:
+        return mode
     return "gqa" if _TORCH >= (2, 11) and not _device.is_rocm() else "fold"
 
 
@@ -103,23 +101,13 @@ MASKED_DECODE = _default_masked_decode()
 # (benchmarks/results/h100/bench_model_default_dispatch/README.md).
 # GEMMTUNE_DECODE_ATTENTION=triton|sdpa picks. The kernel's arrival counters live per attention module
 # (one call of a module at a time, as the layers of a forward run).
-DECODE_KERNEL_MODES = ("sdpa", "triton")
-
-
-def env_mode(var: str, modes: tuple[str, ...], default: str) -> str:
-    """The mode environment variable `var` names (lower case), `default` when unset."""
-    env = os.environ.get(var, "").strip().lower()
-    if env and env not in modes:
-        raise ValueError(f"{var}={env!r}: expected one of {', '.join(modes)}")
-    return env or default
-
-
-DECODE_KERNEL = env_mode("GEMMTUNE_DECODE_ATTENTION", DECODE_KERNEL_MODES, "triton")
+DECODE_KERNEL_MODES = settings.DECODE_ATTENTION.parse.modes  # sdpa, triton
+DECODE_KERNEL = settings.DECODE_ATTENTION.get()
 DECODE_VENDORS = (_device.NVIDIA,)  # measured there; ROCm keeps SDPA
 _decode_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-MASKED_PREFILL = env_mode("GEMMTUNE_MASKED_PREFILL", MASKED_PREFILL_MODES, "triton")
+MASKED_PREFILL = settings.MASKED_PREFILL.get()
 
 _flash_cache: list = []
 
@@ -158,10 +146,8 @@ def kernel_unavailable_reason(device) -> str | None:
 def resolve_tier(requested: str | None, softcap: float | None = None, device=None) -> tuple[str | None, str]:
     """(tier or None to leave attention alone, note for the report) for a model whose attention has
     logit softcapping `softcap` (None: none) and whose weights are on `device`."""
-    env = os.environ.get(ENV, "").strip().lower()
+    env = settings.ATTENTION.get()
     if env:
-        if env not in TIERS:
-            raise ValueError(f"{ENV}={env!r}: expected one of {', '.join(TIERS)}")
         requested, note = env, f"forced by {ENV}={env}"
     else:
         note = ""
@@ -275,6 +261,7 @@ def set_masked_decode(mode: str) -> None:
     if mode not in MASKED_DECODE_MODES:
         raise ValueError(f"masked decode mode {mode!r}: expected one of {', '.join(MASKED_DECODE_MODES)}")
     MASKED_DECODE = mode
+    settings.api_called("set_masked_decode")
 
 
 def set_decode_kernel(mode: str) -> None:
@@ -283,6 +270,7 @@ def set_decode_kernel(mode: str) -> None:
     if mode not in DECODE_KERNEL_MODES:
         raise ValueError(f"decode attention mode {mode!r}: expected one of {', '.join(DECODE_KERNEL_MODES)}")
     DECODE_KERNEL = mode
+    settings.api_called("set_decode_kernel")
 
 
 def set_masked_prefill(mode: str) -> None:
@@ -291,6 +279,7 @@ def set_masked_prefill(mode: str) -> None:
     if mode not in MASKED_PREFILL_MODES:
         raise ValueError(f"masked prefill mode {mode!r}: expected one of {', '.join(MASKED_PREFILL_MODES)}")
     MASKED_PREFILL = mode
+    settings.api_called("set_masked_prefill")
 
 
 def _crop(key, value, q_len):

@@ -44,12 +44,12 @@ import torch
 from torch import nn
 
 from .. import device as _device
+from .. import settings
 from ..kernels import mla_decode as kmla
 from ..kernels import rope as krope
 from ..kernels._common import ArrivalCounters
 from . import static_cache
 from .architectures import attention_call, attention_function
-from .attention import env_mode
 from .bind import bind
 from .hf_cache import pop_cache
 
@@ -58,8 +58,8 @@ ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
 # two per-head projections as cuBLAS batched GEMMs, on NVIDIA CUDA in fp16 / bf16 eager code; "torch", the
 # fp32 PyTorch form (absorbed_attention_ref), which also serves everywhere the kernel does not.
 # GEMMTUNE_MLA_DECODE=triton|torch picks.
-MLA_DECODE_MODES = ("torch", "triton")
-MLA_DECODE = env_mode("GEMMTUNE_MLA_DECODE", MLA_DECODE_MODES, "triton")
+MLA_DECODE_MODES = settings.MLA_DECODE.parse.modes  # torch, triton
+MLA_DECODE = settings.MLA_DECODE.get()
 _counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per attention module: one call at a time
 UNDO_ATTRS = ("forward", "_gemmtune_mla")
 _ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "expand_kv", "scaling", "layer_idx")

@@ -7,15 +7,16 @@ instead of patching a layout it has not seen. GEMMTUNE_SKIP_VERSION_CHECK=1 over
 
 from __future__ import annotations
 
-import os
 import re
+
+from .. import settings
 
 # Exactly what CI tests (.ci/run): the pinned 5.24 (constraints.txt), the minimum 5.17 and the newest
 # the registry serves. 5.24 renamed the cache argument (`cache=`); the patched forwards read the stock
 # signatures (models/architectures.py). A release past the range is refused until CI has run on it.
 MIN_VERSION = (5, 17)
 MAX_EXCLUSIVE = (5, 25)
-SKIP_ENV = "GEMMTUNE_SKIP_VERSION_CHECK"
+SKIP_ENV = settings.SKIP_VERSION_CHECK.name
 
 
 def _parse(version: str) -> tuple[int, int]:
@@ -40,7 +41,7 @@ def check_transformers(version: str | None = None) -> str:
                 "gemmtune.optimize needs transformers (pip install 'gemmtune[models]'); it is not installed"
             ) from None
         version = transformers.__version__
-    if os.environ.get(SKIP_ENV, "").strip() in ("1", "true", "yes"):
+    if settings.SKIP_VERSION_CHECK.get():
         return version
     v = _parse(version)
     if not (MIN_VERSION <= v < MAX_EXCLUSIVE):

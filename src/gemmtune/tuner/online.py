@@ -24,24 +24,21 @@ The dispatcher knows nothing of tuning: a tuner is its miss hook (Dispatcher.set
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
 
+from .. import settings
 from ..checks import check_number, check_path
 from ..device import identity
 from ..dispatch import get_dispatcher
-from ..errors import EnvVarError, OutputFileError, ReadOnlyPathError
+from ..errors import OutputFileError, ReadOnlyPathError
 from ..families import Family
 from . import online_common
 from .online_common import DEFAULT_BUDGET_S, MODES, check_libtypes, check_mode
 
 log = logging.getLogger("gemmtune")
-ENV = "GEMMTUNE_TUNE_ONLINE"
-BUDGET_ENV = "GEMMTUNE_TUNE_ONLINE_BUDGET"
-LIBTYPES_ENV = "GEMMTUNE_TUNE_ONLINE_LIBTYPES"
-MODE_ENV = "GEMMTUNE_TUNE_ONLINE_MODE"
+ENV = settings.TUNE_ONLINE.name
 
 
 class OnlineTuner:
@@ -124,34 +121,25 @@ def make_tuner(path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str
 
 def from_env(environ):
     """The miss hook the GEMMTUNE_TUNE_ONLINE* variables ask for, or None when online tuning is off."""
-    path = environ.get(ENV, "").strip()
-    if not path or path.lower() in ("0", "false", "no", "off"):
+    path = settings.TUNE_ONLINE.get(environ)
+    if not path:
         return None
-    text = environ.get(BUDGET_ENV, "").strip()
-    try:
-        budget = float(text) if text else DEFAULT_BUDGET_S
-    except ValueError:
-        budget = math.nan
-    if not 0 < budget < math.inf:
-        raise EnvVarError(f"{BUDGET_ENV}={text!r}: expected a positive number of seconds per key (default "
-                          f"{DEFAULT_BUDGET_S:g})")  # fmt: skip
-    libs = [s.strip() for s in environ.get(LIBTYPES_ENV, "").split(",") if s.strip()] or None
-    if libs:
-        unknown, known = online_common.unknown_libtypes(libs)
-        if unknown:
-            raise EnvVarError(f"{LIBTYPES_ENV}={environ.get(LIBTYPES_ENV)!r}: unknown backend(s) "
-                              f"{', '.join(unknown)} (known: {', '.join(known)})")  # fmt: skip
-    mode = environ.get(MODE_ENV, "").strip().lower() or MODES[0]
-    if mode not in MODES:
-        raise EnvVarError(f"{MODE_ENV}={environ.get(MODE_ENV)!r}: expected one of {', '.join(MODES)} "
-                          f"(default {MODES[0]})")  # fmt: skip
+    budget = settings.TUNE_ONLINE_BUDGET.get(environ)
+    libs = settings.TUNE_ONLINE_LIBTYPES.get(environ, check=_known_libtypes) or None  # ", ": all backends
+    mode = settings.TUNE_ONLINE_MODE.get(environ)
     try:
         return make_tuner(path, budget, libs, mode)
     except ReadOnlyPathError as exc:  # the serving call goes on with the defaults, never raises for it
         log.warning("gemmtune: %s=%s: %s; online tuning is off, the defaults serve untuned keys", ENV, path, exc)
         return None
     except OutputFileError as exc:
-        raise EnvVarError(f"{ENV}={path!r}: {exc}") from None
+        raise settings.TUNE_ONLINE.error(path, str(exc)) from None
+
+
+def _known_libtypes(libs: list[str]) -> None:
+    unknown, known = online_common.unknown_libtypes(libs)
+    if unknown:
+        raise ValueError(f"unknown backend(s) {', '.join(unknown)} (known: {', '.join(known)})")
 
 
 def set_online_tuning(path: str | None, budget_s: float | None = None, libtypes: list[str] | None = None,
@@ -169,4 +157,5 @@ def set_online_tuning(path: str | None, budget_s: float | None = None, libtypes:
     if old is not None and callable(getattr(old, "close", None)):
         old.close()  # its background threads stop after their current key
     dispatcher.set_miss_hook(tuner)
+    settings.api_called("set_online_tuning")
     return tuner

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from .. import backends, families
+from .. import backends, families, settings
 from ..capture import capture_path
 from ..checks import check_choice, check_list, check_number, check_path
 from ..configs.files import TUNED_TABLE, check_output, check_writable
@@ -17,9 +17,9 @@ from ..families import Family
 
 log = logging.getLogger("gemmtune")
 
-MODES = ("background", "blocking")  # the first is the default
+MODES = settings.TUNE_ONLINE_MODE.parse.modes  # background (the default), blocking
 _API = "set_online_tuning"  # the public function whose arguments these checks name
-DEFAULT_BUDGET_S = 20.0
+DEFAULT_BUDGET_S = settings.TUNE_ONLINE_BUDGET.default
 
 
 def capturing(device: torch.device) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .. import settings
 from ..capture import read_shape_list
 from ..checks import check_int, check_list, check_path, check_str
 from ..device import DeviceIdentity, identity
@@ -37,7 +38,7 @@ from .search import (
 from .summary import describe_item, summary_lines
 from .workers import PLUGINS_ENV, ShapeFailure, import_plugins, run_workers, start_workers, stop_workers
 
-EXIT_AFTER_ENV = "GEMMTUNE_TUNE_EXIT_AFTER"  # testing hook: os._exit after writing N rows
+EXIT_AFTER_ENV = settings.TUNE_EXIT_AFTER.name  # testing hook: os._exit after writing N rows
 # Cost model for the ETA: a fixed part (candidate lists, compiles, checks, graph captures) plus the
 # GEMM work timed over the screen and final replays. Measured on an H100: Llama-3-8B's keys took
 # 6-8 s at M <= 256 and up to ~80 s for gate_up at M = 4096 (~1 TFLOP per call).
@@ -183,15 +184,8 @@ def compile_processes(local_ranks: int = 1) -> int:
     (benchmarks/results/h100/fleet_tuning/)."""
     local_ranks = max(1, local_ranks)
     cpus = os.cpu_count() or 1
-    env = os.environ.get("GEMMTUNE_COMPILE_PROCESSES", "").strip()
-    if env:
-        try:
-            total = int(env)
-        except ValueError:
-            raise ValueError(f"GEMMTUNE_COMPILE_PROCESSES={env!r}: expected a whole number of processes") from None
-        if total < 1:
-            raise ValueError(f"GEMMTUNE_COMPILE_PROCESSES={env!r}: expected at least 1")
-    else:
+    total = settings.COMPILE_PROCESSES.get()
+    if total is None:
         total = min(16 * local_ranks, cpus)
     return max(1, total // local_ranks)
 
@@ -321,7 +315,7 @@ def tune_file(
         return RunReport([], [], skipped, time.perf_counter() - t0, fam.name, donor or "")
     log(f"gemmtune: tuning {len(todo)} {fam.name} keys on {device} ({ident.gfx}, {ident.cu_num} units) with "
         f"{', '.join(chosen)}{f' in {mp_workers} worker(s)' if mp_workers else ''}")  # fmt: skip
-    exit_after = int(os.environ.get(EXIT_AFTER_ENV, "0") or 0)
+    exit_after = settings.TUNE_EXIT_AFTER.get()
     bar = _Progress(fam, todo, progress, log)
     sink = RowSink(output, fam, profile_file, bar, verbose)
     gen = tune_items(todo, floors, fam, device, opts, mp_workers, timeout, bar.say, verbose, precompile, log)

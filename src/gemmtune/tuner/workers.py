@@ -20,7 +20,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from .. import child_process
+from .. import child_process, settings
 from ..plugins import PLUGINS_ENV, import_plugins
 from .candidates import CRASHED, TIMEOUT, DeviceLostError, TuneOptions
 from .search import tune_shape
@@ -120,7 +120,7 @@ class _Worker:
     def __init__(self, wid: int, device: str, opts: TuneOptions, verbose: bool):
         self.wid, self.device = wid, device
         self.proc = child_process.start(f"{__name__}:worker_main", wid, device, opts,
-                                        os.environ.get(PLUGINS_ENV, ""), verbose)  # fmt: skip
+                                        settings.PLUGINS.raw(), verbose)  # fmt: skip
         self.conn = self.proc.conn
         self.ready = False
         self.started = time.monotonic()

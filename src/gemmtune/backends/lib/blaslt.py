@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from ... import settings
 from ...device import NVIDIA, Needs
 from ...keys import GemmKey
 from ..base import Backend, Runner, Solution, stable_solidx
@@ -453,10 +453,7 @@ def cap_list(algo_bytes: bytes, attr: str) -> list[int]:
 
 def search_mode() -> str:
     """GEMMTUNE_BLASLT_SEARCH: "heuristic" (default: the heuristic's list and its neighbours) or "wide"."""
-    mode = os.environ.get("GEMMTUNE_BLASLT_SEARCH", "heuristic").strip().lower() or "heuristic"
-    if mode not in ("heuristic", "wide"):
-        raise ValueError(f"GEMMTUNE_BLASLT_SEARCH={mode!r}: expected 'heuristic' or 'wide'")
-    return mode
+    return settings.BLASLT_SEARCH.get()
 
 
 def wide_algos(prob: Problem, clusters=(0, 2, 3, 5), limit: int = WIDE_LIMIT) -> list[tuple[AlgoSpec, bytes]]:
