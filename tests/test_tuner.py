@@ -483,7 +483,7 @@ def test_a_first_call_precompile_runs_a_narrow_stand_in_of_each_key():
 
 
 def test_unknown_search_is_refused():
-    with pytest.raises(ValueError, match="unknown search 'quick'"):
+    with pytest.raises(ValueError, match=r"search must be one of fast, exhaustive, got 'quick'"):
         tune_shape(KEYS[0], CPU, TuneOptions(search="quick"))
 
 
