@@ -32,7 +32,7 @@ import torch
 from ..checks import check_number, check_path
 from ..device import identity
 from ..dispatch import get_dispatcher
-from ..errors import EnvVarError, OutputFileError, ReadOnlyPathError
+from ..errors import EnvVarError, GemmtuneError, OutputFileError, ReadOnlyPathError
 from ..families import Family
 from . import online_common
 from .online_common import DEFAULT_BUDGET_S, MODES, check_libtypes, check_mode
@@ -122,10 +122,27 @@ def make_tuner(path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str
     return BackgroundTuner(path, budget_s, libtypes)
 
 
+def _path_from_env(environ) -> str | None:
+    path = environ.get(ENV, "").strip()
+    return None if not path or path.lower() in ("0", "false", "no", "off") else path
+
+
+def set_up_from_env(environ) -> None:
+    """At `import gemmtune`: when GEMMTUNE_TUNE_ONLINE is on, make its tuner now (the table checks, the
+    backend registry), so the first call of a missing key pays none of it. A variable that cannot be
+    used raises at the first call, as the dispatcher keeps the error for it."""
+    if _path_from_env(environ) is None:
+        return
+    try:
+        get_dispatcher().miss_hook()
+    except GemmtuneError:
+        pass
+
+
 def from_env(environ):
     """The miss hook the GEMMTUNE_TUNE_ONLINE* variables ask for, or None when online tuning is off."""
-    path = environ.get(ENV, "").strip()
-    if not path or path.lower() in ("0", "false", "no", "off"):
+    path = _path_from_env(environ)
+    if path is None:
         return None
     text = environ.get(BUDGET_ENV, "").strip()
     try:
