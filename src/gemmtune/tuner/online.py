@@ -13,7 +13,8 @@ Never while a CUDA graph is being captured (a tuning run would be recorded into 
 while torch.compile traces (tracing runs the ops' fake implementations, not this): in blocking mode such
 a key gets the default for now and is queued, and the next eager miss tunes the queue first. Bounded:
 every key gets `GEMMTUNE_TUNE_ONLINE_BUDGET` seconds (default 20) end to end (candidates.check_deadline:
-the checks stop at half of it, the screen and final timing take the rest), and
+the checks stop at half of it, the screen and final timing take the rest; in the background, from
+the worker taking the key: the worker's start is paid once per device, by the first key), and
 `GEMMTUNE_TUNE_ONLINE_LIBTYPES` may restrict the backends. Off: unset the variable, set it to 0, or
 `set_online_tuning(None)`. Each tuned key logs one line.
 
