@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os as _os
+
 from . import tuned_gemm
 from .checks import check_paths
 from .configs import ConfigTable
@@ -10,12 +12,14 @@ from .keys import GemmKey
 from .ops.registry import exports as _op_exports
 from .tuner.online import from_env as _online_tuner_from_env
 from .tuner.online import set_online_tuning
+from .tuner.online import set_up_from_env as _set_up_online_tuning
 from .tuner.online_distributed import sync_online_rows
 
 # Online tuning is the dispatcher's miss hook, installed before any op runs: GEMMTUNE_TUNE_ONLINE needs no call.
 set_miss_hook_factory(_online_tuner_from_env)
 
 globals().update(_op_exports())  # the public ops and helpers, as their modules declare them (ops/registry.py)
+_set_up_online_tuning(_os.environ)
 
 __version__ = "0.1.0"
 

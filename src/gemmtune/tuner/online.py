@@ -13,7 +13,8 @@ Never while a CUDA graph is being captured (a tuning run would be recorded into 
 while torch.compile traces (tracing runs the ops' fake implementations, not this): in blocking mode such
 a key gets the default for now and is queued, and the next eager miss tunes the queue first. Bounded:
 every key gets `GEMMTUNE_TUNE_ONLINE_BUDGET` seconds (default 20) end to end (candidates.check_deadline:
-the checks stop at half of it, the screen and final timing take the rest), and
+the checks stop at half of it, the screen and final timing take the rest; in the background, from
+the worker taking the key: the worker's start is paid once per device, by the first key), and
 `GEMMTUNE_TUNE_ONLINE_LIBTYPES` may restrict the backends. Off: unset the variable, set it to 0, or
 `set_online_tuning(None)`. Each tuned key logs one line.
 
@@ -32,7 +33,7 @@ from .. import settings
 from ..checks import check_number, check_path
 from ..device import identity
 from ..dispatch import get_dispatcher
-from ..errors import OutputFileError, ReadOnlyPathError
+from ..errors import GemmtuneError, OutputFileError, ReadOnlyPathError
 from ..families import Family
 from . import online_common
 from .online_common import DEFAULT_BUDGET_S, MODES, check_libtypes, check_mode
@@ -117,6 +118,17 @@ def make_tuner(path: str, budget_s: float = DEFAULT_BUDGET_S, libtypes: list[str
     from .online_background import BackgroundTuner
 
     return BackgroundTuner(path, budget_s, libtypes)
+
+
+def set_up_from_env(environ) -> None:
+    """At `import gemmtune`: when GEMMTUNE_TUNE_ONLINE is on, make its tuner now (the table checks, the
+    backend registry), so the first call of a missing key pays none of it. A variable that cannot be
+    used raises at the first call, as the dispatcher keeps the error for it."""
+    try:
+        if settings.TUNE_ONLINE.get(environ):
+            get_dispatcher().miss_hook()
+    except GemmtuneError:
+        pass
 
 
 def from_env(environ):

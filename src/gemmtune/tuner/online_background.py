@@ -5,8 +5,9 @@ ends that process, never the server), so the serving thread never waits on timin
 The flow of one key:
 1. the miss hook enqueues it (duplicates ignored; at most `max_queue` waiting) and returns False: the
    default serves and is cached, as for any untuned key;
-2. one of `jobs` threads (one by default: the bound on concurrent background work) tunes it in a
-   fresh worker process, with the search's own noise guards (each screen group anchored on the default,
+2. one of `jobs` threads (one by default: the bound on concurrent background work) tunes it in the
+   device's tuning worker (online_worker.py: one process per device, started at the first key and fed
+   every later one, one at a time), with the search's own noise guards (each screen group anchored on the default,
    the final run timing the default twice interleaved with the finalists and re-measuring while the two
    disagree: search.quietest), which a GPU that is also serving needs;
 3. the thread writes the row to the table file under its lock and parks it as finished, then empties
@@ -41,25 +42,13 @@ from ..dispatch import get_dispatcher
 from ..families import Family
 from . import online_common
 from .candidates import TuneOptions
+from .online_worker import DeviceWorker
 from .output import result_row
 from .search import ShapeResult
-from .workers import ShapeFailure, run_workers
 
 log = logging.getLogger("gemmtune")
 DEFAULT_JOBS = 1
 DEFAULT_MAX_QUEUE = 256
-HEARTBEAT_TIMEOUT_S = 60.0  # a worker silent this long (a hung candidate) is replaced, as `gemmtune tune` does
-
-
-def tune_in_worker(key, family: Family, device: torch.device, opts: TuneOptions) -> ShapeResult:
-    """Tune one key in a spawned worker process on `device`; raises RuntimeError when it cannot be tuned."""
-    say = lambda msg: log.info("gemmtune: online tuning: %s", msg)  # noqa: E731
-    for item in run_workers([key], device, opts, 1, HEARTBEAT_TIMEOUT_S + opts.budget_s, say, verbose=False,
-                            family=family.name, describe=lambda t: family.describe(t.key)):  # fmt: skip
-        if isinstance(item, ShapeFailure):
-            raise RuntimeError(item.reason)
-        return item
-    raise RuntimeError("the worker returned no result")
 
 
 def _positive_int(name: str, value) -> int:
@@ -79,7 +68,8 @@ class BackgroundTuner:
         self.settings = online_common.OnlineSettings(path, budget_s, libtypes)
         self.jobs = _positive_int("jobs", jobs)
         self.max_queue = _positive_int("max_queue", max_queue)
-        self._tune = tune or tune_in_worker
+        self._tune = tune or self._tune_in_worker
+        self._device_workers: dict[str, DeviceWorker] = {}  # str(device) -> its tuning worker
         self._cond = threading.Condition()
         self.waiting: collections.deque = collections.deque()  # (key, family, device, dispatcher), not started
         self.running: list[tuple] = []  # at most `jobs`
@@ -170,6 +160,7 @@ class BackgroundTuner:
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         self._threads = []
+        self._device_workers = {}  # the parent's: this process starts its own
 
     def _work(self) -> None:
         while True:
@@ -199,8 +190,8 @@ class BackgroundTuner:
             row = result_row(res, identity(device), family)
         except Exception as exc:  # noqa: BLE001 - the server goes on with the default
             self.failed.append(key)
-            if child_process.exiting():
-                return  # the process is ending and took the worker with it: nothing went wrong
+            if child_process.exiting() or self._closed:
+                return  # the process is ending, or close() ended the worker: nothing went wrong
             log.warning("gemmtune: online tuning of %s failed (%s: %s); the default serves it",
                         family.describe(key), type(exc).__name__, exc)  # fmt: skip
             return
@@ -215,7 +206,19 @@ class BackgroundTuner:
         log.warning("gemmtune: tuned %s online in the background in %.1fs: %s -> %s", family.describe(key),
                     time.perf_counter() - t0, online_common.verdict(res), path)  # fmt: skip
 
+    def _tune_in_worker(self, key, family: Family, device: torch.device, opts: TuneOptions) -> ShapeResult:
+        with self._cond:
+            worker = self._device_workers.get(str(device))
+            if worker is None:
+                worker = self._device_workers[str(device)] = DeviceWorker(device, opts)
+        return worker.tune(key, family)
+
     # ---- control --------------------------------------------------------------------------------
+    def device_workers(self) -> list[DeviceWorker]:
+        """The tuning workers started so far, one per device (their pids and start times)."""
+        with self._cond:
+            return list(self._device_workers.values())
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is waiting or running (True), or `timeout` seconds pass (False). For
         tests, benchmarks and warm-up scripts; a server never needs to call it."""
@@ -224,11 +227,14 @@ class BackgroundTuner:
             return self._cond.wait_for(lambda: not self.waiting and not self.running, timeout)
 
     def close(self) -> None:
-        """Stop the threads once their current key is done; keys still waiting are dropped."""
+        """Stop the threads and end the tuning workers; a key in flight and the keys waiting are dropped."""
         with self._cond:
             self._closed = True
             self.waiting.clear()
             self._cond.notify_all()
+            workers = list(self._device_workers.values())
+        for worker in workers:
+            worker.close()
 
 
 _tuners: weakref.WeakSet[BackgroundTuner] = weakref.WeakSet()

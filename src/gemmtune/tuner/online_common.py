@@ -77,6 +77,8 @@ class OnlineSettings:
         # As `tune -o` and capture: a missing or read-only folder, a FIFO, a shape list ... refused now.
         for fam in families.all_families():
             check_output(self.table_path(fam), TUNED_TABLE)
+        # The backend registry every miss and the tuner consult: loaded with the tuner, not in the first call.
+        backends.families_with_backends()
 
     def table_path(self, family: Family) -> str:
         return capture_path(self.path, family)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
@@ -124,6 +126,7 @@ class _Worker:
         self.conn = self.proc.conn
         self.ready = False
         self.started = time.monotonic()
+        self.start_s: float | None = None  # seconds from its start until it took keys
         self.task: Task | None = None
         self.inflight: tuple[list[str], str] = ([], "")
         self.last_hb = time.monotonic()
@@ -132,7 +135,10 @@ class _Worker:
         self.task = task
         self.last_hb = time.monotonic()
         self.inflight = ([], "start")
-        self.conn.send(task)
+        try:
+            self.conn.send(task)
+        except OSError:  # it died meanwhile: the loss check requeues the key, no candidate blamed
+            pass
 
     def stop(self) -> None:
         self.proc.close()
@@ -149,6 +155,7 @@ class _Worker:
                 break
             if isinstance(msg, Ready):
                 self.ready = True
+                self.start_s = time.monotonic() - self.started
             elif isinstance(msg, Beat):
                 self.inflight = (msg.names, msg.phase)
                 self.last_hb = time.monotonic()
@@ -199,7 +206,9 @@ def _on_worker_loss(w: _Worker, hung: bool, timeout: float, pending, log, bans: 
     log(f"{describe(t)}: worker {w.wid} {'hung' if hung else 'died'} on {', '.join(names) or phase}: {why}")
     w.task = None
     exclude, isolate = dict(t.exclude), t.isolate
-    if len(names) == 1 and not names[0].startswith("default"):
+    if phase == "start":  # lost before it began the key (ended while idle): no candidate to blame
+        pass
+    elif len(names) == 1 and not names[0].startswith("default"):
         exclude[names[0]] = (status, why)
         bans.strike(names[0], status, why)
     elif len(names) > 1 and not isolate:
@@ -230,11 +239,16 @@ def stop_workers(workers: list[_Worker]) -> None:
 
 
 def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: float, log, verbose: bool,
-                family: str = "a16w16", describe=lambda t: str(t.key), m_lo: dict | None = None,
-                workers: list[_Worker] | None = None):  # fmt: skip
+                family: str | Callable[[tuple], str] = "a16w16", describe=lambda t: str(t.key),
+                m_lo: dict | None = None, workers: list[_Worker] | None = None,
+                stop: threading.Event | None = None):  # fmt: skip
     """Yield ShapeResult / ShapeFailure for each key, tuned by `n` worker processes (`workers`: already
-    started by start_workers, e.g. while the kernels compiled; this generator stops them at its end)."""
+    started by start_workers, e.g. while the kernels compiled; this generator stops them at its end).
+    `family`: the keys' family, or key -> family name for keys of several. `keys` is read only when a
+    worker is free, so a caller may feed it key after key to long-lived workers (online_worker.py);
+    `stop` set ends the run within a wait, the key in flight dropped."""
     m_lo = m_lo or {}
+    family_of = family if callable(family) else (lambda key: family)
     workers = workers if workers is not None else start_workers(device, opts, n, verbose)
     for w in workers:  # the startup timeout counts from here: a precompile may have run beside the start
         w.started = time.monotonic()
@@ -245,15 +259,15 @@ def run_workers(keys, device: torch.device, opts: TuneOptions, n: int, timeout: 
     exhausted = False
     bans = _Bans()
     try:
-        while True:
+        while not (stop is not None and stop.is_set()):
             for w in workers:
-                if not (w.ready and w.task is None):
+                if not (w.ready and w.task is None and w.proc.is_alive()):  # a dead one is replaced below
                     continue
                 if not pending and not exhausted:
                     nxt = next(source, None)
                     exhausted = nxt is None
                     if nxt is not None:
-                        pending.append(Task(nxt[0], nxt[1], family, m_lo=m_lo.get(nxt[1])))
+                        pending.append(Task(nxt[0], nxt[1], family_of(nxt[1]), m_lo=m_lo.get(nxt[1])))
                 if pending:
                     t = pending.popleft()
                     t.exclude = {**bans.banned, **t.exclude}
