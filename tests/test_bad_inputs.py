@@ -722,7 +722,11 @@ def test_cli_refuses_bad_option_as_usage_error(args, name, value, tmp_path, monk
 
 # Refused for what a file holds or the environment says (exit 1, one Error: line naming the cause).
 CLI_REFUSED = [
-    (["bench", "{d}/tuned.csv"], {"GEMMTUNE_CONFIG": "/missing.csv"}, "GEMMTUNE_CONFIG: /missing.csv: no such file"),
+    (
+        ["bench", "{d}/tuned.csv"],
+        {"GEMMTUNE_CONFIG": "/missing.csv"},
+        "GEMMTUNE_CONFIG=/missing.csv: /missing.csv: no such file",
+    ),
     (["bench", "{d}/s.csv"], None, "s.csv"),
     (["bench", "{d}/missing.csv"], None, "missing.csv"),
     (["tune", "{d}/missing.csv", "-o", "{d}/o.csv", "--no-progress"], None, "missing.csv"),

@@ -107,11 +107,16 @@ def test_read_csv_refuses_special_files_by_type(tmp_path, kind):
     assert isinstance(exc, ConfigError) and str(path) in str(exc) and "not a regular file" in str(exc)
 
 
-@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
-def test_gemmtune_config_naming_a_special_file_is_an_error_not_a_hang(tmp_path, special):
-    path = str(fifo(tmp_path)) if special == "fifo" else special
-    exc = bounded(lambda: ConfigStore.from_env({"GEMMTUNE_CONFIG": path}))
-    assert isinstance(exc, ConfigError) and path in str(exc)
+@pytest.mark.parametrize("var", ["GEMMTUNE_CONFIG", "GEMMTUNE_CONFIG_BATCHED"])
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero", "folder holding a fifo"])
+def test_gemmtune_config_naming_a_special_file_is_an_error_not_a_hang(tmp_path, special, var):
+    """Refused in the user's first call: the one line names the variable, its value and the file."""
+    value = {"fifo": lambda: str(fifo(tmp_path)), "folder holding a fifo": lambda: str(fifo(tmp_path).parent)}
+    path = value.get(special, lambda: special)()
+    exc = bounded(lambda: ConfigStore.from_env({var: path}))
+    msg = str(exc)
+    assert isinstance(exc, ConfigError) and msg.startswith(f"{var}={path}: ") and "not a regular file" in msg, msg
+    assert "\n" not in msg
 
 
 @pytest.mark.parametrize("api", ["set_config", "load_config"])
