@@ -734,7 +734,6 @@ CLI_REFUSED = [
     (["tune", "{d}/s.csv", "-o", "{d}/o.csv", "--family", "nosuch", "--no-progress"], None, "nosuch"),
     (["shapes", "--model", "{d}/missing.json"], None, "missing.json"),
     (["show-config", "{d}/missing.csv"], None, "missing.csv"),
-    (["capture", "-o", "{d}/c.csv", "--", "{d}/no-such-command"], None, "no-such-command"),
 ]
 
 
