@@ -442,7 +442,12 @@ OP_CASES = [
         TypeError,
         r"libtypes must be a list or None, got 'torch'",
     ),
-    ("set_capture int", lambda: gemmtune.set_capture(123), TypeError, r"set_capture: path must be a str or None"),
+    (
+        "set_capture int",
+        lambda: gemmtune.set_capture(123),
+        TypeError,
+        r"set_capture: path must be a path \(str or os.PathLike\) or None, got 123",
+    ),
     ("set_config int", lambda: gemmtune.set_config(123), TypeError, r"set_config: config must be .* got int"),
     ("set_config missing", lambda: gemmtune.set_config("/no/such/table.csv"), ValueError, r"/no/such/table.csv"),
 ]
