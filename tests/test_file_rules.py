@@ -166,6 +166,19 @@ def test_an_output_that_is_a_fifo_or_device_is_refused(tmp_path, cmd):
     refused(invoke(["tune", tmp_path / "s.csv", "-o", "/dev/null", *TUNE]), "/dev/null", "character device")
 
 
+@pytest.mark.parametrize("where", ["file", "in a folder", "index"])
+def test_an_fp8_checkpoint_that_is_a_fifo_is_refused(tmp_path, where):
+    if where == "file":
+        checkpoint = path = fifo(tmp_path, "model.safetensors")
+    else:
+        checkpoint = tmp_path
+        path = fifo(tmp_path, "model.safetensors" if where == "in a folder" else "model.safetensors.index.json")
+    exc = bounded(lambda: gemmtune.load_fp8_checkpoint(torch.nn.Linear(2, 2), str(checkpoint)))
+    msg = str(exc)
+    assert isinstance(exc, ValueError) and msg.startswith(f"load_fp8_checkpoint: {path} is a FIFO"), msg
+    assert "\n" not in msg
+
+
 def test_capture_api_refuses_a_fifo(tmp_path):
     path = str(fifo(tmp_path))
     for make in (lambda: ShapeCapture(path), lambda: gemmtune.set_capture(path)):
