@@ -12,6 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import stat
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -107,11 +111,16 @@ def test_read_csv_refuses_special_files_by_type(tmp_path, kind):
     assert isinstance(exc, ConfigError) and str(path) in str(exc) and "not a regular file" in str(exc)
 
 
-@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
-def test_gemmtune_config_naming_a_special_file_is_an_error_not_a_hang(tmp_path, special):
-    path = str(fifo(tmp_path)) if special == "fifo" else special
-    exc = bounded(lambda: ConfigStore.from_env({"GEMMTUNE_CONFIG": path}))
-    assert isinstance(exc, ConfigError) and path in str(exc)
+@pytest.mark.parametrize("var", ["GEMMTUNE_CONFIG", "GEMMTUNE_CONFIG_BATCHED"])
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero", "folder holding a fifo"])
+def test_gemmtune_config_naming_a_special_file_is_an_error_not_a_hang(tmp_path, special, var):
+    """Refused in the user's first call: the one line names the variable, its value and the file."""
+    value = {"fifo": lambda: str(fifo(tmp_path)), "folder holding a fifo": lambda: str(fifo(tmp_path).parent)}
+    path = value.get(special, lambda: special)()
+    exc = bounded(lambda: ConfigStore.from_env({var: path}))
+    msg = str(exc)
+    assert isinstance(exc, ConfigError) and msg.startswith(f"{var}={path}: ") and "not a regular file" in msg, msg
+    assert "\n" not in msg
 
 
 @pytest.mark.parametrize("api", ["set_config", "load_config"])
@@ -155,6 +164,19 @@ def test_an_output_that_is_a_fifo_or_device_is_refused(tmp_path, cmd):
     refused(box["res"], out, "FIFO")
     assert os.path.exists(out) and not os.path.isfile(out)  # still the FIFO
     refused(invoke(["tune", tmp_path / "s.csv", "-o", "/dev/null", *TUNE]), "/dev/null", "character device")
+
+
+@pytest.mark.parametrize("where", ["file", "in a folder", "index"])
+def test_an_fp8_checkpoint_that_is_a_fifo_is_refused(tmp_path, where):
+    if where == "file":
+        checkpoint = path = fifo(tmp_path, "model.safetensors")
+    else:
+        checkpoint = tmp_path
+        path = fifo(tmp_path, "model.safetensors" if where == "in a folder" else "model.safetensors.index.json")
+    exc = bounded(lambda: gemmtune.load_fp8_checkpoint(torch.nn.Linear(2, 2), str(checkpoint)))
+    msg = str(exc)
+    assert isinstance(exc, ValueError) and msg.startswith(f"load_fp8_checkpoint: {path} is a FIFO"), msg
+    assert "\n" not in msg
 
 
 def test_capture_api_refuses_a_fifo(tmp_path):
@@ -390,6 +412,52 @@ def test_an_unwritable_folder_is_a_usage_error_naming_it(tmp_path, unwritable, c
             "profile": ["profile", "-o", ro, "--", "python", "-c", "pass"]}[cmd]  # fmt: skip
     refused(invoke(args), ro, "not writable")
     assert os.listdir(ro) == []
+
+
+def _mode_bits_apply() -> list[str] | None:
+    """An argv prefix under which this process's mode bits bind (as root: setpriv dropping the two
+    capabilities that override them), or None where that cannot be had."""
+    if os.geteuid() != 0:
+        return []
+    prefix = [shutil.which("setpriv") or "setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    try:
+        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        ok = False
+    return prefix if ok else None
+
+
+ONLINE_SCRIPT = "import torch, gemmtune; print(gemmtune.gemm(torch.ones(3, 16), torch.ones(8, 16)).sum().item())"
+
+
+def test_a_really_read_only_folder_is_one_line_for_every_writer_and_online_serving_goes_on(tmp_path):
+    """The same folder made read-only by its mode bits, not faked: the probe the fakes stand in for agrees."""
+    prefix = _mode_bits_apply()
+    if prefix is None:
+        pytest.skip("mode bits cannot be made to bind here (root without setpriv)")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    table(ro / "t.csv")
+    before = {p.name: p.read_bytes() for p in ro.iterdir()}
+    s = shapes(tmp_path / "s.csv")
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    try:
+        gt = [*prefix, sys.executable, "-m", "gemmtune.cli.main"]
+        for args in (["tune", s, "-o", ro / "t.csv", *TUNE], ["tune", s, "-o", ro / "new.csv", *TUNE],
+                     ["capture", "-o", ro / "c.csv", "--", "true"],
+                     ["shapes", "--model", "tiny-llama", "-o", ro / "s.csv"]):  # fmt: skip
+            p = subprocess.run([*gt, *map(str, args)], capture_output=True, text=True, timeout=300)
+            errors = [ln for ln in p.stderr.splitlines() if ln.startswith("Error:")]
+            assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
+            assert str(ro) in errors[0] and "not writable" in errors[0], errors[0]
+        env = {**os.environ, online.ENV: str(ro / "on.csv"), online.MODE_ENV: "blocking"}
+        p = subprocess.run([*prefix, sys.executable, "-c", ONLINE_SCRIPT], capture_output=True, text=True, env=env,
+                           timeout=300)  # fmt: skip
+        assert p.returncode == 0 and p.stdout.split() == ["384.0"], p.stderr
+        assert "Traceback" not in p.stderr and p.stderr.count("online tuning is off") == 1, p.stderr
+    finally:
+        ro.chmod(stat.S_IRWXU)
+    assert {p.name: p.read_bytes() for p in ro.iterdir()} == before
 
 
 def test_a_read_only_table_is_refused_before_tuning(tmp_path, unwritable):

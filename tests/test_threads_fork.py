@@ -360,6 +360,11 @@ FORK = textwrap.dedent(
         p.start()
         p.join()
         assert p.exitcode == 0
+    elif how == "pool":  # closed and joined inside the with block: the worker exits normally (docs/threads.md)
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            pool.apply(child)
+            pool.close()
+            pool.join()
     else:
         held = threading.Event()
         release = threading.Event()
@@ -390,7 +395,7 @@ FORK = textwrap.dedent(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-@pytest.mark.parametrize("how", ["exit", "flush", "lock held", "multiprocessing"])
+@pytest.mark.parametrize("how", ["exit", "flush", "lock held", "multiprocessing", "pool"])
 def test_capture_across_fork_counts_parent_and_child_calls_once(tmp_path, how):
     out = _child(FORK, how, tmp_path / "shapes.csv", timeout=120)
     assert out == {"3": 7 + 11, "5": 4 + 2}

@@ -316,6 +316,21 @@ def test_capture_exits_as_a_shell_reports_the_child(tmp_path, child, want):
     assert shell.returncode == want  # the status a shell gives the same child
 
 
+@pytest.mark.parametrize("what, want", [("missing", 127), ("not executable", 126), ("a folder", 126)])
+def test_capture_of_a_command_that_cannot_start_exits_as_a_shell_does(tmp_path, what, want):
+    script = tmp_path / "job.sh"
+    script.write_text(f"echo ran > {tmp_path / 'RAN'}\n")
+    script.chmod(0o644)
+    name = {"missing": str(tmp_path / "no-such-command"), "not executable": str(script), "a folder": str(tmp_path)}
+    cmd = [sys.executable, "-m", "gemmtune.cli.main", "capture", "-o", str(tmp_path / "x.csv"), "--", name[what]]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("Error:")]
+    assert res.returncode == want and len(errors) == 1 and name[what] in errors[0], res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "x.csv").exists() and not (tmp_path / "RAN").exists()
+    shell = subprocess.run(["sh", "-c", f'"{name[what]}"; exit $?'], capture_output=True, timeout=300)
+    assert shell.returncode == want  # the status a shell gives the same command
+
+
 @pytest.mark.parametrize("code, want", [(-9, 137), (-15, 143), (-2, 130), (0, 0), (1, 1), (255, 255)])
 def test_shell_exit_status(code, want):
     assert shell_exit_status(code) == want

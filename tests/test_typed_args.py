@@ -521,6 +521,10 @@ CASES = [
         "None",
     ),  # fmt: skip
     ("set_config list int", lambda: gemmtune.set_config([5]), TypeError, "set_config", "config[0]", "5"),
+    # set_capture: one path, as set_online_tuning's (None stops)
+    ("set_capture int", lambda: gemmtune.set_capture(5), TypeError, "set_capture", "path", "5"),
+    ("set_capture empty", lambda: gemmtune.set_capture(""), ValueError, "set_capture", "path", "''"),
+    ("set_capture list", lambda: gemmtune.set_capture(["a.csv"]), TypeError, "set_capture", "path", "['a.csv']"),
     # set_online_tuning, as its environment variables
     (
         "online libtypes nosuch",
@@ -675,7 +679,7 @@ def test_the_cases_cover_every_public_op():
                "prepare_expert_weights", "semi_structured_reason", "int8_gemm", "cutlass_gemm"}  # fmt: skip
     ops_named = {e for e in ops.__all__ if callable(getattr(ops, e))} - {"key_of", "validate", "normalize_pattern"}
     assert ops_named - spelled <= named | {"gemm_epilogue"}, sorted(ops_named - spelled - named)
-    assert {"resolve", "load_config", "set_config", "set_online_tuning", "profile", "optimize"} <= named
+    assert {"resolve", "load_config", "set_config", "set_capture", "set_online_tuning", "profile", "optimize"} <= named
 
 
 # ---- a 0 / 1 never rides on a cached True / False -------------------------------------------------

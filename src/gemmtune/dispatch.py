@@ -27,7 +27,7 @@ import torch
 from . import backends, families, settings
 from .backends.base import Runner, Solution
 from .capture import CaptureSet, ShapeCapture
-from .checks import bad, check_paths, check_str
+from .checks import bad, check_path, check_paths, check_str
 from .concurrency import Once
 from .configs.schema import TunedRow
 from .configs.table import ConfigStore, ConfigTable
@@ -189,9 +189,7 @@ class Dispatcher:
 
     def set_capture(self, path: str | None) -> CaptureSet | None:
         """Record shapes into `path` (None stops); clears the caches so counting wrappers apply."""
-        if path is not None and not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"gemmtune.set_capture: path must be a str or None, got {type(path).__name__}")
-        path = os.fspath(path) if path is not None else None
+        path = check_path("set_capture", "path", path, optional=True)
         if self._capture is not None:
             self._capture.flush()
         self._capture = CaptureSet(path) if path else None

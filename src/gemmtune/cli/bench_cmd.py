@@ -72,7 +72,7 @@ def command(tuned, prefix, reps, device, seed, plugin, progress, ms) -> None:  #
         ConfigStore.from_env(os.environ)  # a GEMMTUNE_CONFIG* table that cannot load: say so now, not mid-run
     except GemmtuneError as exc:
         named = ", ".join(dict.fromkeys(var for var, _ in env_sources(os.environ))) or "GEMMTUNE_CONFIG"
-        raise click.ClickException(f"{named}: {exc} (bench times TUNED alone: unset {named} or fix it)") from None
+        raise click.ClickException(f"{exc} (bench times TUNED alone: unset {named} or fix it)") from None
     ident = identity(dev)
     here = table.rows_for(ident)
     if not here:

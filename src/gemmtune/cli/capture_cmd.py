@@ -34,8 +34,8 @@ def capture(output: str, command: tuple[str, ...]) -> None:
     env = {**os.environ, settings.CAPTURE.name: os.path.abspath(output)}
     try:
         rc = subprocess.call(list(command), env=env)
-    except FileNotFoundError:
-        raise click.ClickException(f"command not found: {command[0]}") from None
+    except OSError as exc:
+        raise _cannot_run(command[0], exc) from None
     written = [p for p in _family_files(output) if os.path.exists(p)]
     for path in written:
         fam, shapes = read_shape_list(path)
@@ -46,6 +46,14 @@ def capture(output: str, command: tuple[str, ...]) -> None:
                    "gemmtune dispatches: gemmtune.optimize(model) routes a transformers model's Linear layers, "
                    "or call gemmtune.gemm", err=True)  # fmt: skip
     sys.exit(shell_exit_status(rc))
+
+
+def _cannot_run(name: str, exc: OSError) -> click.ClickException:
+    """COMMAND could not start: one line, and the status a shell gives (127 not found, 126 not runnable)."""
+    found = not isinstance(exc, FileNotFoundError)
+    error = click.ClickException(f"cannot run {name}: {exc.strerror}" if found else f"command not found: {name}")
+    error.exit_code = 126 if found else 127
+    return error
 
 
 def shell_exit_status(returncode: int) -> int:

@@ -367,7 +367,10 @@ class ConfigStore:
                     warn_once(f"gemmtune: {path} is named twice ({seen[real]} and {fam.env_var}); read once")
                     continue
                 seen[real] = fam.env_var
-                store.add_path(path, forced)
+                try:
+                    store.add_path(path, forced)
+                except ConfigError as exc:  # raised in the user's first call: say which variable to fix
+                    raise ConfigError(f"{fam.env_var}={path}: {exc}") from None
         for tab in store.tables.values():
             tab.report_conflicts()
         return store

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..checks import bad, check_bool
+from ..configs.files import check_regular
 from ..quant import formats, layouts, quantize
 from .bind import bind
 from .quantize import fp8_block_linear
@@ -129,7 +130,7 @@ def read_checkpoint(checkpoint, device) -> dict[str, torch.Tensor]:
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index, encoding="utf-8") as fh:
+            with open(_regular(index, "a checkpoint index (JSON)"), encoding="utf-8") as fh:
                 files = sorted(set(json.load(fh)["weight_map"].values()))
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -137,11 +138,20 @@ def read_checkpoint(checkpoint, device) -> dict[str, torch.Tensor]:
             raise ValueError(f"load_fp8_checkpoint: no .safetensors files in {path}")
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            out.update(load_file(os.path.join(path, f), device=str(device)))
+            out.update(load_file(_regular(os.path.join(path, f)), device=str(device)))
         return out
     if not path.endswith(".safetensors"):
         raise ValueError(f"load_fp8_checkpoint: {path} is not a .safetensors file or a folder of them")
-    return load_file(path, device=str(device))
+    return load_file(_regular(path), device=str(device))
+
+
+def _regular(path: str, what: str = "a .safetensors file") -> str:
+    """`path`, once it is known to be a regular file: a FIFO or a device would block or never end."""
+    try:
+        check_regular(path, ValueError, what)
+    except ValueError as exc:
+        raise ValueError(f"load_fp8_checkpoint: {exc}") from None
+    return path
 
 
 @dataclass
