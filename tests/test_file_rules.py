@@ -23,7 +23,7 @@ import torch
 from click.testing import CliRunner
 
 import gemmtune
-from gemmtune import families
+from gemmtune import families, settings
 from gemmtune.capture import ShapeCapture, read_shape_list
 from gemmtune.cli.main import cli
 from gemmtune.configs import TUNED_COLUMNS, ConfigStore, ConfigTable, read_table_file
@@ -450,7 +450,7 @@ def test_a_really_read_only_folder_is_one_line_for_every_writer_and_online_servi
             errors = [ln for ln in p.stderr.splitlines() if ln.startswith("Error:")]
             assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
             assert str(ro) in errors[0] and "not writable" in errors[0], errors[0]
-        env = {**os.environ, online.ENV: str(ro / "on.csv"), online.MODE_ENV: "blocking"}
+        env = {**os.environ, online.ENV: str(ro / "on.csv"), settings.TUNE_ONLINE_MODE.name: "blocking"}
         p = subprocess.run([*prefix, sys.executable, "-c", ONLINE_SCRIPT], capture_output=True, text=True, env=env,
                            timeout=300)  # fmt: skip
         assert p.returncode == 0 and p.stdout.split() == ["384.0"], p.stderr
