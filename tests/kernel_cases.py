@@ -16,15 +16,44 @@ import zlib
 import pytest
 import torch
 
+# The interpreter subprocess's cases, as a JSON list of their reprs (all of them when unset).
+CASES_ENV = "KERNEL_CASES"
 
-def kernel_results(test_file: str, run_cases, cases, gpu_cases):
+
+def kernel_results(test_file: str, run_cases, cases, gpu_cases, request=None):
+    """run_cases on the GPU, else in the interpreter subprocess. Given the module fixture's `request`, only
+    the cases that some selected test of the module takes as a parameter run, so a case in the slow tier
+    costs nothing in the default run; the file's `__main__` passes its cases through chosen_cases()."""
+    if request is not None:
+        wanted = _selected_params(request)
+        cases, gpu_cases = [c for c in cases if repr(c) in wanted], [c for c in gpu_cases if repr(c) in wanted]
     if torch.cuda.is_available():
         return run_cases(cases + gpu_cases, "cuda")
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if request is not None:
+        env[CASES_ENV] = json.dumps([repr(c) for c in cases])
     proc = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _selected_params(request) -> set:
+    """The reprs of every parameter value of the session's selected tests in the requesting module."""
+    return {
+        repr(v)
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+        for v in item.callspec.params.values()
+    }
+
+
+def chosen_cases(cases) -> list:
+    """In the interpreter subprocess: the cases kernel_results asked for, in their order."""
+    if CASES_ENV not in os.environ:
+        return list(cases)
+    wanted = set(json.loads(os.environ[CASES_ENV]))
+    return [c for c in cases if repr(c) in wanted]
 
 
 def interpreter_gap() -> str | None:

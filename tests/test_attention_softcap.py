@@ -13,7 +13,8 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results, nan_outputs
+from kernel_cases import chosen_cases, kernel_results, nan_outputs
+from tiers import tiered
 
 from gemmtune.kernels import attention_softcap as kattn
 from gemmtune.ops import attention as attn_ops
@@ -92,9 +93,10 @@ def scaling_of(D):
 
 
 def run_cases(cases, device: str) -> dict:
-    mask_cases = MASK_CASES + (GPU_MASK_CASES if device != "cpu" else [])
+    """The plain and the masked (names mask-...) cases, then the skip, random-mask and mask-block ones."""
+    mask_cases = [c for c in cases if c[0].startswith("mask-")]
     with nan_outputs(kattn):
-        out = {name: _case(name, *rest, device) for name, *rest in cases}
+        out = {name: _case(name, *rest, device) for name, *rest in cases if not name.startswith("mask-")}
         out.update({name: _mask_case(name, *rest, device) for name, *rest in mask_cases})
         out.update(_skip_cases(device))
         out.update(_random_mask_cases(device))
@@ -266,11 +268,22 @@ def _skip_cases(device) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return kernel_results(__file__, run_cases, CASES, GPU_CASES)
+def results(request):
+    return kernel_results(__file__, run_cases, CASES + MASK_CASES, GPU_CASES + GPU_MASK_CASES, request)
 
 
-@pytest.mark.parametrize("case", ALL, ids=[c[0] for c in ALL])
+_FP32_DEFAULT = {"causal-gqa-float32", "full-cap-float32", "mask-padded-float32"}
+
+
+def _in_default(case) -> bool:
+    """The default tier: the 16-bit cases (on a GPU bf16 at every shape, fp16 but Gemma-2's) and a few fp32
+    ones for the summation order; the other fp32 and GPU fp16 cases are slow."""
+    name = case[0]
+    dt = name.rsplit("-", 1)[1]
+    return dt == "bfloat16" or (dt == "float16" and "gemma2" not in name) or name in _FP32_DEFAULT
+
+
+@pytest.mark.parametrize("case", tiered(ALL, _in_default), ids=[c[0] for c in ALL])
 def test_kernel_matches_fp32_reference(case, results):
     name, dt, cap = case[0], case[10], case[9]
     r = results[name]
@@ -280,7 +293,7 @@ def test_kernel_matches_fp32_reference(case, results):
         assert r["cap_effect"] > 20 * TOL[dt], r
 
 
-@pytest.mark.parametrize("case", ALL_MASK, ids=[c[0] for c in ALL_MASK])
+@pytest.mark.parametrize("case", tiered(ALL_MASK, _in_default), ids=[c[0] for c in ALL_MASK])
 def test_masked_kernel_matches_fp32_reference(case, results):
     r = results[case[0]]
     assert r["ok"] and not r["nan"], r
@@ -658,4 +671,4 @@ def test_gemma2_triton_tier_bf16_gpu(gpu, monkeypatch):
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    print(json.dumps(run_cases(CASES, "cpu")))
+    print(json.dumps(run_cases(chosen_cases(CASES + MASK_CASES), "cpu")))

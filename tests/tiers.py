@@ -10,3 +10,8 @@ import pytest
 def tiered(values, in_default) -> list:
     """A sweep's values in their order: those `in_default` accepts stay in the default tier, the rest are slow."""
     return [v if in_default(v) else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+# A sweep run as one interpreter subprocess per tier: a module fixture `interp` parametrized indirectly
+# by these runs the default tier's cases, or the slow tier's, and its test checks every case of that tier.
+SWEEP_TIERS = ["default", pytest.param("slow", marks=pytest.mark.slow)]
