@@ -12,6 +12,12 @@ def tiered(values, in_default) -> list:
     return [v if in_default(v) else pytest.param(v, marks=pytest.mark.slow) for v in values]
 
 
+
+def tiered_at(values, in_default: set) -> list:
+    """tiered() by position: the values at the indexes `in_default` stay in the default tier."""
+    return [v if i in in_default else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
+
+
 # A sweep run as one interpreter subprocess per tier: a module fixture `interp` parametrized indirectly
 # by these runs the default tier's cases, or the slow tier's, and its test checks every case of that tier.
 SWEEP_TIERS = ["default", pytest.param("slow", marks=pytest.mark.slow)]
