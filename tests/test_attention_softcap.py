@@ -554,9 +554,9 @@ def test_compiled_mask_skip_mirrors_transformers():
     assert hits == [True, True, False, False, False, False, False]
 
 
-def test_gemma2_optimize_runs_the_kernel_eager_and_compiled(kernel_on_cpu):
+def test_gemma2_optimize_runs_the_kernel_eager(kernel_on_cpu):
     """auto picks the triton tier for a softcapped model where the kernel runs; prefill goes through the
-    op eagerly and inside torch.compile(fullgraph), with stock eager Gemma-2's logits (softcap kept)."""
+    op eagerly, with stock eager Gemma-2's logits (softcap kept)."""
     from test_attention_flex import check_gemma2, gemma2_pair, long_batch
 
     attn_mod, calls = kernel_on_cpu
@@ -572,6 +572,18 @@ def test_gemma2_optimize_runs_the_kernel_eager_and_compiled(kernel_on_cpu):
         calls.clear()
         opt(ids, attention_mask=pad, use_cache=False)
         assert {c[2:] for c in calls} == {(False, None, CAP, True)}  # padded: the kernel with the mask
+
+
+@pytest.mark.slow  # torch.compile of the model; test_models_optimize compiles one in the default tier
+def test_gemma2_optimize_runs_the_kernel_compiled(kernel_on_cpu):
+    """Prefill of the triton tier goes through the op inside torch.compile(fullgraph) too, with stock eager
+    Gemma-2's logits."""
+    from test_attention_flex import check_gemma2, gemma2_pair, long_batch
+
+    attn_mod, calls = kernel_on_cpu
+    stock, opt, report = gemma2_pair()
+    assert report.attention_tier == "triton"
+    ids, _ = long_batch("cpu")
     torch._dynamo.reset()
     compiled = torch.compile(opt, fullgraph=True, backend="aot_eager")
     check_gemma2(stock, opt, "cpu", rtol=1e-4, atol=1e-4, compiled=compiled)

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiers import tiered  # noqa: E402
+from tiers import tiered, tiered_at  # noqa: E402
 
 import gemmtune  # noqa: E402
 from gemmtune.models import attention as attn_mod  # noqa: E402
@@ -163,7 +163,7 @@ def test_architecture_parity_forced_tier(arch_tier, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "opts", [{"fuse_qkv": False}, {"fuse_gate_up": False}, {"fused_ops": False}, {"attention": None}]
+    "opts", tiered_at([{"fuse_qkv": False}, {"fuse_gate_up": False}, {"fused_ops": False}, {"attention": None}], {2, 3})
 )
 def test_option_subsets_keep_parity(opts):
     stock, opt, _ = pair("qwen3", **opts)

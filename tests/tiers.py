@@ -18,6 +18,6 @@ def tiered_at(values, in_default: set) -> list:
     return [v if i in in_default else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
 
 
-# A sweep run as one interpreter subprocess per tier: a module fixture `interp` parametrized indirectly
-# by these runs the default tier's cases, or the slow tier's, and its test checks every case of that tier.
+# The tiers of a sweep that runs as one interpreter subprocess per tier: the test (or its module fixture,
+# parametrized indirectly) hands the tier to the subprocess, which runs that tier's cases only.
 SWEEP_TIERS = ["default", pytest.param("slow", marks=pytest.mark.slow)]
