@@ -12,7 +12,6 @@ def tiered(values, in_default) -> list:
     return [v if in_default(v) else pytest.param(v, marks=pytest.mark.slow) for v in values]
 
 
-
 def tiered_at(values, in_default: set) -> list:
     """tiered() by position: the values at the indexes `in_default` stay in the default tier."""
     return [v if i in in_default else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
