@@ -16,15 +16,49 @@ import zlib
 import pytest
 import torch
 
+# The interpreter subprocess's cases, as a JSON list of their reprs (all of them when unset).
+CASES_ENV = "KERNEL_CASES"
 
-def kernel_results(test_file: str, run_cases, cases, gpu_cases):
+
+def kernel_results(test_file: str, run_cases, cases, gpu_cases, request=None):
+    """run_cases on the GPU, else in the interpreter subprocess. Given the module fixture's `request`, only
+    the cases that some selected test of the module takes as a parameter run, so a case in the slow tier
+    costs nothing in the default run; the file's `__main__` passes its cases through chosen_cases()."""
+    if request is not None:
+        cases, gpu_cases = selected_cases(request, cases), selected_cases(request, gpu_cases)
     if torch.cuda.is_available():
         return run_cases(cases + gpu_cases, "cuda")
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if request is not None:
+        env[CASES_ENV] = json.dumps([repr(c) for c in cases])  # already the selected ones
     proc = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def selected_cases(request, cases) -> list:
+    """The cases that some selected test of the requesting module takes as a parameter, in their order."""
+    wanted = {
+        repr(v)
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+        for v in item.callspec.params.values()
+    }
+    return [c for c in cases if repr(c) in wanted]
+
+
+def selected_cases_env(request, cases) -> dict:
+    """The environment entry that makes chosen_cases() in a subprocess give selected_cases(request, cases)."""
+    return {CASES_ENV: json.dumps([repr(c) for c in selected_cases(request, cases)])}
+
+
+def chosen_cases(cases) -> list:
+    """In the interpreter subprocess: the cases kernel_results asked for, in their order."""
+    if CASES_ENV not in os.environ:
+        return list(cases)
+    wanted = set(json.loads(os.environ[CASES_ENV]))
+    return [c for c in cases if repr(c) in wanted]
 
 
 def interpreter_gap() -> str | None:

@@ -13,7 +13,8 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results, nan_outputs
+from kernel_cases import chosen_cases, kernel_results, nan_outputs
+from tiers import tiered
 
 from gemmtune import settings
 from gemmtune.errors import EnvVarError
@@ -94,9 +95,10 @@ def scaling_of(D):
 
 
 def run_cases(cases, device: str) -> dict:
-    mask_cases = MASK_CASES + (GPU_MASK_CASES if device != "cpu" else [])
+    """The plain and the masked (names mask-...) cases, then the skip, random-mask and mask-block ones."""
+    mask_cases = [c for c in cases if c[0].startswith("mask-")]
     with nan_outputs(kattn):
-        out = {name: _case(name, *rest, device) for name, *rest in cases}
+        out = {name: _case(name, *rest, device) for name, *rest in cases if not name.startswith("mask-")}
         out.update({name: _mask_case(name, *rest, device) for name, *rest in mask_cases})
         out.update(_skip_cases(device))
         out.update(_random_mask_cases(device))
@@ -268,11 +270,22 @@ def _skip_cases(device) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return kernel_results(__file__, run_cases, CASES, GPU_CASES)
+def results(request):
+    return kernel_results(__file__, run_cases, CASES + MASK_CASES, GPU_CASES + GPU_MASK_CASES, request)
 
 
-@pytest.mark.parametrize("case", ALL, ids=[c[0] for c in ALL])
+_FP32_DEFAULT = {"causal-gqa-float32", "full-cap-float32", "mask-padded-float32"}
+
+
+def _in_default(case) -> bool:
+    """The default tier: the 16-bit cases (on a GPU bf16 at every shape, fp16 but Gemma-2's) and a few fp32
+    ones for the summation order; the other fp32 and GPU fp16 cases are slow."""
+    name = case[0]
+    dt = name.rsplit("-", 1)[1]
+    return dt == "bfloat16" or (dt == "float16" and "gemma2" not in name) or name in _FP32_DEFAULT
+
+
+@pytest.mark.parametrize("case", tiered(ALL, _in_default), ids=[c[0] for c in ALL])
 def test_kernel_matches_fp32_reference(case, results):
     name, dt, cap = case[0], case[10], case[9]
     r = results[name]
@@ -282,7 +295,7 @@ def test_kernel_matches_fp32_reference(case, results):
         assert r["cap_effect"] > 20 * TOL[dt], r
 
 
-@pytest.mark.parametrize("case", ALL_MASK, ids=[c[0] for c in ALL_MASK])
+@pytest.mark.parametrize("case", tiered(ALL_MASK, _in_default), ids=[c[0] for c in ALL_MASK])
 def test_masked_kernel_matches_fp32_reference(case, results):
     r = results[case[0]]
     assert r["ok"] and not r["nan"], r
@@ -543,9 +556,9 @@ def test_compiled_mask_skip_mirrors_transformers():
     assert hits == [True, True, False, False, False, False, False]
 
 
-def test_gemma2_optimize_runs_the_kernel_eager_and_compiled(kernel_on_cpu):
+def test_gemma2_optimize_runs_the_kernel_eager(kernel_on_cpu):
     """auto picks the triton tier for a softcapped model where the kernel runs; prefill goes through the
-    op eagerly and inside torch.compile(fullgraph), with stock eager Gemma-2's logits (softcap kept)."""
+    op eagerly, with stock eager Gemma-2's logits (softcap kept)."""
     from test_attention_flex import check_gemma2, gemma2_pair, long_batch
 
     attn_mod, calls = kernel_on_cpu
@@ -561,6 +574,18 @@ def test_gemma2_optimize_runs_the_kernel_eager_and_compiled(kernel_on_cpu):
         calls.clear()
         opt(ids, attention_mask=pad, use_cache=False)
         assert {c[2:] for c in calls} == {(False, None, CAP, True)}  # padded: the kernel with the mask
+
+
+@pytest.mark.slow  # torch.compile of the model; test_models_optimize compiles one in the default tier
+def test_gemma2_optimize_runs_the_kernel_compiled(kernel_on_cpu):
+    """Prefill of the triton tier goes through the op inside torch.compile(fullgraph) too, with stock eager
+    Gemma-2's logits."""
+    from test_attention_flex import check_gemma2, gemma2_pair, long_batch
+
+    attn_mod, calls = kernel_on_cpu
+    stock, opt, report = gemma2_pair()
+    assert report.attention_tier == "triton"
+    ids, _ = long_batch("cpu")
     torch._dynamo.reset()
     compiled = torch.compile(opt, fullgraph=True, backend="aot_eager")
     check_gemma2(stock, opt, "cpu", rtol=1e-4, atol=1e-4, compiled=compiled)
@@ -660,4 +685,4 @@ def test_gemma2_triton_tier_bf16_gpu(gpu, monkeypatch):
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    print(json.dumps(run_cases(CASES, "cpu")))
+    print(json.dumps(run_cases(chosen_cases(CASES + MASK_CASES), "cpu")))

@@ -15,7 +15,7 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import compare, kernel_results, nan_outputs
+from kernel_cases import chosen_cases, compare, kernel_results, nan_outputs
 from tiers import tiered
 
 import gemmtune
@@ -327,6 +327,19 @@ GPU_CASES += [  # MLA-like and aiter-like shapes with the block sizes the tuner 
     ("big-tiles", "bmm_bm128_bn256_bk64_g8_w8_s3_sk1", "bf16", "fp32", 3, 300, 257, 520, True, False, _ST, _ST),
 ]  # fmt: skip
 ALL = CASES + (GPU_CASES if HAS_GPU else [])
+
+
+def _in_default(case) -> bool:
+    """The default tier: every config and layout once in 16 bits, every transpose pair on the plain config,
+    one fp32 and one 16-bit -> fp32 case; the rest of the sweep is slow."""
+    cfg, dt, odt, m, ta, tb = case[1], case[2], case[3], case[5], case[8], case[9]
+    if dt != odt:
+        return cfg == _CFG_FIX and (ta, tb) == (False, True)
+    if dt == "fp32":
+        return cfg == _CFG_PLAIN and m == 5 and (ta, tb) == (False, True)
+    return (ta, tb) == (False, True) or (cfg == _CFG_PLAIN and m == 5)
+
+
 # Max error over max |y|, by output dtype: one rounding of the fp32 result (fp32 outputs: summation order).
 TOL = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.6e-2}
 
@@ -388,11 +401,11 @@ def _dispatch_case(device: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return kernel_results(__file__, run_cases, CASES, GPU_CASES)
+def results(request):
+    return kernel_results(__file__, run_cases, CASES, GPU_CASES, request)
 
 
-@pytest.mark.parametrize("case", ALL, ids=[c[0] for c in ALL])
+@pytest.mark.parametrize("case", tiered(ALL, _in_default), ids=[c[0] for c in ALL])
 def test_kernel_matches_reference(case, results):
     r = results[case[0]]
     tol = TOL[case[3]]
@@ -537,4 +550,4 @@ def test_gpu_op_dispatches_a_tuned_row_inside_a_graph(gpu):
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    print(json.dumps(run_cases(CASES, "cpu")))
+    print(json.dumps(run_cases(chosen_cases(CASES), "cpu")))

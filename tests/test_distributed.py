@@ -169,6 +169,7 @@ def test_each_item_is_compiled_by_one_rank_of_the_host_whatever_order_it_lists_t
     assert parts[:2] == parts[2:]  # the same split whatever the order
 
 
+@pytest.mark.slow  # torchrun tuning runs: test_ranks_of_two_gpu_kinds_... is the default tier's
 def test_two_ranks_write_the_table_one_process_writes(tmp_path):
     shapes = tiny_llama_shapes(tmp_path)
     one, two = tmp_path / "one.csv", tmp_path / "two.csv"
@@ -184,6 +185,7 @@ def test_two_ranks_write_the_table_one_process_writes(tmp_path):
     assert p.returncode == 0 and "already tuned" in p.stderr, p.stderr[-3000:]
 
 
+@pytest.mark.slow  # torchrun tuning runs: test_ranks_of_two_gpu_kinds_... is the default tier's
 def test_a_killed_rank_leaves_a_table_the_restart_completes(tmp_path):
     env = plugin_env(tmp_path, "rank_death", RANK_DEATH)
     shapes = tiny_llama_shapes(tmp_path)

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from tiers import tiered
+from tiers import SWEEP_TIERS, tiered
 
 ACTS = ("none", "relu", "gelu", "gelu_tanh")
 C_SHAPES = {"full": lambda s: s, "row": lambda s: s[-1:], "col": lambda s: (*s[:-1], 1), "scalar": lambda s: ()}
@@ -356,7 +356,24 @@ INTERP_CONFIGS = [
 ]
 
 
-def _interp_main() -> dict:
+def _interp_cases() -> list:
+    """(config, act, c kind, dtype) of the interpreter sweep: every kind in fp32, fp16 spot checks."""
+    return [(name, act, kind, dt) for name in INTERP_CONFIGS for act in ACTS
+            for kind in ("none", "full", "row", "col", "scalar") for dt in ("fp32", "fp16")
+            if dt == "fp32" or kind in ("none", "col")]  # fmt: skip
+
+
+def _interp_in_default(case) -> bool:
+    """The default tier: each config with one act (the acts in turn), every c kind and dtype of it."""
+    name, act = case[:2]
+    return ACTS.index(act) == INTERP_CONFIGS.index(name) % len(ACTS)
+
+
+def _interp_tier(tier: str) -> list:
+    return [c for c in _interp_cases() if _interp_in_default(c) == (tier == "default")]
+
+
+def _interp_main(tier: str) -> dict:
     from gemmtune.families.epilogue import expand_c
     from gemmtune.kernels.triton_gemm import TGKernel, parse_config, triton_epilogue_ref
 
@@ -368,40 +385,40 @@ def _interp_main() -> dict:
     b = torch.randn(N, generator=g)
     cs = {kind: expand_c(torch.randn(C_SHAPES[kind]((M, N)), generator=g), kind, M, N) for kind in C_SHAPES}
     cs["none"] = None
-    for name in INTERP_CONFIGS:
-        for act in ACTS:
-            for kind in ("none", "full", "row", "col", "scalar"):
-                for dt in ("fp32", "fp16"):
-                    if dt == "fp16" and kind not in ("none", "col"):
-                        continue  # fp16 spot checks keep the interpreter run short
-                    t = torch.float32 if dt == "fp32" else torch.float16
-                    kn = kind == "row" and "_tma" not in name  # a [K, N]-stored weight (TMA needs unit K stride)
-                    xx, ww, bb = x.to(t), (w.t().contiguous().t() if kn else w).to(t), b.to(t)
-                    c = None if cs[kind] is None else cs[kind].to(t)
-                    alpha, beta = (0.75, -0.5) if kind != "none" else (1.0, 0.0)
-                    kern = TGKernel(parse_config(name), torch.device("cpu"), lock_tiles=1)
-                    y = torch.full((M, N), float("nan"), dtype=t)
-                    kern(xx, ww, None if kind == "scalar" else bb, y, c, alpha, beta, act)
-                    bias = None if kind == "scalar" else bb
-                    b64 = None if bias is None else bias.double()
-                    c64 = None if c is None else c.double()
-                    ref = triton_epilogue_ref(xx.double(), ww.double(), b64, c64, alpha, beta, act, torch.float64)
-                    res[f"{name}|{act}|{kind}|{dt}"] = {"err": _rel_err(y, ref), "nan": bool(torch.isnan(y).any())}
+    for name, act, kind, dt in _interp_tier(tier):
+        t = torch.float32 if dt == "fp32" else torch.float16
+        kn = kind == "row" and "_tma" not in name  # a [K, N]-stored weight (TMA needs unit K stride)
+        xx, ww, bb = x.to(t), (w.t().contiguous().t() if kn else w).to(t), b.to(t)
+        c = None if cs[kind] is None else cs[kind].to(t)
+        alpha, beta = (0.75, -0.5) if kind != "none" else (1.0, 0.0)
+        kern = TGKernel(parse_config(name), torch.device("cpu"), lock_tiles=1)
+        y = torch.full((M, N), float("nan"), dtype=t)
+        kern(xx, ww, None if kind == "scalar" else bb, y, c, alpha, beta, act)
+        bias = None if kind == "scalar" else bb
+        b64 = None if bias is None else bias.double()
+        c64 = None if c is None else c.double()
+        ref = triton_epilogue_ref(xx.double(), ww.double(), b64, c64, alpha, beta, act, torch.float64)
+        res[f"{name}|{act}|{kind}|{dt}"] = {"err": _rel_err(y, ref), "nan": bool(torch.isnan(y).any())}
     return res
 
 
 @pytest.fixture(scope="module")
-def interp():
+def interp(request):
+    """The interpreter sweep's results of one tier: (tier, {case: result})."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, __file__, "--interp"], capture_output=True, text=True, env=env, timeout=900)
+    cmd = [sys.executable, __file__, "--interp", request.param]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return request.param, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("interp", SWEEP_TIERS, indirect=True)
 def test_interpreter_triton_epilogue_matches_reference(interp):
-    assert len(interp) == len(INTERP_CONFIGS) * len(ACTS) * (5 + 2)
-    for case, r in interp.items():
+    tier, results = interp
+    assert len(_interp_cases()) == len(INTERP_CONFIGS) * len(ACTS) * (5 + 2)
+    assert set(results) == {"|".join(c) for c in _interp_tier(tier)}
+    for case, r in results.items():
         assert not r["nan"], f"{case}: output left unwritten (NaN)"
         tol = 1e-5 if case.endswith("fp32") else 3e-3
         assert r["err"] < tol, f"{case}: rel err {r['err']:.2e}"
@@ -511,4 +528,4 @@ def test_gpu_op_under_graph_capture(gpu):
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:
-    print(json.dumps(_interp_main()))
+    print(json.dumps(_interp_main(sys.argv[sys.argv.index("--interp") + 1])))

@@ -135,6 +135,8 @@ def test_readme_quickstart_is_two_commands_and_ci_runs_the_test_one():
     torch_line = ci.index("pip install -q torch==2.13.0")
     lint = next(i for i, line in enumerate(ci) if "ruff check ." in line and "ruff format --check ." in line)
     assert torch_line < lint < ci.index(tests)
+    # the README's command is the fast tier (pyproject's addopts deselect slow): CI runs the slow one after it
+    assert ci.index("python -m pytest -q -m slow") > ci.index(tests)
 
 
 # ---- a self-contained checkout ------------------------------------------------------------------

@@ -12,6 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiers import tiered, tiered_at  # noqa: E402
+
 import gemmtune  # noqa: E402
 from gemmtune.models import attention as attn_mod  # noqa: E402
 from gemmtune.models.hf_cache import cache_of, with_cache  # noqa: E402
@@ -136,9 +138,21 @@ def test_architecture_parity_default(arch):
     check_parity(stock, opt)
 
 
-@pytest.mark.parametrize("tier", ["eager", "sdpa", "flash"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gemma3", "phi3", "qwen3_moe"])
-def test_architecture_parity_forced_tier(arch, tier, monkeypatch):
+_FORCED_ARCHS, _TIERS = ["llama", "qwen2", "gemma2", "gemma3", "phi3", "qwen3_moe"], ["eager", "sdpa", "flash"]
+
+
+# In the default test tier each architecture is forced to one attention tier, the attention tiers in
+# turn; test_architecture_parity_default checks every architecture under the tier optimize() picks.
+@pytest.mark.parametrize(
+    "arch_tier",
+    tiered(
+        [(a, t) for a in _FORCED_ARCHS for t in _TIERS],
+        lambda at: _TIERS.index(at[1]) == _FORCED_ARCHS.index(at[0]) % len(_TIERS),
+    ),
+    ids="-".join,
+)
+def test_architecture_parity_forced_tier(arch_tier, monkeypatch):
+    arch, tier = arch_tier
     if tier == "flash" and (attn_mod.flash_backend() is None or not torch.cuda.is_available()):
         pytest.skip("flash tier needs flash-attn / aiter on a GPU")
     monkeypatch.setenv(attn_mod.ENV, tier)
@@ -149,7 +163,7 @@ def test_architecture_parity_forced_tier(arch, tier, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "opts", [{"fuse_qkv": False}, {"fuse_gate_up": False}, {"fused_ops": False}, {"attention": None}]
+    "opts", tiered_at([{"fuse_qkv": False}, {"fuse_gate_up": False}, {"fused_ops": False}, {"attention": None}], {2, 3})
 )
 def test_option_subsets_keep_parity(opts):
     stock, opt, _ = pair("qwen3", **opts)

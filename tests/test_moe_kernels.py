@@ -26,8 +26,9 @@ import sys
 
 import pytest
 import torch
+from kernel_cases import chosen_cases, selected_cases_env
 from moe_cases import make_case, nan_buffers
-from tiers import tiered
+from tiers import tiered, tiered_at
 
 # (dtype, T, H, I, E, topk, routing, direct, bm, split_k, extra)
 # routing: "random" (softmax top-k of random logits), "one" (every token on expert E-1), "low" (ids
@@ -212,16 +213,16 @@ def run_stage1_alone(case, s1: str, device="cpu") -> dict:
 
 
 def _interp_main() -> None:
-    for case in INTERP_CASES:
+    for case in chosen_cases(INTERP_CASES):
         print(json.dumps({"case": list(case), **run_case(case)}), flush=True)
-    for case, s1, s2 in MIX_CASES + SPLIT1_CASES + SLOT_GRID_CASES + TOKEN_CASES:
+    for case, s1, s2 in chosen_cases(MIX_CASES + SPLIT1_CASES + SLOT_GRID_CASES + TOKEN_CASES):
         print(json.dumps({"case": [*case, s1, s2], **run_case(case, "cpu", s1, s2)}), flush=True)
-    for case, s1, _ in ALONE_CASES + SLOT_GRID_ALONE:
+    for case, s1, _ in chosen_cases(ALONE_CASES + SLOT_GRID_ALONE):
         print(json.dumps({"case": [*case, s1, "alone"], **run_stage1_alone(case, s1)}), flush=True)
 
 
 @pytest.fixture(scope="module")
-def interp_results():
+def interp_results(request):
     """The interpreter run of every CPU case (a subprocess: TRITON_INTERPRET must be set before triton is
     imported). On a GPU the tests run their cases there in-process instead, so no interpreter run: it
     would only cost time, and Triton 3.6's interpreter cannot run these kernels under numpy >= 2.4 (a
@@ -230,6 +231,8 @@ def interp_results():
         return {}
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
+    every = INTERP_CASES + MIX_CASES + SPLIT1_CASES + SLOT_GRID_CASES + TOKEN_CASES + ALONE_CASES + SLOT_GRID_ALONE
+    env.update(selected_cases_env(request, every))  # only the cases of the selected tests run
     proc = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -245,13 +248,19 @@ def _case_id(c) -> str:
     return f"{c[0]}-T{c[1]}-H{c[2]}-I{c[3]}-E{c[4]}-k{c[5]}-{c[6]}-{'direct' if c[7] else 'sorted'}-sk{c[9]}-{c[10]}"
 
 
+def _mix_id(m) -> str:
+    return f"{m[1]}-{m[2]}-{_case_id(m[0])}"
+
+
 def _check(case, r):
     assert r["shape_ok"]
     assert r["nan_rows"] == r["want_nan_rows"], "NaN rows differ from the reference's (unwritten or bad-id rows)"
     assert r["err"] < _tol(case[0]), r
 
 
-@pytest.mark.parametrize("case", INTERP_CASES, ids=_case_id)
+# The default tier of each sweep: a spread of its kinds (routing, direct / sorted, split, each extra once
+# over the sweeps); the other cases are slow.
+@pytest.mark.parametrize("case", tiered_at(INTERP_CASES, {0, 1, 3, 6, 7, 9, 11, 15}), ids=_case_id)
 def test_interpreter_matches_fp32_reference(case, interp_results):
     if torch.cuda.is_available():
         r = run_case(case, "cuda")
@@ -270,14 +279,14 @@ def test_bad_id_case_really_poisons_one_row():
     assert torch.isnan(ref).any(1).sum() == 1
 
 
-@pytest.mark.parametrize("mix", MIX_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+@pytest.mark.parametrize("mix", tiered_at(MIX_CASES, {0, 1, 5}), ids=_mix_id)
 def test_interpreter_mixed_stages_match_fp32_reference(mix, interp_results):
     case, s1, s2 = mix
     r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
     _check(case, r)
 
 
-@pytest.mark.parametrize("mix", SPLIT1_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+@pytest.mark.parametrize("mix", tiered_at(SPLIT1_CASES, {0, 1, 5, 7, 12}), ids=_mix_id)
 def test_interpreter_split_stage1_matches_fp32_reference(mix, interp_results):
     case, s1, s2 = mix
     r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
@@ -285,7 +294,7 @@ def test_interpreter_split_stage1_matches_fp32_reference(mix, interp_results):
     assert r["repeat_equal"]
 
 
-@pytest.mark.parametrize("mix", SLOT_GRID_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+@pytest.mark.parametrize("mix", tiered_at(SLOT_GRID_CASES, {0, 1, 9, 12}), ids=_mix_id)
 def test_interpreter_slot_grid_matches_fp32_reference(mix, interp_results):
     from gemmtune.kernels.fused_moe import DIRECT_MAX_SLOTS
 
@@ -301,7 +310,7 @@ def test_interpreter_slot_grid_matches_fp32_reference(mix, interp_results):
     assert r["repeat_equal"] in (None, True)
 
 
-@pytest.mark.parametrize("mix", TOKEN_CASES, ids=lambda m: f"{m[1]}-{m[2]}-{_case_id(m[0])}")
+@pytest.mark.parametrize("mix", tiered_at(TOKEN_CASES, {0, 1, 4, 8, 12}), ids=_mix_id)
 def test_interpreter_by_token_stage2_matches_fp32_reference(mix, interp_results):
     case, s1, s2 = mix
     r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
@@ -336,7 +345,9 @@ def test_by_token_configs_parse_and_only_as_stage_2():
     assert not MoeGemmConfig.parse("moe2_direct_bm16_bn64_bk128_sk1_w4_s4").by_token
 
 
-@pytest.mark.parametrize("mix", ALONE_CASES + SLOT_GRID_ALONE, ids=lambda m: f"{m[1]}-{_case_id(m[0])}")
+@pytest.mark.parametrize(
+    "mix", tiered_at(ALONE_CASES + SLOT_GRID_ALONE, {0, 1, 7}), ids=lambda m: f"{m[1]}-{_case_id(m[0])}"
+)
 def test_interpreter_split_stage1_alone_matches_stage_reference(mix, interp_results):
     case, s1, _ = mix
     r = run_stage1_alone(case, s1, "cuda") if torch.cuda.is_available() else interp_results[(*case, s1, "alone")]

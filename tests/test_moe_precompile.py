@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+from tiers import SWEEP_TIERS, tiered_at
 
 from gemmtune.backends.fmoe import launches
 from gemmtune.backends.fmoe import precompile as pc
@@ -162,7 +163,8 @@ def tune_calls(key, scope, glued: bool = True) -> list[tuple[str, MoeKey, str | 
     return out
 
 
-@pytest.mark.parametrize("key", KEYS + ODD_KEYS, ids=lambda k: fmoe.FAMILY.describe(k))
+# The default tier: a grid over slots split at decode, the sorted Qwen3 key and the fp16 ungated GELU one.
+@pytest.mark.parametrize("key", tiered_at(KEYS + ODD_KEYS, {1, 3, 7}), ids=lambda k: fmoe.FAMILY.describe(k))
 def test_each_stand_in_makes_the_real_keys_launches_and_the_items_make_every_launch_of_its_tune(key, record):
     scope = scope_of()
     items = items_of([key], scope=scope)
@@ -186,7 +188,7 @@ def test_each_stand_in_makes_the_real_keys_launches_and_the_items_make_every_lau
     assert len(items) <= len(calls)
 
 
-@pytest.mark.parametrize("key", [KEYS[1], KEYS[3], ODD_KEYS[1]], ids=lambda k: fmoe.FAMILY.describe(k))
+@pytest.mark.parametrize("key", tiered_at([KEYS[1], KEYS[3], ODD_KEYS[1]], {2}), ids=lambda k: fmoe.FAMILY.describe(k))
 def test_for_the_exhaustive_search_the_items_also_make_every_stage_pair_in_every_call_form(key, record):
     """The exhaustive search gives every pair the full check (the stage phase's fastest: any of them)."""
     scope = scope_of("exhaustive")
@@ -341,8 +343,9 @@ def test_an_item_is_built_by_its_builder_and_is_no_solution_of_the_backend():
 
 
 # ---- Triton's interpreter: an item builds and runs end to end ---------------------------------------------
-def _interp_main() -> None:
-    """Each kind of item of a small key built and run by the pool's worker code, on the CPU."""
+def _interp_main(tier: str) -> None:
+    """Each kind of item of a small key built and run by the pool's worker code, on the CPU: the default
+    tier builds every other kind in name order, the slow tier the rest."""
     from gemmtune.backends.lib.triton_tiles import _precompile_worker
     from gemmtune.kernels.fused_moe import stage1_ref
 
@@ -357,7 +360,8 @@ def _interp_main() -> None:
         unit, form = parse_item(name)
         kind = "glue" if unit == GLUE else name.split("_bm")[0] + ("_split" if unit.split_k > 1 else "")
         pick.setdefault(kind + (f"+{form}" if form else ""), (name, small, builder))
-    names, keys, (builder, *_) = zip(*pick.values(), strict=True)
+    built = sorted(pick)[tier == "slow" :: 2]
+    names, keys, (builder, *_) = zip(*(pick[kind] for kind in built), strict=True)
     failed = _precompile_worker((builder, list(names), list(keys), "cpu"))
     # a stage-1 item's runner computes the stage-1 rows, in its call form too
     errs = []
@@ -367,17 +371,18 @@ def _interp_main() -> None:
         out = pc.item_runner(name, small)(*inp)
         ref = stage1_ref(inp[0], inp[1], inp[3], inp[4], "silu", inter=small.inter_dim)
         errs.append(((out.h - ref).norm() / ref.norm()).item())
-    print(json.dumps({"kinds": sorted(pick), "failed": [str(f) for f in failed], "err": max(errs)}))
+    print(json.dumps({"kinds": sorted(pick), "built": built, "failed": [str(f) for f in failed], "err": max(errs)}))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below builds the items for real")
-def test_each_kind_of_item_builds_and_runs_under_the_interpreter():
+@pytest.mark.parametrize("tier", SWEEP_TIERS)
+def test_each_kind_of_item_builds_and_runs_under_the_interpreter(tier):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, __file__, "--interp", tier], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["failed"] == []
+    assert got["built"] == got["kinds"][tier == "slow" :: 2] and got["failed"] == []
     assert set(got["kinds"]) >= {"glue", "moe1_direct", "moe1_direct_split", "moe2_direct", "moe2_direct_split",
                                  "moe1_sorted", "moe2_sorted", "glue+ids32", "moe1_direct_split+strided",
                                  "moe1_direct_split+ekn", "moe2_direct+ids32", "moe2_direct+ekn"}  # fmt: skip
@@ -439,6 +444,6 @@ def test_a_tunes_launches_add_no_binary_to_a_cache_the_precompile_filled(tmp_pat
 
 if __name__ == "__main__":
     if sys.argv[1] == "--interp":
-        _interp_main()
+        _interp_main(sys.argv[2])
     else:
         _gpu_main(sys.argv[2])

@@ -188,12 +188,19 @@ def test_cli_profile_needs_a_python_script(tmp_path):
     assert res.exit_code != 0 and "Python script" in res.output
 
 
-def test_cli_bench_model_cpu_end_to_end(tmp_path):
+# The default contenders compile the model twice: the default tier runs the two eager ones.
+@pytest.mark.parametrize(
+    "contenders",
+    [("stock", "optimize"), pytest.param(None, marks=pytest.mark.slow)],
+    ids=["eager", "default-contenders"],
+)
+def test_cli_bench_model_cpu_end_to_end(tmp_path, contenders):
     out = tmp_path / "bm"
-    data = bench_model_report(out, "--reps", "2")
+    flags = ("--contenders", ",".join(contenders)) if contenders else ()
+    data = bench_model_report(out, "--reps", "2", *flags)
     assert [s["name"] for s in data["scenarios"]] == ["prefill 1x16", "decode b=1 ctx=16 (eager, CPU)"]
     for sc in data["scenarios"]:
-        assert set(sc["contenders"]) == {"stock", "optimize", "compile", "compile+optimize"}
+        assert set(sc["contenders"]) == set(contenders or ("stock", "optimize", "compile", "compile+optimize"))
         for name, cell in sc["contenders"].items():
             assert cell["ms"] > 0, (sc["name"], name)
             cats = cell["profile"]["categories"]

@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import assert_replays_bit_equal, interpreter_gap
+from kernel_cases import assert_replays_bit_equal, chosen_cases, interpreter_gap, selected_cases_env
 from tiers import tiered
 
 from gemmtune.keys import GemmKey
@@ -36,9 +36,12 @@ for _i, _name in enumerate(_NAMES):
         [("fp32", "fp32", 1), ("fp16", "fp16", 3), ("fp16", "fp32", 16), ("fp32", "fp16", 5), ("fp16", "fp16", 20)]
     ):
         INTERP_CASES.append((_name, _dt, _odt, _m, 77 + 2 * _i, 203 + 16 * _j, (_i + _j) % 2 == 0, _j % 2 == 1))
+# The default tier: each config with one of the dtype / M combinations, the combinations in turn.
+_INTERP_DEFAULT = {INTERP_CASES[_i * 5 + _i] for _i in range(len(_NAMES))}
 # One K that is a multiple of the block (the unmasked EVEN_K loop), with bias.
 INTERP_CASES.append(("skinny_dot_bn32_bk32_sk3_w4_s2_fx", "fp16", "fp16", 2, 70, 192, True, False))
 INTERP_CASES.append(("skinny_gemv_bn16_bk32_sk1_w4_s1", "fp32", "fp32", 4, 70, 192, True, True))
+_INTERP_DEFAULT |= set(INTERP_CASES[-2:])
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -69,13 +72,14 @@ def _interp_main() -> None:
     if gap:
         print(json.dumps({"skip": gap}), flush=True)
         return
-    for case in INTERP_CASES:
+    for case in chosen_cases(INTERP_CASES):
         print(json.dumps({"case": list(case), **_run_case(case)}), flush=True)
 
 
 @pytest.fixture(scope="module")
-def interp_results():
+def interp_results(request):
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+    env.update(selected_cases_env(request, INTERP_CASES))
     proc = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -84,7 +88,11 @@ def interp_results():
     return {tuple(r["case"]): r for r in rows}
 
 
-@pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: f"{c[0][7:]}-{c[1]}>{c[2]}-M{c[3]}-N{c[4]}-K{c[5]}")
+@pytest.mark.parametrize(
+    "case",
+    tiered(INTERP_CASES, _INTERP_DEFAULT.__contains__),
+    ids=lambda c: f"{c[0][7:]}-{c[1]}>{c[2]}-M{c[3]}-N{c[4]}-K{c[5]}",
+)
 def test_interpreter_matches_reference(interp_results, case):
     r = interp_results[tuple(case)]
     assert r["nan"] == 0, f"{case}: {r['nan']} outputs never written"

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from kernel_cases import interpreter_gap
+from tiers import SWEEP_TIERS
 
 from gemmtune.keys import GemmKey
 
@@ -100,33 +101,50 @@ def _interp_backend_case() -> dict:
     }
 
 
-def _interp_main() -> dict:
+_INTERP_DTYPES = (("fp32", "fp32"), ("fp16", "fp16"), ("fp16", "fp32"))
+
+
+def _interp_tier(tier: str) -> list:
+    """(config, dtype, out dtype, shape) of one tier: the default one runs each config with one dtype pair
+    (the pairs in turn) on every shape, the slow one the other pairs."""
+    return [(name, dt, odt, shape) for i, name in enumerate(INTERP_CONFIGS)
+            for j, (dt, odt) in enumerate(_INTERP_DTYPES) for shape in INTERP_SHAPES
+            if (j == i % len(_INTERP_DTYPES)) == (tier == "default")]  # fmt: skip
+
+
+def _case_name(name, dt, odt, shape) -> str:
+    return f"{name}|{dt}->{odt}|{shape}"
+
+
+def _interp_main(tier: str) -> dict:
     gap = interpreter_gap()
     if gap:
         return {"skip": gap}
-    res = {}
-    for name in INTERP_CONFIGS:
-        for dt, odt in (("fp32", "fp32"), ("fp16", "fp16"), ("fp16", "fp32")):
-            for shape in INTERP_SHAPES:
-                res[f"{name}|{dt}->{odt}|{shape}"] = _interp_case(name, dt, odt, shape)
-    res["backend"] = _interp_backend_case()
+    res = {_case_name(*c): _interp_case(*c) for c in _interp_tier(tier)}
+    if tier == "default":
+        res["backend"] = _interp_backend_case()
     return res
 
 
 @pytest.fixture(scope="module")
-def interp():
+def interp(request):
+    """The interpreter sweep's results of one tier: (tier, {case: result}); the backend case is the default's."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, __file__, "--interp"], capture_output=True, text=True, env=env, timeout=600)
+    cmd = [sys.executable, __file__, "--interp", request.param]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in res:
         pytest.skip(res["skip"])
-    return res
+    return request.param, res
 
 
+@pytest.mark.parametrize("interp", SWEEP_TIERS, indirect=True)
 def test_interpreter_all_variants_match_reference(interp):
-    cases = {k: v for k, v in interp.items() if k != "backend"}
-    assert len(cases) == len(INTERP_CONFIGS) * 3 * len(INTERP_SHAPES)
+    tier, res = interp
+    cases = {k: v for k, v in res.items() if k != "backend"}
+    assert len(_interp_tier("default")) + len(_interp_tier("slow")) == len(INTERP_CONFIGS) * 3 * len(INTERP_SHAPES)
+    assert set(cases) == {_case_name(*c) for c in _interp_tier(tier)}
     for case, r in cases.items():
         assert not r["nan"], f"{case}: output left unwritten (NaN)"
         tol = 1e-5 if "->fp32" in case and case.split("|")[1].startswith("fp32") else 3e-3
@@ -135,8 +153,9 @@ def test_interpreter_all_variants_match_reference(interp):
             assert r["lock_clear"] and r["repeat_equal"], f"{case}: split-K counters not reset"
 
 
+@pytest.mark.parametrize("interp", ["default"], indirect=True)
 def test_interpreter_backend_runner(interp):
-    r = interp["backend"]
+    r = interp[1]["backend"]
     assert r["available"]
     assert r["shape"] == [2, 3, 40] and r["dtype"] == "torch.float32"
     assert r["err"] < 1e-3
@@ -305,4 +324,4 @@ def test_gpu_candidates_compile_and_run(gpu):
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:
-    print(json.dumps(_interp_main()))
+    print(json.dumps(_interp_main(sys.argv[sys.argv.index("--interp") + 1])))
