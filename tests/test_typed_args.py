@@ -807,3 +807,18 @@ def test_a_text_model_ignores_a_stray_text_config():
     assert [(s.name, s.N, s.K) for s in model_gemms(stray)] == [(s.name, s.N, s.K) for s in model_gemms(own)]
     nested = {"model_type": "gemma3", "text_config": dict(own, model_type="gemma3_text")}  # a wrapper: read inside
     assert [(s.N, s.K) for s in model_gemms(nested)] == [(s.N, s.K) for s in model_gemms(own)]
+
+
+def test_the_checks_trace_under_torch_compile():
+    """An op's checks run before its torch.compile branch, so dynamo traces them: a valid value passes there."""
+    from gemmtune.checks import check_bool, check_choice, check_int, check_number
+
+    def f(x, causal=True, window=3, mode="a", scale=1.5):
+        check_bool("t", "causal", causal)
+        check_int("t", "window", window)
+        check_choice("t", "mode", mode, ("a", "b"))
+        check_number("t", "scale", scale, lo=0, lo_open=True)
+        return x * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))

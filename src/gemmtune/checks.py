@@ -44,7 +44,7 @@ def _or_none(expected: str, optional: bool) -> str:
 
 def check_bool(fn: str, name: str, value, *, optional: bool = False):
     """True or False (None too when optional)."""
-    if value.__class__ is bool or (optional and value is None):
+    if isinstance(value, bool) or (optional and value is None):
         return value
     raise bad(fn, name, _or_none("a bool", optional), value, TypeError)
 
@@ -53,7 +53,7 @@ def check_int(fn: str, name: str, value, *, lo: int | None = 1, optional: bool =
     """An int (never a bool) >= lo (lo None: any int); None too when optional."""
     if optional and value is None:
         return value
-    if value.__class__ is bool or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int):
         raise bad(fn, name, _or_none("an int", optional), value, TypeError)
     if lo is not None and value < lo:
         raise bad(fn, name, _or_none(f"an int >= {lo}", optional), value)
@@ -65,7 +65,7 @@ def check_number(fn: str, name: str, value, *, lo: float = -math.inf, lo_open: b
     """A finite real number (int or float, never a bool or a tensor) >= lo (> lo with lo_open)."""
     if optional and value is None:
         return value
-    if value.__class__ is bool or not isinstance(value, numbers.Real) or isinstance(value, torch.Tensor):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or isinstance(value, torch.Tensor):
         raise bad(fn, name, _or_none("a number", optional), value, TypeError)
     above = value > lo if lo_open else value >= lo
     if not (math.isfinite(value) and above):
@@ -79,7 +79,7 @@ def check_choice(fn: str, name: str, value, choices: Sequence, *, optional: bool
     if optional and value is None:
         return value
     for c in choices:
-        if value.__class__ is c.__class__ and value == c:
+        if type(value) is type(c) and value == c:
             return value
     listed = ", ".join(c if isinstance(c, str) else repr(c) for c in choices)
     raise bad(fn, name, _or_none(f"one of {listed}", optional), value)
