@@ -101,6 +101,23 @@ def test_training_mode_without_new_weights_keeps_an_earlier_optimizer_training()
     assert not torch.allclose(logits(model, ids, mask), before)
 
 
+def test_eval_mode_with_an_optimizer_holding_the_weights_is_refused_until_it_is_gone():
+    model = build("llama")  # eval mode, as from_pretrained gives
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = [(n, id(p)) for n, p in model.named_parameters()]
+    with pytest.raises(ValueError) as exc:
+        gemmtune.optimize(model)
+    msg = str(exc.value)
+    assert "\n" not in msg and "an optimizer holds the model's parameters (" in msg
+    assert "make optimizers after optimize()" in msg and "fuse_gate_up=False, fuse_qkv=False" in msg
+    assert [(n, id(p)) for n, p in model.named_parameters()] == params and gemmtune.models.report_of(model) is None
+    assert gemmtune.optimize(model, fuse_qkv=False, fuse_gate_up=False).changed  # no new tensors: allowed
+    gemmtune.restore(model)
+    del opt
+    gemmtune.optimize(model)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, FusedLinear)
+
+
 def test_an_optimizer_made_after_optimize_trains_the_fused_weights():
     model = build("llama")
     ids, mask = batch()

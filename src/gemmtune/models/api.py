@@ -13,6 +13,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ..checks import check_bool, check_choice, check_int
@@ -497,20 +498,43 @@ _NEW_WEIGHTS = {
 }
 
 
-def _refuse_new_weights_in_training(actions: list[Action], opts: dict) -> None:
-    """A model in training mode gets no new weight tensors: an optimizer made before optimize() holds the
-    Parameters they replace and would silently stop training what the model computes with."""
+def _optimizers_holding(model) -> list[str]:
+    """The names of the model's parameters that a live torch.optim.Optimizer holds (found by the garbage
+    collector's list of objects: an optimizer keeps no link back to the model)."""
+    import gc
+
+    ids = {id(p): name for name, p in model.named_parameters()}
+    held = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.optim.Optimizer):
+            held |= {ids[id(p)] for group in obj.param_groups for p in group["params"] if id(p) in ids}
+    return sorted(held)
+
+
+def _refuse_new_weights_when_trained(model, actions: list[Action], opts: dict) -> None:
+    """No new weight tensors for a model being trained: in training mode, or with parameters an optimizer
+    already holds, that optimizer would keep stepping the Parameters the new tensors replace and silently
+    stop training what the model computes with."""
     found = {_NEW_WEIGHTS[a.data["fused"] if a.kind == "fuse" else a.kind] for a in actions
              if a.kind == "moe_fold" or (a.kind == "fuse" and a.data["fused"] in _NEW_WEIGHTS)}  # fmt: skip
     if opts.get("quantize"):
         found.add((f"quantize={opts['quantize']!r}", "quantize=None"))
-    if found:
-        what, remedy = zip(*sorted(found))
-        raise ValueError(
-            f"gemmtune.optimize: the model is in training mode (model.training is True) and {', '.join(what)} "
-            "makes new weight tensors that an optimizer made before optimize() would not train; call "
-            f"model.eval() first (gemmtune.restore(model) before training again), or pass {', '.join(remedy)}"
-        )
+    if not found:
+        return
+    what, remedy = zip(*sorted(found))
+    if model.training:
+        why, first = "the model is in training mode (model.training is True)", "call model.eval() first"
+    else:
+        held = _optimizers_holding(model)
+        if not held:
+            return
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        why, first = f"an optimizer holds the model's parameters ({shown})", "make optimizers after optimize()"
+    raise ValueError(
+        f"gemmtune.optimize: {why} and {', '.join(what)} makes new weight tensors that an optimizer made "
+        f"before optimize() would not train; {first} (gemmtune.restore(model) before training again), or "
+        f"pass {', '.join(remedy)}"
+    )
 
 
 # ---- public -------------------------------------------------------------------------------------
@@ -612,8 +636,7 @@ def optimize(
         if not triton_installed():
             report.notes.append("triton is not installed: fused ops run their PyTorch references")
     actions = _Planner(model, arch, opts, report).plan(tier)
-    if model.training:
-        _refuse_new_weights_in_training(actions, opts)
+    _refuse_new_weights_when_trained(model, actions, opts)
     route = RouteOptions(m_threshold, bool(split_bias))
     check = None
     if verify and arch is not None and architectures.decoder_stack(model) is not None and actions:
