@@ -506,7 +506,7 @@ def _optimizers_holding(model) -> list[str]:
     ids = {id(p): name for name, p in model.named_parameters()}
     held = set()
     for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.Optimizer):
+        if issubclass(type(obj), torch.optim.Optimizer):  # type(): a dead weakref proxy raises on isinstance
             held |= {ids[id(p)] for group in obj.param_groups for p in group["params"] if id(p) in ids}
     return sorted(held)
 
