@@ -430,6 +430,7 @@ def _mode_bits_apply() -> list[str] | None:
 ONLINE_SCRIPT = "import torch, gemmtune; print(gemmtune.gemm(torch.ones(3, 16), torch.ones(8, 16)).sum().item())"
 
 
+@pytest.mark.slow
 def test_a_really_read_only_folder_is_one_line_for_every_writer_and_online_serving_goes_on(tmp_path):
     """The same folder made read-only by its mode bits, not faked: the probe the fakes stand in for agrees."""
     prefix = _mode_bits_apply()

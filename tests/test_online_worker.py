@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from test_safe_workers import PYTHONPATH, RUN_S, wait_gone
 
@@ -46,6 +47,7 @@ def test_one_worker_tunes_key_after_key_and_close_ends_it(tmp_path, clean_dispat
     assert wait_gone(worker.pids[0]), "close() left the worker running"
 
 
+@pytest.mark.slow
 def test_a_worker_killed_between_keys_is_replaced_and_the_next_key_tuned(tmp_path, clean_dispatch):
     tuner = clean_dispatch.set_miss_hook(BackgroundTuner(str(tmp_path / "t.csv"), budget_s=1))
     try:
@@ -78,6 +80,7 @@ except gemmtune.errors.EnvVarError as exc:
 """
 
 
+@pytest.mark.slow
 def test_the_variables_tuner_is_set_up_at_import_and_a_bad_one_raises_at_the_first_call(tmp_path):
     def run(**env):
         base = {k: v for k, v in os.environ.items() if not k.startswith("GEMMTUNE_")}

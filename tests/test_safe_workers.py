@@ -90,6 +90,7 @@ def test_a_target_that_names_no_function_is_refused(target):
         child_process.start(target)
 
 
+@pytest.mark.slow
 def test_map_unordered_returns_every_result_and_names_a_failure():
     target = f"{__name__}:square_or_fail"
     assert sorted(child_process.map_unordered(target, [0, 1, 2, 5], 2)) == [0, 1, 4, 25]
@@ -106,6 +107,7 @@ def _run(args, env, cwd):
     return p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["exit", "os._exit", "SIGKILL"])
 def test_a_worker_never_outlives_its_parent(tmp_path, ending):
     """The parent exits (atexit ends its children), vanishes without atexit, or is killed: the worker
@@ -159,7 +161,10 @@ def rows(table):
     return sorted((r.key.M, r.key.N, r.key.K) for r in read_table_file(str(table)).rows)
 
 
-@pytest.mark.parametrize("start_method", [None, "fork", "spawn"])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("start_method", [None, pytest.param("fork", marks=SLOW), pytest.param("spawn", marks=SLOW)])
 def test_online_tuning_from_a_script_without_a_main_guard(tmp_path, start_method):
     set_method = f"import multiprocessing\nmultiprocessing.set_start_method({start_method!r})\n" if start_method else ""
     script = tmp_path / "serve.py"
@@ -230,6 +235,7 @@ def test_a_process_that_exits_right_after_a_miss_leaves_a_valid_table_and_no_wor
     assert len(runs_of_body(tmp_path)) == 1
 
 
+@pytest.mark.slow
 def test_tune_from_a_script_without_a_main_guard(tmp_path):
     (tmp_path / "shapes.csv").write_text("M,N,K\n2,16,24\n4,16,24\n")
     script = tmp_path / "tune.py"

@@ -188,6 +188,7 @@ def test_a_quantized_model_pickles_and_its_undo_acts_on_the_copy():
     assert any(m.endswith("._gemmtune_quant") for m in gemmtune_marks(model))  # the original stays quantized
 
 
+@pytest.mark.slow
 def test_a_saved_model_loads_in_a_fresh_process(tmp_path):
     model = build("llama")
     ids, mask = batch()

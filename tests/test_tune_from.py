@@ -548,6 +548,7 @@ def test_the_precompile_lists_no_candidates_of_a_backend_that_compiles_nothing(a
     assert listed and {s.kernel_name for _, s in plan.by_backend["algos"]} > {"al_a1_c2", "al_a1_c3_fa"}
 
 
+@pytest.mark.slow
 def test_a_fleet_reads_the_donor_on_rank_0_and_tunes_from_it(tiles, tmp_path, monkeypatch):
     from test_distributed import torchrun
 

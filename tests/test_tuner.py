@@ -599,6 +599,7 @@ def test_kill_and_resume_loses_no_finished_row(tmp_path):
     assert not list(tmp_path.glob(".gemmtune-*"))  # no temp files left behind
 
 
+@pytest.mark.slow
 def test_crashing_and_hanging_candidates_in_workers_do_not_stop_the_run(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_KINDS", "good,crash,hang,wrong")
     keys = KEYS[:2]
