@@ -338,6 +338,14 @@ CASES = [
     ("grouped topk bool", _call(ops.grouped_gemm, GROUPED, topk=True), TypeError, "grouped_gemm", "topk", "True"),
     # softcap_attention
     (
+        "attention scaling -1",
+        _call(ops.softcap_attention, ATTN, scaling=-1.0),
+        ValueError,
+        "softcap_attention",
+        "scaling",
+        "-1.0",
+    ),  # fmt: skip
+    (
         "attention softcap -1",
         _call(ops.softcap_attention, ATTN, softcap=-1.0),
         ValueError,

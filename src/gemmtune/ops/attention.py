@@ -36,7 +36,7 @@ def _check_args(query, key, value, scaling, softcap, causal, window, mask) -> No
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(op, name, t)
     check_tensor(op, "mask", mask, optional=True)
-    check_number(op, "scaling", scaling, optional=True)
+    check_number(op, "scaling", scaling, lo=0, lo_open=True, optional=True)
     check_number(op, "softcap", softcap, lo=0, lo_open=True, optional=True)
     check_bool(op, "causal", causal)
     check_int(op, "window", window, optional=True)
