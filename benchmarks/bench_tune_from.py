@@ -32,25 +32,13 @@ import csv
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 import torch
+from bench_tune_fleet import run  # the same wall-time runner: one command, its log, exit on failure
 
-VERDICTS = ("carried over", "neighbour won", "default kept", "full search")  # tuner/donor.py's
-
-
-def run(cmd: list[str], env: dict, log: str) -> float:
-    """Wall seconds of one command; its output goes to `log`, and a failure ends the benchmark."""
-    t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        p = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    took = time.perf_counter() - t0
-    if p.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({p.returncode}); see {log}")
-    return took
+from gemmtune.tuner.donor import VERDICTS
 
 
 def profile_verdicts(path: str) -> dict[str, str]:

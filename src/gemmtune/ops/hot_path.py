@@ -1,27 +1,7 @@
 """What every public op shares: its runner cache and miss path (OpCache), the registration of its custom
 op (custom_op) and its entry in the registry (public_op). The op's eager function is written out in its
-module and calls these; the form, from ops/gemm.py:
-
-    _cache = OpCache("gemm", family=A16W16, validate=validate, bind=_bind)
-
-    @public_op(_cache)
-    def gemm(x, w, bias=None, out_dtype=None):
-        "The public docstring (the function's own)."
-        if _is_compiling():
-            return torch.ops.gemmtune.gemm(x, w, bias, out_dtype)
-        try:
-            call = _cache.get(sig := _signature(x, w, bias, out_dtype))
-        except (AttributeError, TypeError):  # a non-tensor (or unhashable) argument: validate names it
-            _cache.reject(x, w, bias, out_dtype)
-            raise
-        if call is None:
-            call = _cache.miss(sig, x, w, bias, out_dtype)
-        return call(x, w, bias)
-
-    @custom_op(_cache, fake=_fake, autograd=(_backward, _setup_context))
-    def _gemm_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype | None) -> torch.Tensor:
-        return gemm(x, w, bias, out_dtype)
+module and calls these: `gemm` in ops/gemm.py is the form every op follows (docs/extending.md walks
+through it).
 
 - signature(*args) -> a hashable tuple of everything validate() depends on: a signature found in the
   cache was validated when first seen.
