@@ -18,22 +18,12 @@ transformers = pytest.importorskip("transformers")
 
 from test_models_moe_families import build as build_family  # noqa: E402
 from test_models_moe_families import moe_blocks  # noqa: E402
+from test_models_moe_shared import router_reference  # noqa: E402, F401 (a fixture: the top-k kernel's reference)
 from test_models_parity import batch, build  # noqa: E402
 
 import gemmtune  # noqa: E402
 from gemmtune.cli.capture_cmd import shell_exit_status  # noqa: E402
-from gemmtune.kernels import moe_route  # noqa: E402
-from gemmtune.models import moe as moe_mod  # noqa: E402
-from gemmtune.models import moe_shared  # noqa: E402
 from gemmtune.models.linear import FusedLinear  # noqa: E402
-
-
-@pytest.fixture
-def router_reference(monkeypatch):
-    """The top-k kernel's reference in place of the kernel (which needs Triton on a GPU here)."""
-    monkeypatch.setattr(moe_mod, "triton_reason", lambda device: None)
-    monkeypatch.setattr(moe_mod, "router_topk", moe_route.router_topk_ref)
-    monkeypatch.setattr(moe_shared, "router_topk", moe_route.router_topk_ref)
 
 
 def logits(model, ids, mask):
@@ -79,7 +69,8 @@ def test_training_mode_with_quantize_names_quantize():
         gemmtune.optimize(model, fuse_qkv=False, fuse_gate_up=False, quantize="int8")
 
 
-def test_training_mode_moe_fold_names_fused_ops(router_reference):
+@pytest.mark.usefixtures("router_reference")
+def test_training_mode_moe_fold_names_fused_ops():
     model = build_family("qwen2-moe").train()
     with pytest.raises(ValueError, match="folding shared experts into the experts.*fused_ops=False"):
         gemmtune.optimize(model, fuse_qkv=False, fuse_gate_up=False)
@@ -165,7 +156,8 @@ def test_an_optimized_model_pickles_and_restores_after_loading(arch):
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, FusedLinear)  # the original stays optimized
 
 
-def test_a_folded_moe_model_pickles(router_reference):
+@pytest.mark.usefixtures("router_reference")
+def test_a_folded_moe_model_pickles():
     model = build_family("qwen2-moe")
     gemmtune.optimize(model)
     assert model._gemmtune_report.counts().get("moe_fold") == 1
