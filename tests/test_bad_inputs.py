@@ -401,7 +401,7 @@ OP_CASES = [
         "attention scaling nan",
         _call(ops.softcap_attention, ATTN, scaling=float("nan")),
         ValueError,
-        r"scaling must be a finite number or None, got nan",
+        r"scaling must be a finite number > 0 or None, got nan",
     ),
     ("attention softcap str", _call(ops.softcap_attention, ATTN, softcap="30"), TypeError, r"softcap must be"),
     ("attention window 0", _call(ops.softcap_attention, ATTN, window=0), ValueError, r"window must be an int >= 1"),
