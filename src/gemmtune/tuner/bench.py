@@ -37,7 +37,7 @@ from ..dispatch import get_dispatcher, resolve, set_config
 from ..families import Family
 from ..keys import GemmKey, dtype_name
 from ..ops.gemm import gemm
-from .search import NOISE_FLOOR, quietest, shape_seed
+from .search import NOISE_FLOOR, quietest, runs_to_agree, shape_seed
 from .timing import Ceilings, bench_gemm, measure_ceilings, roof_us
 
 # NOISE_FLOOR (search.py): the smallest difference this method resolves. Rows that dispatch to the
@@ -268,7 +268,7 @@ def _quietest(key, runners, device, reps: int, seed: int, fam: Family) -> tuple[
     """bench_gemm, repeated while the machine looks busy (search.quietest): the quietest run's times and,
     when even that one was disturbed, why."""
     times, why = quietest(lambda tails: bench_gemm(key, runners, device=device, reps=reps, seed=seed, family=fam,
-                                                   tails=tails))  # fmt: skip
+                                                   tails=tails), runs_to_agree(device))  # fmt: skip
     return times, why or ""
 
 
