@@ -150,6 +150,11 @@ def _sparse_layer_split(cfg: dict) -> tuple[int, int]:
     return moe_layers, layers - moe_layers
 
 
+# Qwen-MoE configs name their expert count num_experts; transformers 5.24's Qwen3MoeConfig writes it as
+# num_local_experts (its attribute_map), so a config it saved has only that.
+QWEN_MOE_EXPERTS = ("num_experts", "num_local_experts")
+
+
 def qwen_moe(qkv_bias: bool):
     """Qwen2/3-MoE: sparse layers by decoder_sparse_step, a sigmoid-gated shared expert when sized;
     `qkv_bias` (Qwen2-MoE) puts a bias on q/k/v whatever attention_bias says."""
@@ -164,7 +169,7 @@ def qwen_moe(qkv_bias: bool):
             *moe(
                 cfg,
                 tp,
-                required(cfg, "num_experts"),
+                required(cfg, *QWEN_MOE_EXPERTS),
                 required(cfg, "num_experts_per_tok"),
                 required(cfg, "moe_intermediate_size"),
                 moe_layers,
