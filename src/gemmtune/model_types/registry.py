@@ -15,6 +15,8 @@ _ENTRIES = (
               optimize=Architecture("llama", "Llama")),
     ModelType("mistral", "Mistral", classes=("MistralForCausalLM",), shapes=s.llama_like,
               optimize=Architecture("mistral", "Mistral")),
+    ModelType("ministral", "Ministral", classes=("MinistralForCausalLM",), shapes=s.llama_like,
+              optimize=Architecture("ministral", "Ministral")),
     ModelType("qwen2", "Qwen2", classes=("Qwen2ForCausalLM",), shapes=s.qwen2,
               optimize=Architecture("qwen2", "Qwen2")),
     ModelType("qwen3", "Qwen3", classes=("Qwen3ForCausalLM",), shapes=s.llama_like,
