@@ -20,8 +20,13 @@ from ..model_types.config import optional, required
 from ..quant import formats
 from .presets import PRESETS, load_model_config
 
-# Names callers import from here with the key builders (the CLI, benchmarks, tests).
+# This module's key builders, with the registry's shapes and the presets they take (one import for the
+# CLI, benchmarks and tests).
 __all__ = [
+    "CONFIG_DTYPES",
+    "FAMILY_KEYS",
+    "MAX_TOKENS",
+    "OWN_GEMMS",
     "PRESETS",
     "BatchedShape",
     "LinearShape",
