@@ -22,8 +22,10 @@ TABLE_START = "<!-- model-types table: the registry's entries (tests/test_model_
 TABLE_END = "<!-- end of the model-types table -->"
 
 # Sizes on top of transformers' default config of each type: two layers, and for the types whose layers
-# differ (dense then MoE), one of each. DeepSeek-V2's default leaves num_experts_per_tok unset.
+# differ (dense then MoE), one of each. DeepSeek-V2's default leaves num_experts_per_tok unset, Ministral's
+# head_dim (its attention does not fall back to hidden / heads).
 _OVERRIDES = {
+    "ministral": {"head_dim": 128},
     "deepseek_v2": {"first_k_dense_replace": 1, "num_experts_per_tok": 6},
     "deepseek_v3": {"first_k_dense_replace": 1},
     "glm4_moe": {"first_k_dense_replace": 1},
