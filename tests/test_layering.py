@@ -30,6 +30,7 @@ LAYERS = {
     "dispatch": 8,  # key -> runner, with a miss hook installed from above
     "ops": 9,  # the public ops
     "tuned_gemm": 10,  # aiter's tuned_gemm names over the ops
+    "model_types": 10,  # the architecture registry: each model type's layout and GEMM shapes (data, no ops)
     "tuner": 11,  # model -> shapes, timing, search, online tuning
     "models": 12,  # optimize(model)
     "profiling": 13,

@@ -71,8 +71,12 @@ ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma
 
 
 def build(arch: str, device="cpu", dtype=torch.float32, seed=0):
+    return build_from(tiny_config(arch), device, dtype, seed)
+
+
+def build_from(config, device="cpu", dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).to(device=device, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
     with torch.no_grad():  # random norm weights and biases, so (1+w) and bias handling are exercised
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):

@@ -1,5 +1,6 @@
-"""Per-architecture knowledge (an architecture is a Hugging Face model type: llama, qwen3_moe ...):
-module layout, and the replacement forwards installed on instances.
+"""The replacement forwards optimize() installs on instances, and the detection that decides them. What
+each architecture (a Hugging Face model type: llama, qwen3_moe ...) looks like, its module layout, is its
+entry of the architecture registry (gemmtune.model_types).
 
 Every replacement forward reproduces the stock forward of transformers 5.17-5.24 op for op, except
 where a fused op stands in for several (one GEMM for q/k/v or gate/up, one kernel for a norm, for
@@ -22,50 +23,12 @@ from ..kernels.activations import act_mul
 from ..kernels.norms import add_rmsnorm, rmsnorm, rmsnorm_ref
 from ..kernels.qk_norm_rope import qk_norm_rope
 from ..kernels.rope import rope, rope_ref
+from ..model_types import REGISTRY, Architecture
 from . import static_cache
 from .hf_cache import CACHE_ARGS, pop_cache
 
-
-@dataclass(frozen=True)
-class Architecture:
-    name: str
-    prefix: str  # class-name prefix: f"{prefix}DecoderLayer", f"{prefix}Attention"
-    # None: no q/k/v to fuse (the model already fuses them, or its attention forward stays stock)
-    qkv: tuple[str, ...] | None = ("q_proj", "k_proj", "v_proj")
-    gate_up: tuple[str, ...] | None = ("gate_proj", "up_proj")
-    # "prenorm" (Llama), "sandwich" (Gemma2/3: norms after attn and mlp too) or "scaled" (prenorm with
-    # residual_multiplier on both branches: GraniteMoE)
-    layer: str = "prenorm"
-    qk_norm: bool = False
-    qk_norm_flag: str | None = None  # attention attribute that turns the q/k norms on per instance
-    attn_norms: tuple[str, ...] = ()  # RMSNorms a stock attention forward calls (swapped one by one)
-    softcap_kwarg: bool = False  # the stock forward passes attn_logit_softcapping to attention
-    moe: bool = False
-    mlp: str = "mlp"  # the layer's MLP / MoE block attribute
-    mla: bool = False  # multi-head latent attention: decode on the latent cache (models/mla.py)
-
-
-# MLA attention (DeepSeek-V3: its decode swapped by models/mla.py) and OLMoE's full-width q/k norms (with
-# clip_qkv) have no fused-qkv attention forward: their norms and linears change.
-ARCHITECTURES = {
-    "llama": Architecture("llama", "Llama"),
-    "mistral": Architecture("mistral", "Mistral"),
-    "qwen2": Architecture("qwen2", "Qwen2"),
-    "qwen3": Architecture("qwen3", "Qwen3", qk_norm=True),
-    "gemma": Architecture("gemma", "Gemma"),
-    "gemma2": Architecture("gemma2", "Gemma2", layer="sandwich", softcap_kwarg=True),
-    "gemma3_text": Architecture("gemma3", "Gemma3", layer="sandwich", qk_norm=True),
-    "phi3": Architecture("phi3", "Phi3", qkv=None, gate_up=None),
-    "mixtral": Architecture("mixtral", "Mixtral", moe=True),
-    "qwen3_moe": Architecture("qwen3_moe", "Qwen3Moe", qk_norm=True, moe=True),
-    "qwen2_moe": Architecture("qwen2_moe", "Qwen2Moe", moe=True),
-    "deepseek_v3": Architecture(
-        "deepseek_v3", "DeepseekV3", qkv=None, attn_norms=("q_a_layernorm", "kv_a_layernorm"), moe=True, mla=True
-    ),
-    "olmoe": Architecture("olmoe", "Olmoe", qkv=None, attn_norms=("q_norm", "k_norm"), moe=True),
-    "glm4_moe": Architecture("glm4_moe", "Glm4Moe", qk_norm=True, qk_norm_flag="use_qk_norm", moe=True),
-    "granitemoe": Architecture("granitemoe", "GraniteMoe", layer="scaled", moe=True, mlp="block_sparse_moe"),
-}
+# The layouts optimize() rewrites, by model type: the registry's entries that have one (gemmtune.model_types).
+ARCHITECTURES: dict[str, Architecture] = {mt: e.optimize for mt, e in REGISTRY.items() if e.optimize is not None}
 
 
 LAYER_NORMS = {
