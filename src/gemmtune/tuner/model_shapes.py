@@ -222,7 +222,7 @@ def _qwen_moe(cfg: dict, tp: int, qkv_bias: bool) -> list[LinearShape]:
         *_moe(
             cfg,
             tp,
-            _req(cfg, "num_experts"),
+            _req(cfg, "num_experts", "num_local_experts"),  # transformers 5.24 saves the latter
             _req(cfg, "num_experts_per_tok"),
             _req(cfg, "moe_intermediate_size"),
             moe_layers,
