@@ -33,17 +33,17 @@ def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
 
 
 def main() -> None:
+    path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    rank = int(os.environ["RANK"])
+    if mode == "tables":  # each rank its own table in effect (argv[4 + rank])
+        os.environ["GEMMTUNE_CONFIG"] = sys.argv[4 + rank]
     import gemmtune
     from gemmtune.errors import ConfigError
     from gemmtune.tuner.model_shapes import model_gemms
 
-    path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-    rank = int(os.environ["RANK"])
     result: dict = {"rank": rank}
     stock = load(path)
-    if mode == "tables":  # rank 1 has another table in effect: optimize() must refuse on every rank
-        os.environ["GEMMTUNE_CONFIG"] = sys.argv[4 + rank]
-        gemmtune.get_dispatcher().clear_cache()
+    if mode == "tables":  # the tables differ across ranks: optimize() must refuse on every rank
         try:
             gemmtune.optimize(stock)
             result["error"] = None
@@ -63,7 +63,8 @@ def main() -> None:
             routed = {tuple(w.shape) for w in local}
             result["routed"] = sorted(map(list, routed))
             cfg = json.load(open(os.path.join(path, "config.json")))
-            result["derived"] = sorted({(s.N, s.K) for s in model_gemms(cfg, 2) if not s.experts})
+            plain = [s for s in model_gemms(cfg, 2) if not s.experts and s.name != "router"]  # left to the block
+            result["derived"] = sorted({(s.N, s.K) for s in plain})
             gemmtune.restore(opt)
             result["restored"] = greedy(opt, ids, 16)
             result["dtensors_back"] = sum(type(p).__name__ == "DTensor" for p in opt.parameters())

@@ -75,18 +75,19 @@ class Sharding:
 def detect(model: nn.Module) -> Sharding | None:
     """The model's tensor-parallel sharding, or None for a model transformers did not shard."""
     dtensor = _dtensor_type()
+    mesh = getattr(model, "_device_mesh", None)
+    # the plan a model carries applies only where transformers set up a mesh (a class plan is always there)
+    plan = dict(getattr(model, "tp_plan", None) or {}) if mesh is not None else {}
     hooked = set()
     for path, mod in model.named_modules():
         sharded = dtensor is not None and any(isinstance(p, dtensor) for p in mod._parameters.values())
-        if sharded or getattr(mod, "_is_hooked", False):
+        if sharded or _generic(path) in plan:
             hooked.add(path)
     if not hooked:
         return None
-    mesh = getattr(model, "_device_mesh", None)
     if mesh is not None and mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names and mesh.ndim > 1:
         mesh = mesh["tp"]
-    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
-    return Sharding(dict(plan), mesh, hooked)
+    return Sharding(plan, mesh, hooked)
 
 
 def group_of(model: nn.Module):
@@ -214,6 +215,8 @@ def _why_not(model: nn.Module, sharding: Sharding, a) -> tuple[str | None, Shard
     if kind == "moe":
         if not inside:
             return None, None
+        if _holds_some_experts(_get(model, path)):
+            return "expert parallel: each rank holds only some experts (their routing stays transformers')", None
         found = {n: sharding.style(f"{path}.{n}" if n else path) for n in MOE_STYLES}
         if found != MOE_STYLES:
             return f"tensor parallel: experts planned {found}, gemmtune swaps only {MOE_STYLES}", None
@@ -223,8 +226,22 @@ def _why_not(model: nn.Module, sharding: Sharding, a) -> tuple[str | None, Shard
             return f"tensor parallel: the module itself is planned {style!r}", None
         return None, None
     if inside:
-        return f"tensor parallel: a {kind} change over sharded modules ({inside[0]} {sharding.style(inside[0])!r})", None
+        return (
+            f"tensor parallel: a {kind} change over sharded modules ({inside[0]} {sharding.style(inside[0])!r})",
+            None,
+        )
     return None, None
+
+
+def _holds_some_experts(experts: nn.Module) -> bool:
+    """Whether the experts' weights are split over the expert dimension (expert parallel) rather than
+    each expert's width (tensor parallel)."""
+    dtensor = _dtensor_type()
+    for p in experts._parameters.values():
+        if dtensor is not None and isinstance(p, dtensor) and p.ndim == 3:
+            if any(getattr(pl, "dim", None) == 0 for pl in p.placements):
+                return True
+    return False
 
 
 def _get(model: nn.Module, path: str) -> nn.Module:
@@ -232,14 +249,16 @@ def _get(model: nn.Module, path: str) -> nn.Module:
 
 
 def _dependents(actions: list, dropped: list) -> list:
-    """The changes that only work with a dropped one: a fused forward without its fusion, a fused layer
-    without its norms."""
+    """The changes that only work with a dropped one: a fused forward without its fusion (and the other
+    way round), a fused layer without its norms."""
     gone = {(a.kind, a.path) for a in dropped}
     out = []
     for a in actions:
         if a in dropped:
             continue
         if a.kind in ("attn", "mlp") and ("fuse", a.path) in gone:
+            out.append(a)
+        elif a.kind == "fuse" and ({("attn", a.path), ("mlp", a.path)} & gone):  # the stock forward reads the parts
             out.append(a)
         elif a.kind == "layer" and any(k == "norm" and p.startswith(a.path + ".") for k, p in gone):
             out.append(a)
@@ -297,8 +316,10 @@ def plan(model: nn.Module, report, make_plan, *, check_tables: bool = True) -> l
         report.retract(a.kind, a.path)
         report.skip(a.kind, a.path, type(_get(model, a.path)).__name__, why[id(a)])
     ranks = dist.get_world_size(sharding.group)
-    report.notes.append(f"tensor parallel over {ranks} ranks: planned on this rank's shards, changes kept only "
-                        "where every rank planned them; transformers' all-reduces and gathers left in place")  # fmt: skip
+    report.notes.append(
+        f"tensor parallel over {ranks} ranks: planned on this rank's shards, changes kept only where every "
+        "rank planned them; transformers' all-reduces and gathers left in place"
+    )
     model.__dict__[_SHARDING] = sharding
     return [a for a in actions if a not in dropped]
 
