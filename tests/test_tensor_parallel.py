@@ -118,3 +118,32 @@ def test_verdicts_are_decided_together():
     assert [(f.index, f.call, f.error) for f in both.bad] == [(1, 2, 0.5)]
     assert both.worst_layer == 0.5 and both.logits is None
     assert tensor_parallel.decide_together(rank0, None) is rank0  # not tensor parallel: this rank's own
+
+
+MODELS = Path(__file__).with_name("data") / "models"
+
+
+def test_bench_model_tp_checks_parity_on_every_rank_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "gemmtune", "bench-model", "--tp", "2", "--model",
+           str(MODELS / "tiny-llama.json"), "--layers", "2", "--reps", "1", "--batches", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("GEMMTUNE_CONFIG", None)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    for rank in range(2):
+        assert f"decode parity rank {rank} (16 greedy cached steps, batch 2): same tokens as stock" in res.stdout
+    assert "q/k/v -> qkv_proj N=64" in res.stdout  # this rank's half of (4 + 2 + 2) heads of 16
+    assert "decode b=1 (eager" in res.stdout and "speedup" in res.stdout
+
+
+def test_bench_model_tp_outside_torchrun_says_how_to_launch_it(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    from click.testing import CliRunner
+
+    from gemmtune.cli.main import cli
+
+    res = CliRunner().invoke(cli, ["bench-model", "--tp", "2", "--model", str(MODELS / "tiny-llama.json")])
+    assert res.exit_code == 1
+    assert "bench-model --tp 2 runs under torchrun: torchrun --nproc-per-node 2 -m gemmtune" in res.output
