@@ -89,10 +89,13 @@ def _prefill(text: str) -> tuple[tuple[int, int], ...]:
     help="Check the parity check: this contender's attention ignores its KV cache, so decode parity must "
     "fail it (exit 1).",
 )
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Under torchrun with this many processes: stock tensor-parallel transformers vs optimize() of "
+                   "it (decode parity on every rank, eager decode speed on rank 0; nothing written).")  # fmt: skip
 @click.option("-o", "--out", "out_dir", default=None, callback=v.output_folder,
               help="Report folder (default: bench-model-<model name>).")  # fmt: skip
 def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, contenders, quantize, no_producers,
-            compile_ops, compile_backend, no_profile, decode_steps, keep_going, test_break,
+            compile_ops, compile_backend, no_profile, decode_steps, keep_going, test_break, tp,
             out_dir) -> None:  # fmt: skip
     """Build MODEL with random weights (nothing downloaded) and time, in one process and interleaved:
     stock Hugging Face, gemmtune.optimize(), torch.compile of stock and torch.compile of optimize(),
@@ -116,6 +119,10 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
     if dev not in ("cuda", "cpu") and not dev.startswith("cuda:"):
         raise click.BadParameter(f"--device {dev!r}: expected cuda or cpu")
     defaults = _GPU_DEFAULTS if dev.startswith("cuda") else _CPU_DEFAULTS
+    if tp > 1:
+        _tensor_parallel(model, layers, table, dev, dtype, tp, batches or defaults["batches"], decode_steps,
+                         reps or defaults["reps"])  # fmt: skip
+        return
     name = os.path.basename(os.path.normpath(model)).removesuffix(".json")
     out = out_dir or f"bench-model-{name}"
     inputs = [model, *(table.split(":") if table else [])]
@@ -155,4 +162,28 @@ def command(model, layers, table, device, dtype, prefill, batches, ctx, reps, co
     if (failures or res.errors) and not keep_going:
         for line in failures or res.errors:
             click.echo(f"bench-model: {line}", err=True)
+        sys.exit(1)
+
+
+def _tensor_parallel(model, layers, table, dev, dtype, tp, batches, decode_steps, reps) -> None:
+    from ..errors import GemmtuneError
+    from ..keys import parse_dtype
+    from ..profiling import bench_tp
+
+    settings = bench_tp.TPSettings(
+        model=model,
+        layers=layers,
+        tp=tp,
+        device=dev,
+        dtype=parse_dtype(dtype) if dtype else None,
+        table=table.split(":") if table and ":" in table else table,
+        batches=_ints(batches, "batches"),
+        decode_steps=decode_steps,
+        reps=reps,
+    )
+    try:
+        ok = bench_tp.run(settings, echo=click.echo)
+    except (GemmtuneError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if not ok:
         sys.exit(1)

@@ -21,6 +21,7 @@ from ..device import triton_installed
 from . import architectures, epilogue_mlp, fusion, mask_positions, mla, moe_shared
 from . import attention as attn_mod
 from . import moe as moe_mod
+from . import tensor_parallel as tp_mod
 from . import verify as verify_mod
 from .bind import bind, bound_function
 from .linear import RouteOptions, is_routed, linear_skip_reason, route_linear, unroute_linear
@@ -332,6 +333,12 @@ def _swap_config(model: nn.Module, old, new) -> None:
 
 
 def _apply(model: nn.Module, a: Action, route: RouteOptions) -> None:
+    if "tp" in a.data:  # a sharded module of a tensor-parallel model (models/tensor_parallel.py)
+        return a.data["tp"].apply(model, a.path, lambda: _apply_one(model, a, route))
+    return _apply_one(model, a, route)
+
+
+def _apply_one(model: nn.Module, a: Action, route: RouteOptions) -> None:
     mod = _get(model, a.path)
     if a.kind == "config":
         a.data["registration"] = attn_mod.registration()  # a torch.load'ed copy registers the tiers too
@@ -389,6 +396,12 @@ _ATTRS = {
 
 def _undo(model: nn.Module, a: Action) -> str | None:
     """Undo one action; returns why it could not be undone where the module tree changed since."""
+    if "tp" in a.data:
+        return a.data["tp"].undo(model, a.path, lambda: _undo_one(model, a))
+    return _undo_one(model, a)
+
+
+def _undo_one(model: nn.Module, a: Action) -> str | None:
     if a.kind == "config":
         _swap_config(model, model.config, a.data["old"])
         return None
@@ -465,6 +478,7 @@ class _CachedPathCheck:
                                 "every change was undone")  # fmt: skip
             return
         verdict = verify_mod.compare(self.stock, opt, self.probe, self.tol)
+        verdict = tp_mod.decide_together(verdict, tp_mod.group_of(model))  # every rank puts back the same
         bad, logits = verdict.bad, verdict.logits
         for f in bad:
             prefix = self.paths[f.index]
@@ -635,7 +649,8 @@ def optimize(
     if fused_ops:
         if not triton_installed():
             report.notes.append("triton is not installed: fused ops run their PyTorch references")
-    actions = _Planner(model, arch, opts, report).plan(tier)
+    actions = tp_mod.plan(model, report, lambda: _Planner(model, arch, opts, report).plan(tier),
+                          check_tables=config is None)  # fmt: skip
     _refuse_new_weights_when_trained(model, actions, opts)
     route = RouteOptions(m_threshold, bool(split_bias))
     check = None

@@ -95,6 +95,13 @@ class OptimizeReport:
         not_done = _NOT_DONE.get(kind)
         self.entries.append(Entry("left alone", module_type, path, f"{not_done}: {why}" if not_done else why))
 
+    def retract(self, kind: str, path: str) -> None:
+        """Forget the planned change of this kind to exactly this module (left out before it was made)."""
+        line = f"{kind}: {path}: " if path else f"{kind}: "
+        self.changed = [c for c in self.changed if not c.startswith(line)]
+        section = _SECTIONS.get(kind)
+        self.entries = [e for e in self.entries if not (e.section == section and e.path == path)]
+
     def withdraw(self, prefix: str) -> None:
         """Forget the changes made to `prefix` and the modules under it (they were undone)."""
 

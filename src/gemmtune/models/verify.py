@@ -172,6 +172,35 @@ class Verdict:
     bad: list[Finding]  # the layers that disagree, each at its worst call
     logits: Finding | None  # the logits' worst call when it disagrees, else None
     worst_layer: float  # the largest layer error seen, agreeing or not
+    layers: list[Finding | None] = field(default_factory=list)  # each layer's worst call, agreeing or not
+    logits_worst: Finding | None = None  # the logits' worst call, agreeing or not
+    tol: float = DEFAULT_TOLERANCE
+
+
+def combine(verdicts: list[Verdict]) -> Verdict:
+    """The verdicts of several ranks of one tensor-parallel model as one: each layer (and the logits) at
+    its worst call on any rank, so every rank puts back the same layers."""
+    tol = verdicts[0].tol
+    layers = [_worst_of(found) for found in zip(*(v.layers for v in verdicts))]
+    logits = _worst_of([v.logits_worst for v in verdicts])
+    return _verdict(layers, logits, tol)
+
+
+def _worst_of(found) -> Finding | None:
+    found = [f for f in found if f is not None]
+    return max(found, key=lambda f: f.error) if found else None
+
+
+def _verdict(layers: list[Finding | None], logits: Finding | None, tol: float) -> Verdict:
+    found = [f for f in layers if f is not None]
+    return Verdict(
+        bad=[f for f in found if f.error > tol],
+        logits=logits if logits is not None and logits.error > tol else None,
+        worst_layer=max((f.error for f in found), default=0.0),
+        layers=layers,
+        logits_worst=logits,
+        tol=tol,
+    )
 
 
 def compare(stock: Trace, opt: Trace, probe: Probe, tol: float) -> Verdict:
@@ -183,13 +212,7 @@ def compare(stock: Trace, opt: Trace, probe: Probe, tol: float) -> Verdict:
             found.append(_worst(i, stock.block_inputs[i], opt.block_inputs[i], probe, per_call=len(want)))
         found = [f for f in found if f is not None]
         worst.append(max(found, key=lambda f: f.error) if found else None)
-    found = [f for f in worst if f is not None]
-    logits = _worst(-1, stock.logits, opt.logits, probe)
-    return Verdict(
-        bad=[f for f in found if f.error > tol],
-        logits=logits if logits is not None and logits.error > tol else None,
-        worst_layer=max((f.error for f in found), default=0.0),
-    )
+    return _verdict(worst, _worst(-1, stock.logits, opt.logits, probe), tol)
 
 
 def _worst(index: int, want: list, got: list, probe: Probe, per_call: int = 0) -> Finding | None:
