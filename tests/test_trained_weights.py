@@ -177,9 +177,12 @@ def test_save_pretrained_after_optimize_writes_the_stock_checkpoint(run):
 # ---- GPU: bf16 and fp8 ---------------------------------------------------------------------------
 
 GPU_NEW_TOKENS = 24
-# Preliminary bounds, in logit units, teacher-forced on the stock tokens: the figures the test prints
-# (and benchmarks/trained_parity.py) are the measurement the bounds are to be set from.
+# Preliminary bounds, in logit units, teacher-forced on the stock tokens: the figures each test prints
+# (pytest -rP shows them) and benchmarks/bench_trained_parity.py are what the bounds are to be set from.
 BF16_MAX_LOGIT_ERR = 1.0
+# A bf16 run may give another text only where stock itself nearly tied: its margin of its own token over
+# the optimized one at the first differing step.
+BF16_NEAR_TIE = 0.5
 FP8_MAX_LOGIT_ERR = 4.0
 FP8_MIN_TOP1_AGREE = 0.9
 
@@ -202,8 +205,7 @@ def test_bf16_same_text_or_near_ties_gpu(gpu_stock):
         gemmtune.restore(model)
     print(f"\ntrained parity {got}")
     assert got.max_logit_err <= BF16_MAX_LOGIT_ERR, str(got)
-    # A prompt whose text differs flipped a near tie: stock's margin there is within the logit error.
-    assert all(margin <= got.max_logit_err for _, _, margin in got.flips), str(got)
+    assert all(margin <= BF16_NEAR_TIE for _, _, margin in got.flips), str(got)
 
 
 @pytest.mark.gpu

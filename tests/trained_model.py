@@ -62,6 +62,8 @@ def load(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu")
     path = gguf_file()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # the file names none on older transformers; the end of turn pads
+        tokenizer.pad_token = tokenizer.eos_token
     read = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     config = read.config
     if hasattr(config, "quantization_config"):
@@ -84,7 +86,7 @@ def encode(tokenizer, prompts: list[str], device) -> dict:
     return {k: v.to(device) for k, v in enc.items()}
 
 
-# ---- parity figures (the GPU test and benchmarks/trained_parity.py) -------------------------------
+# ---- parity figures (the GPU tests and benchmarks/bench_trained_parity.py) ----------------------
 
 
 @dataclass
