@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
 import torch
 
 HAS_GPU = torch.cuda.is_available()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core on the CPU; none on a GPU machine, where the
+    GPU tests would share one GPU and its memory."""
+    if HAS_GPU:
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def pytest_collection_modifyitems(config, items):

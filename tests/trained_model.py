@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import pathlib
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -52,16 +55,22 @@ def missing() -> str | None:
     return None
 
 
-def load(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """(model in eval mode, tokenizer with left padding) of the packaged SmolLM2-135M-Instruct."""
-    why = missing()
-    if why is not None:
-        raise RuntimeError(why)
+def cache_dir() -> pathlib.Path:
+    """Where the dequantized model and converted tokenizer are kept between test runs (reading the GGUF
+    file again costs most of the module's time): one folder per package and transformers version."""
+    import transformers
+
+    root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    version = importlib.metadata.version(PACKAGE)
+    return root / "gemmtune-tests" / f"{PACKAGE}-{version}-transformers-{transformers.__version__}"
+
+
+def _from_gguf():
+    """(fp32 model, tokenizer) read from the packaged GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gguf_file()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # the file names none on older transformers; the end of turn pads
         tokenizer.pad_token = tokenizer.eos_token
     read = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -70,7 +79,43 @@ def load(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu")
         del config.quantization_config  # the file's encoding, not a property of the dequantized weights
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(read.state_dict())
-    del read
+    return model, tokenizer
+
+
+def _cached():
+    """(fp32 model, tokenizer), from the cache when an earlier run left it there; otherwise read from the
+    GGUF file and cached: written to a temporary folder renamed into place, so a run killed halfway or
+    another process writing at the same time never leaves a partial cache behind."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = cache_dir()
+    if (where / "config.json").is_file():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(where))
+            return AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32), tokenizer
+        except (OSError, ValueError):  # a cache another version left unreadable: read the file again
+            shutil.rmtree(where, ignore_errors=True)
+    model, tokenizer = _from_gguf()
+    tmp = None
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=where.name + ".", dir=where.parent))
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(where)
+    except OSError:  # a read-only home, a full disk, or another process's cache already in place
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return model, tokenizer
+
+
+def load(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer with left padding) of the packaged SmolLM2-135M-Instruct."""
+    why = missing()
+    if why is not None:
+        raise RuntimeError(why)
+    model, tokenizer = _cached()
+    tokenizer.padding_side = "left"
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
