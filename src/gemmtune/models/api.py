@@ -230,6 +230,10 @@ def optimize(
             "gemmtune.optimize: this model is already optimized with other options "
             f"({existing.options}); call gemmtune.restore(model) first"
         )
+    inner = next((path for path, mod in model.named_modules() if path and _REPORT in mod.__dict__), None)
+    if inner is not None:
+        raise ValueError(f"gemmtune.optimize: {inner} is already optimized by gemmtune.optimize; call "
+                         f"gemmtune.restore(model.{inner}) first")  # fmt: skip
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
         raise ValueError(f"gemmtune.optimize: parameters are not materialized (meta device), e.g. {meta[0]}")

@@ -103,6 +103,9 @@ class AttentionForward(ForwardSwap):
     kind = "attn"
     attrs = ("forward", "_gemmtune_attn", "_gemmtune_rope")
 
+    def applies(self, arch, opts) -> bool:
+        return QkvFusion.applies(self, arch, opts)  # it runs the fused q/k/v
+
     def plan(self, ctx: PlanContext) -> None:
         arch = ctx.arch
         for lpath, layer in ctx.layers:

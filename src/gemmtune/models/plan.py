@@ -40,11 +40,10 @@ REWRITES: tuple[Rewrite, ...] = (
 )
 
 
-def plan(model: nn.Module, arch: Architecture | None, opts: dict, report, tier: str | None,
-         rewrites: tuple[Rewrite, ...] = REWRITES) -> list[Change]:  # fmt: skip
-    """Every Change of `rewrites` for `model`, in order; nothing is touched yet."""
+def plan(model: nn.Module, arch: Architecture | None, opts: dict, report, tier: str | None) -> list[Change]:
+    """Every Change of REWRITES for `model`, in order; nothing is touched yet."""
     ctx = PlanContext(model, arch, opts, report, tier)
-    for rewrite in rewrites:
+    for rewrite in REWRITES:
         if rewrite.applies(arch, opts):
             rewrite.plan(ctx)
     return ctx.changes
