@@ -24,7 +24,7 @@ from gemmtune.device import facts
 from gemmtune.kernels.norms import rmsnorm
 from gemmtune.kernels.qk_norm_rope import qk_norm_rope
 from gemmtune.kernels.rope import rope
-from gemmtune.models import api
+from gemmtune.models import dense
 from gemmtune.profiling.build import build_model
 from gemmtune.tuner.timing import time_graphs
 
@@ -84,12 +84,12 @@ def bench_model(dev, reps: int = 9) -> None:
     fused = base
     rep = gemmtune.optimize(fused)
     assert "q_norm/k_norm + rope in one kernel" in rep.summary(), rep.summary()
-    saved = api._qk_norms_fusable
-    api._qk_norms_fusable = lambda *a: None
+    saved = dense._qk_norms_fusable
+    dense._qk_norms_fusable = lambda *a: None
     try:
         gemmtune.optimize(unfused)
     finally:
-        api._qk_norms_fusable = saved
+        dense._qk_norms_fusable = saved
     ids = torch.randint(0, base.config.vocab_size, (1, 2048), device=dev)
     models = {"fused": fused, "unfused": unfused}
     outs = {n: forward(m, ids).float() for n, m in models.items()}

@@ -212,13 +212,13 @@ def _count_attention_ops(monkeypatch) -> dict:
 
 def _qk_pair(arch, layers, monkeypatch, device="cpu", dtype=torch.float32):
     """(stock, fused, unfused): optimize() with q_norm/k_norm + rope fused, and with it turned off."""
-    from gemmtune.models import api
+    from gemmtune.models import dense
 
     monkeypatch.setitem(TINY, "num_hidden_layers", layers)
     stock, fused, report = pair(arch, device, dtype)
     assert "q_norm/k_norm + rope in one kernel" in report.summary(), report.summary()
     with monkeypatch.context() as m:
-        m.setattr(api, "_qk_norms_fusable", lambda *a: None)
+        m.setattr(dense, "_qk_norms_fusable", lambda *a: None)
         unfused = copy.deepcopy(stock)
         rep = gemmtune.optimize(unfused)
     assert "q_norm/k_norm + rope" not in rep.summary() and "fused rope kernel" in rep.summary()

@@ -90,21 +90,22 @@ def test_a_table_that_differs_on_one_rank_is_refused_on_every_rank(tmp_path):
 def test_an_unfusable_plan_is_reported_and_left_stock():
     """A q/k/v whose plan is not plain colwise (here rowwise v) is not fused, and the fused forward
     that builds on it goes too; a norm under another style stays stock."""
-    from gemmtune.models.api import Action
+    from gemmtune.models import dense
+    from gemmtune.models.rewrite import Change
 
     sharding = tensor_parallel.Sharding(
         {"m.attn.q": "colwise", "m.attn.k": "colwise", "m.attn.v": "rowwise", "m.n": "colwise"},
         mesh=None, hooked={"m.attn.q", "m.attn.k", "m.attn.v", "m.n"},
     )  # fmt: skip
-    fuse = Action("fuse", "m.attn", {"names": ("q", "k", "v"), "fused": "qkv_proj"})
+    fuse = Change(dense.QkvFusion(), "m.attn", {"names": ("q", "k", "v"), "fused": "qkv_proj"})
     why, change = tensor_parallel._why_not(None, sharding, fuse)
     assert change is None and "v 'rowwise'" in why
-    attn = Action("attn", "m.attn", {})
+    attn = Change(dense.AttentionForward(), "m.attn", {})
     assert tensor_parallel._dependents([fuse, attn], [fuse]) == [attn]
-    norm = Action("norm", "m.n", {})
+    norm = Change(dense.Norms(), "m.n", {})
     why, _ = tensor_parallel._why_not(None, sharding, norm)
     assert "'colwise' on a norm" in why
-    ok = Action("fuse", "m.attn", {"names": ("q", "k"), "fused": "qk"})
+    ok = Change(dense.QkvFusion(), "m.attn", {"names": ("q", "k"), "fused": "qk"})
     why, change = tensor_parallel._why_not(None, sharding, ok)
     assert why is None and change.local == ("q", "k")
 

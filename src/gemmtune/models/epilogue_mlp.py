@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .bind import bind
+from .rewrite import Change, ForwardSwap, PlanContext, join
 
 log = logging.getLogger("gemmtune")
 _warned: set[str] = set()
@@ -105,28 +106,37 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def plan(planner, model: nn.Module) -> None:
-    """Add an `epilogue_mlp` action for every known Linear -> act -> Linear MLP (optimize's planner)."""
-    for path, mod in model.named_modules():
-        if type(mod).__name__ not in LAYOUTS:
-            continue
-        if any(path.startswith(p) for p in planner.no_route_prefixes):
-            continue
-        spec, why = skip_reason(mod)
-        if spec is None:
-            planner.skip("epilogue mlp", path, mod, why)
-            continue
-        up = getattr(mod, spec.up)
-        planner.add("epilogue_mlp", path, mod, f"{spec.up} + bias + {spec.act} fused, {spec.down} + bias fused "
-                    f"({up.in_features}->{up.out_features})", spec=spec)  # fmt: skip
-        planner.no_route.update(
-            {f"{path}.{spec.up}" if path else spec.up, f"{path}.{spec.down}" if path else spec.down}
-        )
-
-
 def apply(mod: nn.Module, spec: MlpSpec) -> None:
     mod._gemmtune_epilogue_mlp = spec
     mod.forward = bind(_mlp_forward, mod)
 
 
 UNDO_ATTRS = ("forward", "_gemmtune_epilogue_mlp")
+
+
+class EpilogueMlp(ForwardSwap):
+    """Every known Linear -> act -> Linear MLP of the model (any architecture) on the fused-epilogue GEMMs."""
+
+    kind = "epilogue_mlp"
+    attrs = UNDO_ATTRS
+
+    def applies(self, arch, opts) -> bool:
+        # the fused-epilogue MLP runs its own 16-bit GEMMs: with quantize it would bypass the 8-bit ones
+        return opts["fused_ops"] and not opts.get("quantize")
+
+    def plan(self, ctx: PlanContext) -> None:
+        for path, mod in ctx.model.named_modules():
+            if type(mod).__name__ not in LAYOUTS or ctx.left_alone(path):
+                continue
+            spec, why = skip_reason(mod)
+            if spec is None:
+                ctx.skip("epilogue mlp", path, mod, why)
+                continue
+            up = getattr(mod, spec.up)
+            ctx.add(self, path, mod, f"{spec.up} + bias + {spec.act} fused, {spec.down} + bias fused "
+                    f"({up.in_features}->{up.out_features})", spec=spec)  # fmt: skip
+            ctx.leave_linear(join(path, spec.up))
+            ctx.leave_linear(join(path, spec.down))
+
+    def install(self, mod: nn.Module, change: Change) -> None:
+        apply(mod, change.data["spec"])

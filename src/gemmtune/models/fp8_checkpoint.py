@@ -32,6 +32,7 @@ from ..configs.files import check_regular
 from ..quant import formats, layouts, quantize
 from .bind import bind
 from .quantize import fp8_block_linear
+from .rewrite import Change, Deferred
 
 _SCALE = "weight_scale_inv"
 _ROUTED = "_gemmtune_fp8_routed"  # module.__dict__ marker: its forward runs gemm_a8w8_blockscale
@@ -299,3 +300,15 @@ def route_fp8_linears(model: nn.Module, report):
         report.change("fp8", path, type(mod).__name__, f"{mod.out_features}x{mod.in_features} fp8 checkpoint "
                       "weight, 128x128 block scales: routed through gemm_a8w8_blockscale")  # fmt: skip
     return undo
+
+
+class Fp8CheckpointLinears(Deferred):
+    """The fp8 block-scaled Linears of a checkpoint (transformers' FP8Linear) through gemm_a8w8_blockscale."""
+
+    kind = "fp8"
+
+    def applies(self, arch, opts) -> bool:
+        return opts["route_linears"]
+
+    def run(self, model: nn.Module, change: Change, report):
+        return route_fp8_linears(model, report)

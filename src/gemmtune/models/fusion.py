@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .linear import FusedLinear, RouteOptions, linear_skip_reason
+from .rewrite import Change, Rewrite, find
 
 _STATE = "_gemmtune_fused"  # parent.__dict__: fused_name -> {"stash": {name: module}, "order": [...]}
 _HOOKS = "_gemmtune_fuse_hooks"
@@ -122,6 +123,25 @@ def unfuse(parent: nn.Module, fused_name: str) -> str | None:
     _reorder(parent, state["order"], {}, state["stash"])
     _drop_hooks(parent)
     return None
+
+
+class Fusion(Rewrite):
+    """Projections of one module fused into one Linear (change.data: names, fused name, RouteOptions).
+    Subclasses plan it; `remedy` is the option that leaves it out."""
+
+    kind = "fuse"
+    what = ""  # what makes the new weight tensor, for optimize()'s refusal in training
+    remedy = ""
+
+    def apply(self, model: nn.Module, change: Change, report) -> None:
+        fuse(find(model, change.path), change.data["names"], change.data["fused"], change.data["route"])
+
+    def undo(self, model: nn.Module, change: Change) -> str | None:
+        parent = find(model, change.path)
+        return None if parent is None else unfuse(parent, change.data["fused"])
+
+    def new_weights(self, change: Change) -> tuple[str, str] | None:
+        return self.what, self.remedy
 
 
 def _drop_hooks(parent: nn.Module) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .bind import bind
+from .rewrite import Change, PlanContext, Rewrite, find
 
 log = logging.getLogger("gemmtune")
 _warned: set[str] = set()
@@ -26,6 +27,11 @@ _warned: set[str] = set()
 class RouteOptions:
     m_threshold: int | None = None  # M below this keeps F.linear (the vendor path)
     split_bias: bool = False  # run a bias-free GEMM and add the bias after (backends without bias)
+
+
+def route_options(opts: dict) -> RouteOptions:
+    """The RouteOptions of optimize()'s options."""
+    return RouteOptions(opts["m_threshold"], opts["split_bias"])
 
 
 _gemm_fn: list = []
@@ -107,6 +113,37 @@ def unroute_linear(mod: nn.Linear) -> None:
 
 def is_routed(mod: nn.Module) -> bool:
     return "_gemmtune_route" in mod.__dict__
+
+
+class LinearRouting(Rewrite):
+    """Every nn.Linear no other rewrite keeps (PlanContext.left_alone) runs through gemmtune.gemm."""
+
+    kind = "route"
+
+    def applies(self, arch, opts) -> bool:
+        return opts["route_linears"]
+
+    def plan(self, ctx: PlanContext) -> None:
+        route = route_options(ctx.opts)
+        for path, mod in ctx.model.named_modules():
+            if not isinstance(mod, nn.Linear) or ctx.left_alone(path):
+                continue
+            if hasattr(mod, "weight_scale_inv"):  # an fp8 checkpoint Linear: models/fp8_checkpoint.py reports it
+                continue
+            why = linear_skip_reason(mod)
+            if why:
+                ctx.skip("linear", path, mod, why)
+            else:
+                ctx.add(self, path, mod, f"GEMM N={mod.out_features} K={mod.in_features}", opts=route)
+
+    def apply(self, model: nn.Module, change: Change, report) -> None:
+        route_linear(find(model, change.path), change.data["opts"])
+
+    def undo(self, model: nn.Module, change: Change) -> str | None:
+        mod = find(model, change.path)
+        if mod is not None and is_routed(mod):
+            unroute_linear(mod)
+        return None
 
 
 class FusedLinear(nn.Module):

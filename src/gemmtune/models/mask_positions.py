@@ -26,6 +26,7 @@ from torch import nn
 
 from .architectures import named_params
 from .bind import bind
+from .rewrite import Change, ForwardSwap, PlanContext
 
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 _OWN_POSITIONS = contextvars.ContextVar("gemmtune_own_positions", default=False)
@@ -87,3 +88,27 @@ def apply(stack: nn.Module, index: int) -> None:
 
 
 UNDO_ATTRS = ("forward", _SPEC)
+
+
+class OwnPositions(ForwardSwap):
+    """The decoder stack's forward marks the calls whose position ids the model makes itself."""
+
+    kind = "positions"
+    attrs = UNDO_ATTRS
+
+    def applies(self, arch, opts) -> bool:
+        return arch is not None
+
+    def plan(self, ctx: PlanContext) -> None:
+        if ctx.stack is None:
+            return
+        spath, smod = ctx.stack
+        index = plan(smod) if ctx.opts["fused_ops"] else "fused_ops=False"
+        if isinstance(index, str):
+            ctx.skip("positions", spath, smod, index)
+        else:
+            ctx.add(self, spath, smod, "causal mask without transformers' packed-sequence check (a host sync) "
+                    "when the model makes its own position ids", index=index)  # fmt: skip
+
+    def install(self, mod: nn.Module, change: Change) -> None:
+        apply(mod, change.data["index"])

@@ -52,6 +52,7 @@ from . import static_cache
 from .architectures import attention_call, attention_function
 from .bind import bind
 from .hf_cache import pop_cache
+from .rewrite import Change, ForwardSwap, PlanContext, join
 
 ABSORB_MAX_Q = 16  # new tokens a forward may have for the absorbed path
 # Where the absorbed attention runs: "triton", the latent decode kernel (kernels/mla_decode.py) between the
@@ -132,6 +133,28 @@ def _rope_matches(fn: Callable, interleaved: bool) -> bool:
 def apply(attn: nn.Module, spec: MlaSpec) -> None:
     attn._gemmtune_mla = spec
     attn.forward = bind(_mla_forward, attn)
+
+
+class MlaAbsorb(ForwardSwap):
+    """The MLA attention's forward: decode on the latent cache with kv_b_proj absorbed."""
+
+    kind = "mla"
+    attrs = UNDO_ATTRS
+
+    def applies(self, arch, opts) -> bool:
+        return arch is not None and arch.mla and opts.get("mla_absorb")
+
+    def plan(self, ctx: PlanContext) -> None:
+        for lpath, layer in ctx.layers:
+            path, attn = join(lpath, "self_attn"), layer.self_attn
+            spec = plan(attn)
+            if isinstance(spec, str):
+                ctx.skip("mla", path, attn, spec)
+            else:
+                ctx.add(self, path, attn, spec.describe(), spec=spec)
+
+    def install(self, mod: nn.Module, change: Change) -> None:
+        apply(mod, change.data["spec"])
 
 
 def absorbed_attention_ref(

@@ -26,6 +26,7 @@ from ..kernels.quant_producers import act_mul_quant, add_rmsnorm_quant, rmsnorm_
 from . import architectures
 from .bind import bind, bound_function
 from .quantize import FEEDS, QuantizedActivation, input_format
+from .rewrite import Change, Deferred
 
 FORMAT = "_gemmtune_feed"  # producer.__dict__: the (8-bit dtype, scaling) its consumer reads
 # Layouts whose fused add-norm feeds layer.mlp, and that norm's name.
@@ -186,3 +187,15 @@ class _Unwire:
     def __call__(self) -> None:
         self.feeds.revert()
         self.model.__dict__.pop(FEEDS, None)
+
+
+class QuantFeeds(Deferred):
+    """The norms and act*mul of the fused decoder layers emit the next 8-bit GEMM's input already quantized."""
+
+    kind = "quantize feed"
+
+    def applies(self, arch, opts) -> bool:
+        return bool(opts.get("quantize")) and opts["quantize_producers"]
+
+    def run(self, model: nn.Module, change: Change, report):
+        return wire_producers(model, report)

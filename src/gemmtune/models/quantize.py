@@ -27,6 +27,7 @@ from ..kernels.quant import quantize_1x128_triton, quantize_per_token_triton
 from ..ops.quantized import gemm_a8w8, gemm_a8w8_blockscale
 from ..quant import formats, layouts, quantize
 from .bind import bind
+from .rewrite import Change, Deferred
 
 MODES = {"fp8": ("a8w8", "fp8"), "int8": ("a8w8", "int8"), "fp8-block": ("blockscale", "fp8")}
 _STATE = "_gemmtune_quant"
@@ -180,6 +181,24 @@ def quantize_linears(model: nn.Module, mode: str, report, lm_head: bool = False)
                         f"{'1x128 group' if mode == 'fp8-block' else 'token'} at run time); 16-bit weights kept "
                         "for restore()")  # fmt: skip
     return undo
+
+
+class QuantizeLinears(Deferred):
+    """quantize=...: the linears (fused ones included) through the 8-bit ops."""
+
+    kind = "quantize"
+
+    def applies(self, arch, opts) -> bool:
+        return bool(opts.get("quantize"))
+
+    def settings(self, opts: dict) -> dict:
+        return {"mode": opts["quantize"], "lm_head": opts["quantize_lm_head"]}
+
+    def run(self, model: nn.Module, change: Change, report):
+        return quantize_linears(model, change.data["mode"], report, change.data["lm_head"])
+
+    def new_weights(self, change: Change) -> tuple[str, str] | None:
+        return f"quantize={change.data['mode']!r}", "quantize=None"
 
 
 def _quantize_all(model, mode, report, lm_head, out_emb, done) -> None:

@@ -36,7 +36,7 @@ FUSABLE_STYLE = "colwise"  # replicated input, this rank's slice of the output f
 NORM_STYLE = "replicated_with_grad_allreduce"  # identity forward; the wrapper only reduces gradients
 MOE_STYLES = {"": "moe_tp_experts", "gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
 # changes whose forward calls the (still wrapped) submodules and touches no shard itself
-CONTAINER_KINDS = ("attn", "mlp", "layer", "positions", "router", "config")
+CONTAINER_KINDS = ("attn", "mlp", "layer", "positions", "router", "attention")
 
 
 def _dist():
@@ -129,7 +129,7 @@ def local_view(model: nn.Module, sharding: Sharding):
 # ---- the changes on sharded modules -------------------------------------------------------------
 @dataclass
 class ShardedChange:
-    """Action.data["tp"]: what to do around one planned change of a sharded module. `local`: the
+    """Change.data["tp"]: what to do around one planned change of a sharded module. `local`: the
     submodules (fusion parts) whose DTensor parameters become plain local shards; `rewrap`: the
     parallel style whose wrapper goes back around the module's new forward."""
 
@@ -268,7 +268,7 @@ def _dependents(actions: list, dropped: list) -> list:
 def plan(model: nn.Module, report, make_plan, *, check_tables: bool = True) -> list:
     """optimize()'s planning step: make_plan() as it is for a model transformers did not shard; for a
     tensor-parallel one, make_plan() over the local view, each change checked against the plan (and
-    given what it needs around it, Action.data["tp"]), only the changes every rank planned kept, and the
+    given what it needs around it, Change.data["tp"]), only the changes every rank planned kept, and the
     tables in effect checked identical on every rank. A collective: every rank calls it."""
     sharding = detect(model)
     if sharding is None:
