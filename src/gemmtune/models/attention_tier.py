@@ -41,3 +41,6 @@ class AttentionTier(Rewrite):
     def undo(self, model: nn.Module, change: Change) -> str | None:
         _swap_config(model, model.config, change.data["old"])
         return None
+
+    def on_sharded(self, model, sharding, change: Change):
+        return sharding.calls_wrapped(change.path)  # a config every attention forward reads

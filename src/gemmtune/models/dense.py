@@ -13,8 +13,15 @@ from .bind import bind
 from .linear import route_options
 from .moe_block import SHARED_EXPERTS, SharedExpertFold
 from .rewrite import Change, ForwardSwap, PlanContext, join
+from .sharding import ShardedChange
 
 _ATTN_ATTRS = ("o_proj", "layer_idx", "scaling", "config", "attention_dropout")
+NORM_STYLE = "replicated_with_grad_allreduce"  # a norm's parallel style: identity forward, gradients reduced
+
+
+def _at(change: Change, other: Change, rewrite: type) -> bool:
+    """Whether `other` is a change of `rewrite` on the module `change` changes."""
+    return isinstance(other.rewrite, rewrite) and other.path == change.path
 
 
 def uses_qk_norm(arch: architectures.Architecture, attn: nn.Module) -> bool:
@@ -95,6 +102,9 @@ class QkvFusion(fusion.Fusion):
             for name in arch.qkv:
                 ctx.leave_linear(join(path, name))
 
+    def needs(self, change: Change, other: Change) -> bool:
+        return _at(change, other, AttentionForward)  # the stock forward reads the parts
+
 
 class AttentionForward(ForwardSwap):
     """The attention forward on the fused q/k/v GEMM, with the fused rope (and q/k norms) kernel where
@@ -135,6 +145,12 @@ class AttentionForward(ForwardSwap):
         mod._gemmtune_attn = change.data["spec"]
         mod._gemmtune_rope = change.data["rope"]
         mod.forward = bind(architectures._attention_forward, mod)
+
+    def on_sharded(self, model, sharding, change: Change):
+        return sharding.calls_wrapped(change.path)
+
+    def needs(self, change: Change, other: Change) -> bool:
+        return _at(change, other, QkvFusion)
 
 
 # ---- MLP ----------------------------------------------------------------------------------------
@@ -186,6 +202,9 @@ class GateUpFusion(fusion.Fusion):
             for name in names:
                 ctx.leave_linear(join(path, name))
 
+    def needs(self, change: Change, other: Change) -> bool:
+        return _at(change, other, MlpForward)  # the stock forward reads the parts
+
 
 class MlpForward(ForwardSwap):
     """The MLP forward on the fused gate/up GEMM (or the model's own, Phi3), with act*mul in one kernel."""
@@ -226,6 +245,12 @@ class MlpForward(ForwardSwap):
     def install(self, mod: nn.Module, change: Change) -> None:
         mod._gemmtune_mlp = change.data["spec"]
         mod.forward = bind(architectures._mlp_forward, mod)
+
+    def on_sharded(self, model, sharding, change: Change):
+        return sharding.calls_wrapped(change.path)
+
+    def needs(self, change: Change, other: Change) -> bool:
+        return _at(change, other, GateUpFusion)
 
 
 # ---- norms and the layer forward ----------------------------------------------------------------
@@ -274,6 +299,15 @@ class Norms(ForwardSwap):
         mod.forward = bind(architectures._norm_forward, mod)
         mod.__dict__[architectures.ADD_NORM] = bind(architectures._add_norm_forward, mod)
 
+    def on_sharded(self, model, sharding, change: Change):
+        if change.path not in sharding.hooked:
+            return None, None
+        style = sharding.style(change.path)
+        if style != NORM_STYLE:
+            return f"tensor parallel: plan entry {style!r} on a norm", None
+        wrapped = "forward" in model.get_submodule(change.path).__dict__
+        return None, ShardedChange(sharding, rewrap=style if wrapped else None)
+
 
 class LayerForward(ForwardSwap):
     """The decoder-layer forward with the residual add fused into the norm after attention."""
@@ -307,3 +341,9 @@ class LayerForward(ForwardSwap):
 
     def install(self, mod: nn.Module, change: Change) -> None:
         mod.forward = bind(architectures.LAYER_FORWARDS[change.data["layout"]], mod)
+
+    def on_sharded(self, model, sharding, change: Change):
+        return sharding.calls_wrapped(change.path)
+
+    def needs(self, change: Change, other: Change) -> bool:
+        return isinstance(other.rewrite, Norms) and other.path.startswith(change.path + ".")  # its own norms

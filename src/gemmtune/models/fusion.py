@@ -14,7 +14,12 @@ import torch
 from torch import nn
 
 from .linear import FusedLinear, RouteOptions, linear_skip_reason
-from .rewrite import Change, Rewrite, find
+from .rewrite import Change, Rewrite, find, join
+from .sharding import ShardedChange
+
+# the one parallel style whose parts fuse: replicated input, this rank's slice of the output features,
+# so the rank's local parts concatenated are its shard of the fused weight
+FUSABLE_STYLE = "colwise"
 
 _STATE = "_gemmtune_fused"  # parent.__dict__: fused_name -> {"stash": {name: module}, "order": [...]}
 _HOOKS = "_gemmtune_fuse_hooks"
@@ -142,6 +147,16 @@ class Fusion(Rewrite):
 
     def new_weights(self, change: Change) -> tuple[str, str] | None:
         return self.what, self.remedy
+
+    def on_sharded(self, model, sharding, change: Change):
+        names = change.data["names"]
+        styles = [sharding.hooked_style(join(change.path, n)) for n in names]
+        if all(s is None for s in styles):
+            return None, None
+        if any(s != FUSABLE_STYLE for s in styles):
+            shown = ", ".join(f"{n} {s!r}" for n, s in zip(names, styles))
+            return f"tensor parallel: fusing needs every part {FUSABLE_STYLE!r}, the plan has {shown}", None
+        return None, ShardedChange(sharding, local=tuple(names))
 
 
 def _drop_hooks(parent: nn.Module) -> None:

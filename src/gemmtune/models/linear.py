@@ -18,8 +18,11 @@ from torch import nn
 
 from .bind import bind
 from .rewrite import Change, PlanContext, Rewrite, find
+from .sharding import ShardedChange
 
 log = logging.getLogger("gemmtune")
+# transformers' parallel styles of one nn.Linear: a routed one gets the style's wrapper back around its forward
+LINEAR_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep", "rowwise_split_input")
 _warned: set[str] = set()
 
 
@@ -144,6 +147,14 @@ class LinearRouting(Rewrite):
         if mod is not None and is_routed(mod):
             unroute_linear(mod)
         return None
+
+    def on_sharded(self, model, sharding, change: Change):
+        if change.path not in sharding.hooked:
+            return None, None
+        style = sharding.style(change.path)
+        if style in LINEAR_STYLES:
+            return None, ShardedChange(sharding, rewrap=style)
+        return f"tensor parallel: plan entry {style!r} is not a linear style gemmtune routes", None
 
 
 class FusedLinear(nn.Module):

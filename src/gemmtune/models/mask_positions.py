@@ -112,3 +112,6 @@ class OwnPositions(ForwardSwap):
 
     def install(self, mod: nn.Module, change: Change) -> None:
         apply(mod, change.data["index"])
+
+    def on_sharded(self, model, sharding, change: Change):
+        return sharding.calls_wrapped(change.path)

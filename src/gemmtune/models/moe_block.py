@@ -9,8 +9,11 @@ from torch import nn
 from . import moe, moe_shared
 from .architectures import is_moe_block
 from .rewrite import Change, ForwardSwap, PlanContext, join
+from .sharding import ShardedChange, holds_some_experts
 
 SHARED_EXPERTS = ("shared_expert", "shared_experts")  # an MoE block's always-on MLP: Qwen2-MoE's; DeepSeek's, GLM's
+# the tensor-parallel plan of an experts module that fused_moe runs on this rank's slice of every expert
+MOE_STYLES = {"": "moe_tp_experts", "gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
 
 
 def moe_blocks(ctx: PlanContext) -> list[tuple[str, nn.Module]]:
@@ -94,6 +97,17 @@ class MoeExperts(ForwardSwap):
     def install(self, mod: nn.Module, change: Change) -> None:
         moe.apply(mod, change.data["spec"])
 
+    def on_sharded(self, model, sharding, change: Change):
+        path = change.path
+        if not sharding.under(path):
+            return None, None
+        if holds_some_experts(model.get_submodule(path)):
+            return "expert parallel: each rank holds only some experts (their routing stays transformers')", None
+        found = {n: sharding.style(join(path, n)) for n in MOE_STYLES}
+        if found != MOE_STYLES:
+            return f"tensor parallel: experts planned {found}, gemmtune swaps only {MOE_STYLES}", None
+        return None, ShardedChange(sharding, rewrap=MOE_STYLES[""])
+
 
 class Router(ForwardSwap):
     """The router's softmax (or grouped sigmoid) top-k in one kernel."""
@@ -117,3 +131,6 @@ class Router(ForwardSwap):
 
     def install(self, mod: nn.Module, change: Change) -> None:
         moe.apply_router(mod, change.data["spec"])
+
+    def on_sharded(self, model, sharding, change: Change):
+        return sharding.calls_wrapped(change.path)

@@ -4,6 +4,8 @@ A Rewrite reads the module tree through a PlanContext and plans Changes (each na
 path, so a deep-copied optimized model restores itself, not the original), reporting what it changes
 and why it leaves a part alone; applying and undoing a Change is the Rewrite's job too. The planner
 (models/plan.py) runs one ordered list of Rewrites; restore() undoes the applied Changes in reverse.
+On a tensor-parallel model a Rewrite also says how its change runs over sharded modules (on_sharded)
+and which other changes it works only with (needs).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from . import architectures
 from .bind import bound_function
+from .sharding import ShardedChange, Sharding
 
 
 def join(*parts: str) -> str:
@@ -68,6 +71,23 @@ class Rewrite:
     def new_weights(self, change: Change) -> tuple[str, str] | None:
         """(what makes new weight tensors, the option that leaves it out) when applying makes them."""
         return None
+
+    def on_sharded(
+        self, model: nn.Module, sharding: Sharding, change: Change
+    ) -> tuple[str | None, ShardedChange | None]:
+        """On a tensor-parallel model (models/tensor_parallel.py, seen through its local view): (why the
+        change cannot run there, what it needs around it); (None, None) where it runs as planned. A change
+        over sharded modules is left out unless its rewrite says how it runs on them: never guessed."""
+        inside = sharding.under(change.path)
+        if not inside:
+            return None, None
+        where = f"{inside[0]} {sharding.style(inside[0])!r}"
+        return f"tensor parallel: a {self.kind} change over sharded modules ({where})", None
+
+    def needs(self, change: Change, other: Change) -> bool:
+        """Whether `change` works only with `other` applied too (a fused forward and its fusion, a fused
+        layer and its norms): where `other` is left out, `change` is left out with it."""
+        return False
 
 
 class ForwardSwap(Rewrite):
