@@ -198,3 +198,77 @@ def test_optimized_twice_or_inside_an_optimized_model_is_told_so():
     assert gemmtune.optimize(model.model) is first  # the same call again: its report, nothing changed
     gemmtune.restore(model.model)
     assert gemmtune.optimize(model).counts()["fuse"] == 4
+
+
+# ---- tensor parallel: each rewrite says how its change runs on sharded modules ------------------
+def _sharding(plan: dict):
+    from gemmtune.models.sharding import Sharding
+
+    return Sharding(plan, mesh=None, hooked=set(plan))
+
+
+def test_a_rewrite_that_does_not_say_how_it_runs_sharded_leaves_its_change_stock():
+    rewrite = Recorder("a")  # the report word "route", but not LinearRouting: the word decides nothing
+    sharding = _sharding({"m.x": "colwise"})
+    why, around = rewrite.on_sharded(None, sharding, Change(rewrite, "m", {}))
+    assert around is None and why == "tensor parallel: a route change over sharded modules (m.x 'colwise')"
+    assert rewrite.on_sharded(None, sharding, Change(rewrite, "mx", {})) == (None, None)  # a sibling, not inside
+    assert rewrite.on_sharded(None, sharding, Change(rewrite, "", {}))[0] == why  # the model holds every module
+
+
+def _around_wrapped():
+    from gemmtune.models import dense, moe_block
+    from gemmtune.models.attention_tier import AttentionTier
+    from gemmtune.models.mask_positions import OwnPositions
+
+    return [dense.AttentionForward(), dense.MlpForward(), dense.LayerForward(), moe_block.Router(), OwnPositions(),
+            AttentionTier()]  # fmt: skip
+
+
+@pytest.mark.parametrize("rewrite", _around_wrapped(), ids=lambda r: type(r).__name__)
+def test_a_forward_around_wrapped_submodules_runs_unless_its_module_is_planned(rewrite):
+    sharding = _sharding({"m.a.q_proj": "colwise", "m.b": "rowwise"})
+    assert rewrite.on_sharded(None, sharding, Change(rewrite, "m.a", {})) == (None, None)
+    why, around = rewrite.on_sharded(None, sharding, Change(rewrite, "m.b", {}))
+    assert why == "tensor parallel: the module itself is planned 'rowwise'" and around is None
+
+
+def test_linear_routing_and_moe_experts_say_which_wrapper_goes_back():
+    from gemmtune.models.linear import LinearRouting
+    from gemmtune.models.moe_block import MoeExperts
+
+    route = LinearRouting()
+    sharding = _sharding({"m.o": "rowwise", "m.g": "local_packed_rowwise"})
+    assert route.on_sharded(None, sharding, Change(route, "m.o", {}))[1].rewrap == "rowwise"
+    why, around = route.on_sharded(None, sharding, Change(route, "m.g", {}))
+    assert around is None
+    assert why == "tensor parallel: plan entry 'local_packed_rowwise' is not a linear style gemmtune routes"
+    assert route.on_sharded(None, sharding, Change(route, "m.q", {})) == (None, None)
+
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()  # plain parameters: not split over the expert dimension
+    moe = MoeExperts()
+    tp = {"experts": "moe_tp_experts", "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise"}
+    assert moe.on_sharded(model, _sharding(tp), Change(moe, "experts", {}))[1].rewrap == "moe_tp_experts"
+    why, around = moe.on_sharded(model, _sharding({**tp, "experts.down_proj": "colwise"}), Change(moe, "experts", {}))
+    assert around is None and "gemmtune swaps only" in why and "'down_proj': 'colwise'" in why
+
+
+def test_the_changes_a_left_out_one_takes_with_it_come_from_the_rewrites():
+    from gemmtune.models import dense
+    from gemmtune.models.linear import LinearRouting
+    from gemmtune.models.tensor_parallel import _dependents
+
+    fuse = Change(dense.QkvFusion(), "l1.attn", {"names": ("q", "k", "v"), "fused": "qkv_proj"})
+    attn = Change(dense.AttentionForward(), "l1.attn", {})
+    gate_up = Change(dense.GateUpFusion(), "l1.mlp", {"names": ("gate", "up"), "fused": "gate_up_proj"})
+    mlp = Change(dense.MlpForward(), "l1.mlp", {})
+    norm = Change(dense.Norms(), "l1.post_attention_layernorm", {})
+    layer, other_layer = Change(dense.LayerForward(), "l1", {}), Change(dense.LayerForward(), "l10", {})
+    route = Change(LinearRouting(), "l1.attn.o_proj", {})
+    changes = [fuse, attn, gate_up, mlp, norm, layer, other_layer, route]
+    assert _dependents(changes, [fuse]) == [attn]  # a fused forward without its fusion
+    assert _dependents(changes, [attn]) == [fuse]  # the stock forward reads the parts the fusion took
+    assert _dependents(changes, [gate_up]) == [mlp] and _dependents(changes, [mlp]) == [gate_up]
+    assert _dependents(changes, [norm]) == [layer]  # only the layer that holds the norm
+    assert _dependents(changes, [route]) == [] and _dependents(changes, [layer]) == []
