@@ -31,7 +31,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .sharding import Sharding, dtensor_type, generic
+from .sharding import ShardedChange, Sharding, dtensor_type, generic
 
 NO_MESH = "sharded by transformers but no torch.distributed TP mesh"
 
@@ -95,7 +95,7 @@ def local_view(model: nn.Module, sharding: Sharding):
 
 
 # ---- the changes on sharded modules -------------------------------------------------------------
-def _why_not(model: nn.Module, sharding: Sharding, change) -> tuple[str | None, object]:
+def _why_not(model: nn.Module, sharding: Sharding, change) -> tuple[str | None, ShardedChange | None]:
     """(why this change cannot run on the sharded model, the ShardedChange it needs): its rewrite's answer."""
     return change.rewrite.on_sharded(model, sharding, change)
 
