@@ -1,6 +1,7 @@
 """The architecture registry (gemmtune.model_types) is the one table optimize(), `gemmtune shapes` and the
 docs read: each entry's shapes are its transformers model's weights, optimize() supports exactly the
-entries with a layout, every other entry says why, and docs/models.md's table is the registry's."""
+entries with a layout and fuses exactly the epilogue MLPs they declare, every entry without a layout says
+why, and docs/models.md's table is the registry's."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemmtune.model_types import REGISTRY, Architecture, Experts, ModelType
+from gemmtune.model_types import REGISTRY, Architecture, EpilogueLayout, Experts, ModelConfigError, ModelType
 from gemmtune.model_types import registry as registry_mod
 from gemmtune.model_types.entry import LAYOUTS
 from gemmtune.model_types.shapes import llama_like
-from gemmtune.tuner.model_shapes import PRESETS, batched_gemms, model_gemms, model_keys, model_type_of
+from gemmtune.tuner.model_shapes import PRESETS, batched_gemms, mlp_shape, model_gemms, model_keys, model_type_of
 
 DOCS_TABLE = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 TABLE_START = "<!-- model-types table: the registry's entries (tests/test_model_types.py checks it) -->"
@@ -33,6 +34,19 @@ _OVERRIDES = {
     "qwen3_moe": {"decoder_sparse_step": 2},
 }
 LANGUAGE_MODELS = [mt for mt, e in REGISTRY.items() if not e.nests_text_config]
+EPILOGUE_MLP_TYPES = [mt for mt, e in REGISTRY.items() if e.epilogue_mlp is not None]
+# The layouts one model type's config switches between, beside its default config (the weight check runs
+# each): Falcon's three attention variants, the bias switches.
+_VARIANTS = {
+    "falcon-new-decoder": ("falcon", {"new_decoder_architecture": True, "hidden_size": 1024,
+                                      "num_attention_heads": 16, "num_kv_heads": 4, "bias": True}),
+    "falcon-multi-head": ("falcon", {"multi_query": False, "hidden_size": 512, "num_attention_heads": 8,
+                                     "ffn_hidden_size": 1000, "activation": "relu"}),
+    "gpt_neox-no-attention-bias": ("gpt_neox", {"attention_bias": False, "hidden_size": 512}),
+    "phi-qk-layernorm": ("phi", {"qk_layernorm": True, "num_key_value_heads": 8}),
+    "starcoder2-no-bias": ("starcoder2", {"use_bias": False}),
+}  # fmt: skip
+WEIGHT_CASES = {mt: (mt, {}) for mt in LANGUAGE_MODELS} | _VARIANTS
 
 
 def registry_table() -> str:
@@ -42,8 +56,14 @@ def registry_table() -> str:
         "|---|---|---|---|---|",
     ]
     for mt, e in REGISTRY.items():
-        families = ["a16w16", *(["batched"] if e.batched else []), *(["fmoe"] if e.experts else [])]
-        rewrite = "yes" if e.optimize else f"no: {e.not_optimized}"
+        families = ["a16w16", *(["batched"] if e.batched else []), *(["fmoe"] if e.experts else []),
+                    *(["epilogue"] if e.epilogue_mlp else [])]  # fmt: skip
+        if e.optimize:
+            rewrite = "yes"
+        elif e.epilogue_mlp:
+            rewrite = f"its MLP (`{e.epilogue_mlp.mlp_class}`) on the fused-epilogue GEMMs; {e.not_optimized}"
+        else:
+            rewrite = f"no: {e.not_optimized}"
         classes = ", ".join(f"`{c}`" for c in e.classes)
         rows.append(f"| `{mt}` | {e.title} | {classes} | {rewrite} | {', '.join(families)} |")
     return "\n".join(rows)
@@ -98,26 +118,28 @@ def test_every_preset_is_a_registry_model_type():
     assert {name: model_type_of(cfg) in REGISTRY for name, cfg in PRESETS.items()} == dict.fromkeys(PRESETS, True)
 
 
-def _default_config(mt: str):
+def _default_config(mt: str, **overrides):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoConfig.for_model(mt, num_hidden_layers=2, **_OVERRIDES.get(mt, {}))
+    return transformers.AutoConfig.for_model(mt, num_hidden_layers=2, **{**_OVERRIDES.get(mt, {}), **overrides})
 
 
-@pytest.mark.parametrize("mt", LANGUAGE_MODELS)
-def test_entry_shapes_are_its_transformers_model_weights(mt):
+@pytest.mark.parametrize("case", WEIGHT_CASES)
+def test_entry_shapes_are_its_transformers_model_weights(case):
     # transformers' own model of each type, built on the meta device (no memory) from its default config:
     # the registry's shapes hold every weight matrix it has (fused projections and experts summed) and its
-    # biases, and its class is one the entry lists.
+    # biases (a LayerNorm's are no GEMM's), and its class is one the entry lists.
     transformers = pytest.importorskip("transformers")
-    config = _default_config(mt)
+    mt, overrides = WEIGHT_CASES[case]
+    config = _default_config(mt, **overrides)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     entry = REGISTRY[mt]
     assert type(model).__name__ in entry.classes
     embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    norm_biases = {f"{n}.bias" for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head is its own GEMM
     weights = sum(p.numel() for n, p in params.items() if p.dim() >= 2 and n not in embeddings)
-    biases = sum(p.numel() for n, p in params.items() if n.endswith(".bias"))
+    biases = sum(p.numel() for n, p in params.items() if n.endswith(".bias") and n not in norm_biases)
     shapes = model_gemms(config.to_dict(), 1)
     assert weights == sum(s.N * s.K * s.count for s in shapes), [(s.name, s.N, s.K, s.count) for s in shapes]
     assert biases == sum(s.N * s.count for s in shapes if s.bias)
@@ -129,6 +151,68 @@ def test_entry_families_are_what_the_key_builders_derive(mt):
     entry = REGISTRY[mt]
     assert bool(batched_gemms(cfg)) == (entry.batched is not None)
     assert bool(model_keys("fmoe", cfg, 1, [1], torch.bfloat16)) == (entry.experts is not None)
+    assert bool(model_keys("epilogue", cfg, 1, [1], torch.bfloat16)) == (entry.epilogue_mlp is not None)
+
+
+def test_optimize_fuses_exactly_the_registry_epilogue_mlps():
+    # an MLP class optimize() runs on the epilogue GEMMs is a registry entry's, and every entry's is one
+    from gemmtune.models import epilogue_mlp
+
+    declared = {e.epilogue_mlp.mlp_class: e.epilogue_mlp for e in REGISTRY.values() if e.epilogue_mlp}
+    assert epilogue_mlp.LAYOUTS == declared
+    assert len(declared) == len(EPILOGUE_MLP_TYPES)  # one MLP class per model type
+
+
+@pytest.mark.parametrize("mt", EPILOGUE_MLP_TYPES)
+def test_epilogue_layout_is_its_transformers_mlp(mt):
+    # every decoder layer of transformers' model has the entry's MLP class, with the attributes the layout
+    # names; the config sizes mlp_shape() reads are that MLP's, and its activation is the one the layout
+    # reads from the config (identified on the probe optimize() uses)
+    transformers = pytest.importorskip("transformers")
+    from gemmtune.models.epilogue_mlp import detect_act
+
+    config = _default_config(mt)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    layout = REGISTRY[mt].epilogue_mlp
+    mlps = [m for m in model.modules() if type(m).__name__ == layout.mlp_class]
+    assert len(mlps) == config.num_hidden_layers
+    hidden, inter, act, bias = mlp_shape(config.to_dict())
+    for m in mlps:
+        up, down = getattr(m, layout.up), getattr(m, layout.down)
+        assert isinstance(up, torch.nn.Linear) and isinstance(down, torch.nn.Linear)
+        assert (up.in_features, up.out_features, down.in_features, down.out_features) == (hidden, inter, inter, hidden)
+        assert (up.bias is not None, down.bias is not None) == (bias, bias)
+        assert detect_act(getattr(m, layout.act)) == act
+        if layout.dropout is not None:
+            assert isinstance(getattr(m, layout.dropout), (int, float))
+
+
+def test_epilogue_layout_reads_the_config_fields_it_names():
+    layout = EpilogueLayout("XMLP", "up", "act", "down", act_field="activation", intermediate_field="ffn",
+                            intermediate_multiple=4, bias_field="bias", bias_default=False)  # fmt: skip
+    assert layout.intermediate_size({"hidden_size": 8}) == 32
+    assert layout.intermediate_size({"hidden_size": 8, "ffn": 12}) == 12
+    assert layout.intermediate_size({}) is None
+    assert (layout.bias({}), layout.bias({"bias": True})) == (False, True)
+    assert (layout.epilogue_act({}), layout.epilogue_act({"activation": "gelu_new"})) == ("gelu", "gelu_tanh")
+    assert layout.epilogue_act({"activation": "silu"}) is None
+    with pytest.raises(ModelConfigError, match="ffn=-4"):
+        layout.intermediate_size({"ffn": -4})
+    with pytest.raises(ValueError, match="act_default='silu'"):
+        EpilogueLayout("XMLP", "up", "act", "down", act_default="silu")
+
+
+def test_falcon_old_multi_head_attention_with_fewer_kv_heads_is_refused():
+    # Falcon's old architecture without multi_query fuses q/k/v of every head (3 * hidden_size): a smaller
+    # num_kv_heads is a config transformers' own forward cannot run
+    cfg = {"model_type": "falcon", "hidden_size": 512, "num_attention_heads": 8, "num_hidden_layers": 2,
+           "vocab_size": 100, "multi_query": False, "num_kv_heads": 2}  # fmt: skip
+    with pytest.raises(ModelConfigError, match="num_kv_heads=2 with num_attention_heads=8 needs new_decoder_arch"):
+        model_gemms(cfg)
+    assert model_gemms(dict(cfg, num_kv_heads=8))[0].N == 3 * 512
+    assert model_gemms(dict(cfg, multi_query=True))[0].N == 512 + 2 * 64
+    assert model_gemms(dict(cfg, new_decoder_architecture=True))[0].N == (8 + 2 * 2) * 64
 
 
 def test_a_wrapper_entry_reads_its_language_model():

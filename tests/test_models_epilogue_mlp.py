@@ -134,3 +134,14 @@ def test_patched_mlp_uses_a_tuned_epilogue_row(tmp_path):
     assert res.row is not None
     cache = gemmtune.get_dispatcher().cache("epilogue")
     assert any(sig[0] == (2, 9, 64) and sig[8] == "gelu_tanh" for sig in cache)  # the MLP called the op
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_report_says_what_the_registry_entry_says(name):
+    # these model types are registry entries without an optimize() layout: the report gives the entry's reason
+    from gemmtune.model_types import REGISTRY
+
+    report = gemmtune.optimize(_build(name))
+    why = dict(report.skipped)["architecture"]
+    assert why == f"model_type {name!r} has no optimize() layout: {REGISTRY[name].not_optimized}"
+    assert REGISTRY[name].epilogue_mlp.mlp_class == MLP_CLASS[name]

@@ -243,3 +243,69 @@ def test_config_dtype_float64_is_an_error_not_bf16(tmp_path):
     assert res.exit_code == 1 and "torch_dtype='float64'" in res.output and "--dtype" in res.output
     res = CliRunner().invoke(cli, ["shapes", "-m", str(cfg), "--nsets", "1", "--dtype", "bf16"])
     assert res.exit_code == 0 and "torch.bfloat16" in res.output  # an explicit --dtype is the way out
+
+
+# Linear -> act -> Linear models, from their public config.json files (the fields their shapes read).
+EPILOGUE_MLP_CONFIGS = {
+    "pythia-6.9b": dict(model_type="gpt_neox", hidden_size=4096, num_attention_heads=32, intermediate_size=16384,
+                        num_hidden_layers=32, vocab_size=50432, hidden_act="gelu", attention_bias=True),
+    "phi-2": dict(model_type="phi", hidden_size=2560, num_attention_heads=32, num_key_value_heads=32,
+                  intermediate_size=10240, num_hidden_layers=32, vocab_size=51200, hidden_act="gelu_new"),
+    "starcoder2-15b": dict(model_type="starcoder2", hidden_size=6144, num_attention_heads=48, num_key_value_heads=4,
+                           intermediate_size=24576, num_hidden_layers=40, vocab_size=49152, use_bias=True,
+                           hidden_act="gelu_pytorch_tanh"),
+    "falcon-7b": dict(model_type="falcon", hidden_size=4544, num_attention_heads=71, num_hidden_layers=32,
+                      vocab_size=65024, multi_query=True, new_decoder_architecture=False, bias=False),
+    "falcon-40b": dict(model_type="falcon", hidden_size=8192, num_attention_heads=128, num_kv_heads=8,
+                       num_hidden_layers=60, vocab_size=65024, new_decoder_architecture=True, bias=False),
+}  # fmt: skip
+# (name, N, K, bias) per rank by hand: GPT-NeoX's qkv 3 * hidden/tp; Phi's and StarCoder2's as Llama's with
+# biases (StarCoder2-15B's 4 kv heads replicated at tp 8); Falcon-7B's one kv head: hidden + 2 * 64;
+# Falcon-40B's (128/tp + 2 * 8/tp) * 64; up N = inter/tp (4 * hidden for Falcon), down K = inter/tp.
+EPILOGUE_MLP_EXPECTED = {
+    ("pythia-6.9b", 1): [("qkv", 12288, 4096, True), ("o", 4096, 4096, True), ("up", 16384, 4096, True),
+                         ("down", 4096, 16384, True), ("lm_head", 50432, 4096, False)],
+    ("pythia-6.9b", 8): [("qkv", 1536, 4096, True), ("o", 4096, 512, True), ("up", 2048, 4096, True),
+                         ("down", 4096, 2048, True), ("lm_head", 6304, 4096, False)],
+    ("phi-2", 1): [("qkv", 7680, 2560, True), ("o", 2560, 2560, True), ("up", 10240, 2560, True),
+                   ("down", 2560, 10240, True), ("lm_head", 51200, 2560, True)],
+    ("starcoder2-15b", 8): [("qkv", 1024, 6144, True), ("o", 6144, 768, True), ("up", 3072, 6144, True),
+                            ("down", 6144, 3072, True), ("lm_head", 6144, 6144, False)],
+    ("falcon-7b", 1): [("qkv", 4672, 4544, False), ("o", 4544, 4544, False), ("up", 18176, 4544, False),
+                       ("down", 4544, 18176, False), ("lm_head", 65024, 4544, False)],
+    ("falcon-40b", 8): [("qkv", 1152, 8192, False), ("o", 8192, 1024, False), ("up", 4096, 8192, False),
+                        ("down", 8192, 4096, False), ("lm_head", 8128, 8192, False)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "tp"), sorted(EPILOGUE_MLP_EXPECTED))
+def test_epilogue_mlp_models_match_hand_computed(model, tp):
+    got = [(s.name, s.N, s.K, s.bias) for s in model_gemms(EPILOGUE_MLP_CONFIGS[model], tp)]
+    assert got == EPILOGUE_MLP_EXPECTED[(model, tp)]
+
+
+def test_falcon_7b_heads_do_not_split_over_tp():
+    with pytest.raises(ModelConfigError, match="num_attention_heads=71 is not divisible by tp=2"):
+        model_gemms(EPILOGUE_MLP_CONFIGS["falcon-7b"], 2)
+
+
+@pytest.mark.parametrize("model", sorted(EPILOGUE_MLP_CONFIGS))
+def test_shapes_cli_on_an_epilogue_mlp_config_every_family(tmp_path, model):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(EPILOGUE_MLP_CONFIGS[model]))
+    tp = "8" if model != "falcon-7b" else "1"
+    shapes = model_gemms(EPILOGUE_MLP_CONFIGS[model], int(tp))
+    for family, rows in (("a16w16", 2 * len(shapes)), ("epilogue", 4), ("a8w8", 2 * len(shapes))):
+        out = tmp_path / f"{family}.csv"
+        args = ["shapes", "-m", str(cfg), "--tp", tp, "--nsets", "1,16", "--family", family, "-o", str(out)]
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 0, (family, res.output)
+        assert len(out.read_text().splitlines()) == 1 + rows, family
+    header, up = (tmp_path / "epilogue.csv").read_text().splitlines()[:2]
+    row = dict(zip(header.split(","), up.split(",")))
+    first_up = next(s for s in shapes if s.name == "up")
+    assert (row["M"], row["N"], row["K"]) == ("1", str(first_up.N), str(first_up.K))
+    assert row["act"] in ("gelu", "gelu_tanh")
+    for fam in ("fmoe", "batched"):  # families these dense models do not run
+        res = CliRunner().invoke(cli, ["shapes", "-m", str(cfg), "--tp", tp, "--family", fam])
+        assert res.exit_code != 0 and f"runs no {fam} GEMMs" in res.output

@@ -4,6 +4,7 @@ optimize() rewrites, the GEMM shapes its config gives, its config class names), 
 
 from .config import ModelConfigError
 from .entry import Architecture, Experts, ModelType
+from .epilogue_layout import EpilogueLayout
 from .registry import BY_CLASS, REGISTRY, model_type_of, text_config
 from .shapes import BatchedShape, LinearShape
 
@@ -12,6 +13,7 @@ __all__ = [
     "REGISTRY",
     "Architecture",
     "BatchedShape",
+    "EpilogueLayout",
     "Experts",
     "LinearShape",
     "ModelConfigError",

@@ -44,10 +44,11 @@ def split(value: int, tp: int, what: str) -> int:
     return value // tp
 
 
-def kv_per_rank(kv: int, tp: int) -> int:
-    """KV heads one rank holds: split when there are at least tp, else replicated (one per rank)."""
+def kv_per_rank(kv: int, tp: int, field: str = "num_key_value_heads") -> int:
+    """KV heads one rank holds: split when there are at least tp, else replicated (one per rank); `field`
+    is the config's name of the KV head count."""
     if kv >= tp:
-        return split(kv, tp, "num_key_value_heads")
+        return split(kv, tp, field)
     if tp % kv:
-        raise ModelConfigError(f"num_key_value_heads={kv} cannot be replicated over tp={tp} (tp % kv != 0)")
+        raise ModelConfigError(f"{field}={kv} cannot be replicated over tp={tp} (tp % kv != 0)")
     return 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .epilogue_layout import EpilogueLayout
 from .shapes import BatchedShape, LinearShape
 
 
@@ -64,6 +65,8 @@ class ModelType:
     shapes: ShapeFn  # its linear layers, for `gemmtune shapes` and the tuner
     optimize: Architecture | None  # the layout optimize() rewrites; None: only Linear routing
     not_optimized: str = ""  # why optimize() has no layout for it (required when optimize is None)
+    # its Linear -> act -> Linear MLP, which optimize() runs on the fused-epilogue GEMMs with or without a layout
+    epilogue_mlp: EpilogueLayout | None = None
     batched: BatchedFn | None = None  # its batched GEMMs (DeepSeek MLA's absorbed projections)
     experts: Experts | None = None  # its routed experts, for the fused-MoE keys
     nests_text_config: bool = False  # a multimodal wrapper: the language model's sizes are in text_config

@@ -7,6 +7,16 @@ from __future__ import annotations
 from . import shapes as s
 from .config import ModelConfigError
 from .entry import Architecture, Experts, ModelType
+from .epilogue_layout import EpilogueLayout
+
+
+def _epilogue_mlp_type(model_type: str, title: str, cls: str, attention, layout: EpilogueLayout, why: str,
+                       lm_head_bias: bool = False) -> ModelType:  # fmt: skip
+    """A model type optimize() has no layout for but whose Linear -> act -> Linear MLP (`layout`) it runs on
+    the fused-epilogue GEMMs, its other linears routed; its shapes read the MLP from the same layout."""
+    return ModelType(model_type, title, classes=(cls,), shapes=s.epilogue_mlp_model(attention, layout, lm_head_bias),
+                     optimize=None, not_optimized=why, epilogue_mlp=layout)  # fmt: skip
+
 
 # MLA attention (DeepSeek-V3: its decode swapped by models/mla.py) and OLMoE's full-width q/k norms (with
 # clip_qkv) have no fused-qkv attention forward: their norms and linears change.
@@ -62,6 +72,26 @@ _ENTRIES = (
     ModelType("glm4_moe", "GLM-4-MoE", classes=("Glm4MoeForCausalLM",), shapes=s.glm4_moe,
               optimize=Architecture("glm4_moe", "Glm4Moe", qk_norm=True, qk_norm_flag="use_qk_norm", moe=True),
               experts=Experts(("n_routed_experts",), "moe_intermediate_size", shared="fusable")),
+    _epilogue_mlp_type("gpt_neox", "GPT-NeoX / Pythia", "GPTNeoXForCausalLM", s.gpt_neox_attention,
+                       EpilogueLayout("GPTNeoXMLP", "dense_h_to_4h", "act", "dense_4h_to_h"),
+                       "its query_key_value comes fused per head and its layers are LayerNorm ones with a parallel "
+                       "residual, no layout of the dense rewrites: its other linears are routed"),
+    _epilogue_mlp_type("phi", "Phi-1 / 1.5 / 2", "PhiForCausalLM", s.phi_attention,
+                       EpilogueLayout("PhiMLP", "fc1", "activation_fn", "fc2", act_default="gelu_new"),
+                       "one LayerNorm feeds attention and MLP in parallel and its rotary covers part of each head, "
+                       "no layout of the dense rewrites: its q/k/v/dense and lm_head are routed", lm_head_bias=True),
+    _epilogue_mlp_type("starcoder2", "StarCoder2", "Starcoder2ForCausalLM", s.starcoder2_attention,
+                       EpilogueLayout("Starcoder2MLP", "c_fc", "act", "c_proj", dropout="residual_dropout",
+                                      act_default="gelu_pytorch_tanh", bias_field="use_bias"),
+                       "its norms are LayerNorms (weight and bias), which the dense rewrites' fused norms and layer "
+                       "forward do not compute: its q/k/v/o are routed"),
+    _epilogue_mlp_type("falcon", "Falcon", "FalconForCausalLM", s.falcon_attention,
+                       EpilogueLayout("FalconMLP", "dense_h_to_4h", "act", "dense_4h_to_h", act_field="activation",
+                                      intermediate_field="ffn_hidden_size", intermediate_multiple=4,
+                                      bias_field="bias", bias_default=False),
+                       "its query_key_value comes fused (multi-head, multi-query or grouped) and its layers run "
+                       "attention and MLP in parallel off LayerNorms, no layout of the dense rewrites: lm_head is "
+                       "routed, its attention's FalconLinear projections stay stock (not a plain nn.Linear)"),
 )  # fmt: skip
 
 

@@ -5,7 +5,7 @@ Conventions (M = tokens, N = output features, K = input features, weight [N, K])
 - Fused projections as vLLM/SGLang run them: one `qkv` GEMM (q, k and v heads side by side) and one
   `gate_up` GEMM (gate and up side by side); DeepSeek's MLA fuses q_a and kv_a into `qkv_a`.
 - Megatron-style tensor parallelism over `tp` ranks (the shapes of one rank): column-parallel layers
-  (qkv, gate_up, expert_gate_up, kv_b, q_b, lm_head) are split along N, row-parallel layers (o, down,
+  (qkv, gate_up, up, expert_gate_up, kv_b, q_b, lm_head) are split along N, row-parallel layers (o, down,
   expert_down) along K. KV heads are replicated when there are fewer than tp: a rank holds
   max(1, kv_heads / tp) of them. The MoE router and MLA's qkv_a are replicated (not split).
 - lm_head: N = ceil(vocab_size / tp) (no vocab padding), emitted whether or not embeddings are tied.
@@ -23,6 +23,7 @@ import torch
 
 from ..keys import GemmKey
 from .config import ModelConfigError, kv_per_rank, optional, required, split
+from .epilogue_layout import EpilogueLayout
 
 
 @dataclass(frozen=True)
@@ -60,21 +61,28 @@ class BatchedShape:
 
 
 # ---- building blocks -----------------------------------------------------------------------------
-def attention(cfg: dict, tp: int, qkv_bias: bool, o_bias: bool, layers: int) -> list[LinearShape]:
-    """Multi-head / grouped-query attention: the fused qkv and o projections."""
+def attention(cfg: dict, tp: int, qkv_bias: bool, o_bias: bool, layers: int, kv_default: int = 0) -> list[LinearShape]:
+    """Multi-head / grouped-query attention: the fused qkv and o projections. A config without
+    num_key_value_heads has `kv_default` of them (0: one per query head)."""
     hidden = required(cfg, "hidden_size")
     heads = required(cfg, "num_attention_heads")
-    kv = optional(cfg, "num_key_value_heads", heads)
+    kv = optional(cfg, "num_key_value_heads", kv_default or heads)
+    return fused_attention(hidden, heads, kv, optional(cfg, "head_dim", hidden // heads), tp, qkv_bias, o_bias, layers)
+
+
+def fused_attention(hidden: int, heads: int, kv: int, head_dim: int, tp: int, qkv_bias: bool, o_bias: bool,
+                    layers: int, kv_field: str = "num_key_value_heads") -> list[LinearShape]:  # fmt: skip
+    """The qkv and o projections of `heads` query heads and `kv` KV heads (config field `kv_field`) of
+    `head_dim`."""
     if heads % kv:
         raise ModelConfigError(
-            f"model config: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} "
+            f"model config: num_attention_heads={heads} is not a multiple of {kv_field}={kv} "
             "(each KV head serves a whole group of query heads)"
         )
-    head_dim = optional(cfg, "head_dim", hidden // heads)
     if head_dim < 1:
         raise ModelConfigError(f"model config: hidden_size={hidden} / num_attention_heads={heads} gives head_dim 0")
     q_rank = split(heads, tp, "num_attention_heads")
-    kv_rank = kv_per_rank(kv, tp)
+    kv_rank = kv_per_rank(kv, tp, kv_field)
     return [
         LinearShape("qkv", (q_rank + 2 * kv_rank) * head_dim, hidden, qkv_bias, layers),
         LinearShape("o", hidden, q_rank * head_dim, o_bias, layers),
@@ -90,8 +98,16 @@ def mlp(prefix: str, hidden: int, inter: int, tp: int, bias: bool, count: int, e
     ]
 
 
-def lm_head(cfg: dict, tp: int) -> LinearShape:
-    return LinearShape("lm_head", math.ceil(required(cfg, "vocab_size") / tp), required(cfg, "hidden_size"), False, 1)
+def lm_head(cfg: dict, tp: int, bias: bool = False) -> LinearShape:
+    return LinearShape("lm_head", math.ceil(required(cfg, "vocab_size") / tp), required(cfg, "hidden_size"), bias, 1)
+
+
+def linear_act_linear(cfg: dict, tp: int, layout: EpilogueLayout, layers: int) -> list[LinearShape]:
+    """A Linear -> act -> Linear MLP (no gate): its up and down projections, sized as `layout` reads them."""
+    hidden = required(cfg, "hidden_size")
+    i_rank = split(layout.required_intermediate_size(cfg), tp, layout.intermediate_field)
+    bias = layout.bias(cfg)
+    return [LinearShape("up", i_rank, hidden, bias, layers), LinearShape("down", hidden, i_rank, bias, layers)]
 
 
 def moe(
@@ -139,6 +155,66 @@ def llama_like(cfg: dict, tp: int) -> list[LinearShape]:
 def qwen2(cfg: dict, tp: int) -> list[LinearShape]:
     """Qwen2 always has q/k/v bias and none on o or the MLP."""
     return dense(cfg, tp, True, False, False)
+
+
+def _heads_split_hidden(cfg: dict) -> tuple[int, int, int]:
+    """(hidden, heads, head_dim) of an attention whose head_dim is hidden / heads, which must divide."""
+    hidden, heads = required(cfg, "hidden_size"), required(cfg, "num_attention_heads")
+    if hidden % heads:
+        raise ModelConfigError(f"model config: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                               f"(model_type {cfg.get('model_type')!r})")  # fmt: skip
+    return hidden, heads, hidden // heads
+
+
+def gpt_neox_attention(cfg: dict, tp: int, layers: int) -> list[LinearShape]:
+    """GPT-NeoX / Pythia: query_key_value (q, k and v of each head side by side, one KV head per query head)
+    and dense (o), both with attention_bias (transformers' default: on)."""
+    hidden, heads, head_dim = _heads_split_hidden(cfg)
+    bias = bool(cfg.get("attention_bias", True))
+    return fused_attention(hidden, heads, heads, head_dim, tp, bias, bias, layers)
+
+
+def phi_attention(cfg: dict, tp: int, layers: int) -> list[LinearShape]:
+    """Phi-1/1.5/2: q/k/v and dense (o) always with a bias."""
+    return attention(cfg, tp, True, True, layers)
+
+
+def starcoder2_attention(cfg: dict, tp: int, layers: int) -> list[LinearShape]:
+    """Starcoder2: q/k/v/o with use_bias (default on); transformers' default is 2 KV heads."""
+    bias = bool(cfg.get("use_bias", True))
+    return attention(cfg, tp, bias, bias, layers, kv_default=2)
+
+
+def falcon_attention(cfg: dict, tp: int, layers: int) -> list[LinearShape]:
+    """Falcon's fused query_key_value and dense (o), both with `bias` (default off). The new decoder
+    architecture (Falcon-40B/180B, Falcon2) has num_kv_heads KV heads and ignores multi_query; the old one
+    has one KV head with multi_query (its default: Falcon-7B) and one per query head without it."""
+    hidden, heads, head_dim = _heads_split_hidden(cfg)
+    if cfg.get("new_decoder_architecture", False):
+        kv = optional(cfg, "num_kv_heads", heads)
+    elif cfg.get("multi_query", True):
+        kv = 1
+    else:
+        kv = optional(cfg, "num_kv_heads", heads)
+        if kv != heads:  # its fused projection holds 3 * hidden_size; transformers' forward cannot split it
+            raise ModelConfigError(
+                f"model config: num_kv_heads={kv} with num_attention_heads={heads} needs "
+                "new_decoder_architecture=true (Falcon's old architecture without multi_query has one KV head "
+                "per query head)"
+            )
+    bias = bool(cfg.get("bias", False))
+    return fused_attention(hidden, heads, kv, head_dim, tp, bias, bias, layers, kv_field="num_kv_heads")
+
+
+def epilogue_mlp_model(attention_fn, layout: EpilogueLayout, lm_head_bias: bool = False):
+    """A decoder of `attention_fn`'s attention and `layout`'s Linear -> act -> Linear MLP in every layer."""
+
+    def shapes(cfg: dict, tp: int) -> list[LinearShape]:
+        layers = required(cfg, "num_hidden_layers")
+        return [*attention_fn(cfg, tp, layers), *linear_act_linear(cfg, tp, layout, layers),
+                lm_head(cfg, tp, lm_head_bias)]  # fmt: skip
+
+    return shapes
 
 
 def _sparse_layer_split(cfg: dict) -> tuple[int, int]:

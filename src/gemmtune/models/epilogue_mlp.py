@@ -1,13 +1,11 @@
 """Linear -> GELU (or ReLU) -> Linear MLPs through the fused-epilogue GEMMs (ops/epilogue.py).
 
 The up projection runs as one gemm_epilogue(x, W_up, b_up, act) (bias and activation fused into the
-GEMM's epilogue when a tuned row says so), the down projection as gemm_epilogue(h, W_down, b_down).
-Layouts known here (transformers 5.17-5.23; the stock forwards are reproduced op for op):
-- GPTNeoXMLP (GPT-NeoX / Pythia): dense_h_to_4h -> act -> dense_4h_to_h;
-- PhiMLP (Phi-1/1.5/2): fc1 -> activation_fn -> fc2;
-- Starcoder2MLP: c_fc -> act -> c_proj -> dropout(residual_dropout);
-- FalconMLP: dense_h_to_4h -> act -> dense_4h_to_h (FalconLinear: x @ W^T + b, nn.Linear's math).
-The activation module is identified on a probe tensor (exact GELU, tanh GELU, ReLU), never by name.
+GEMM's epilogue when a tuned row says so), the down projection as gemm_epilogue(h, W_down, b_down), then
+the dropout the layout names. The layouts are the registry entries' epilogue_mlp (GPT-NeoX / Pythia, Phi,
+StarCoder2, Falcon: transformers 5.17-5.24; the stock forwards are reproduced op for op; FalconLinear is
+x @ W^T + b, nn.Linear's math). The activation module is identified on a probe tensor (exact GELU, tanh
+GELU, ReLU), never by name.
 """
 
 from __future__ import annotations
@@ -19,18 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model_types import REGISTRY, EpilogueLayout
 from .bind import bind
 from .rewrite import Change, ForwardSwap, PlanContext, join
 
 log = logging.getLogger("gemmtune")
 _warned: set[str] = set()
 
-# class name -> (up projection, activation, down projection, dropout-probability attribute or None)
-LAYOUTS = {
-    "GPTNeoXMLP": ("dense_h_to_4h", "act", "dense_4h_to_h", None),
-    "PhiMLP": ("fc1", "activation_fn", "fc2", None),
-    "Starcoder2MLP": ("c_fc", "act", "c_proj", "residual_dropout"),
-    "FalconMLP": ("dense_h_to_4h", "act", "dense_4h_to_h", None),
+# MLP class name -> its layout: the registry entries' epilogue_mlp (gemmtune.model_types)
+LAYOUTS: dict[str, EpilogueLayout] = {
+    e.epilogue_mlp.mlp_class: e.epilogue_mlp for e in REGISTRY.values() if e.epilogue_mlp is not None
 }
 
 
@@ -60,7 +56,8 @@ def detect_act(fn) -> str | None:
 
 def skip_reason(mod: nn.Module) -> tuple[MlpSpec | None, str]:
     """(spec, '') when `mod` is a known MLP whose layout checks out; (None, why) otherwise."""
-    up_n, act_n, down_n, drop_n = LAYOUTS[type(mod).__name__]
+    layout = LAYOUTS[type(mod).__name__]
+    up_n, act_n, down_n, drop_n = layout.up, layout.act, layout.down, layout.dropout
     up, down, act = getattr(mod, up_n, None), getattr(mod, down_n, None), getattr(mod, act_n, None)
     if "forward" in mod.__dict__:
         return None, "its forward is already overridden on the instance"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..model_types import REGISTRY
 from . import architectures
 from .bind import bound_function
 from .sharding import ShardedChange, Sharding
@@ -151,7 +152,11 @@ class PlanContext:
         self.no_route_prefixes: list[str] = []  # subtrees left alone (MoE experts)
         if self.stack is None:
             mt = getattr(getattr(model, "config", None), "model_type", "?")
-            why = f"model_type {mt!r} is not a known architecture: plain Linear routing only"
+            entry = REGISTRY.get(mt)
+            if arch is None and entry is not None:  # a registry type without a layout says what it gets instead
+                why = f"model_type {mt!r} has no optimize() layout: {entry.not_optimized}"
+            else:
+                why = f"model_type {mt!r} is not a known architecture: plain Linear routing only"
             self.skip("architecture", "", model, why)
             return
         spath, smod = self.stack

@@ -16,7 +16,7 @@ from ..families.fmoe import ACT_TYPES, MoeKey
 from ..families.quantized import BlockKey, QuantKey
 from ..keys import GemmKey, parse_dtype
 from ..model_types import REGISTRY, BatchedShape, LinearShape, ModelConfigError, model_type_of, text_config
-from ..model_types.config import optional, required
+from ..model_types.config import optional, required, split
 from ..quant import formats
 from .presets import PRESETS, load_model_config
 
@@ -150,29 +150,21 @@ def moe_keys(config: dict, tp: int = 1, ep: int = 1, tokens=(1,), dtype: torch.d
                    dtype, "QuantType.No", True, False, experts if ep > 1 else 0, shared) for t in tokens]  # fmt: skip
 
 
-# config hidden_act -> the epilogue family's act, for Linear -> act -> Linear MLPs
-_MLP_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-             "relu": "relu"}  # fmt: skip
-
-
 def mlp_shape(config: dict) -> tuple[int, int, str, bool] | None:
-    """(hidden, intermediate, act, bias) of a Linear -> act -> Linear model's MLP (GPT-NeoX, Phi, Starcoder2,
-    Falcon: the MLPs models/epilogue_mlp.py fuses), or None."""
-    config = text_config(config)
-    mt = config.get("model_type")
-    hidden = config.get("hidden_size")
-    if mt in ("gpt_neox", "phi", "starcoder2"):
-        inter, act_name = config.get("intermediate_size"), config.get("hidden_act", "gelu")
-        bias = bool(config.get("use_bias", True)) if mt == "starcoder2" else True
-    elif mt == "falcon":
-        inter = config.get("ffn_hidden_size") or (4 * hidden if hidden else None)
-        act_name, bias = config.get("activation", "gelu"), bool(config.get("bias", False))
-    else:
+    """(hidden, intermediate, act, bias) of the model's Linear -> act -> Linear MLP, as its registry entry's
+    epilogue_mlp layout reads them (the MLPs models/epilogue_mlp.py fuses); None for another model type, a
+    config that does not size the MLP, or an activation the epilogue GEMMs lack."""
+    try:
+        layout = REGISTRY[model_type_of(config)].epilogue_mlp
+    except ModelConfigError:
         return None
-    act = _MLP_ACTS.get(act_name)
-    if not hidden or not inter or act is None:
+    cfg = text_config(config)
+    if layout is None or cfg.get("hidden_size") is None:
         return None
-    return int(hidden), int(inter), act, bias
+    inter, act = layout.intermediate_size(cfg), layout.epilogue_act(cfg)
+    if inter is None or act is None:
+        return None
+    return required(cfg, "hidden_size"), inter, act, layout.bias(cfg)
 
 
 def epilogue_keys(config: dict, tp: int, ms: Iterable[int], dtype: torch.dtype) -> list[EpilogueKey]:
@@ -183,11 +175,11 @@ def epilogue_keys(config: dict, tp: int, ms: Iterable[int], dtype: torch.dtype) 
     if shape is None:
         return []
     hidden, inter, act, bias = shape
-    n_up, k_down = inter // tp, inter // tp
+    i_rank = split(inter, tp, "the MLP's intermediate size")
     out = []
     for m in ms:
-        out.append(EpilogueKey(m, n_up, hidden, bias, dtype, dtype, act))
-        out.append(EpilogueKey(m, hidden, k_down, bias and tp == 1, dtype, dtype))
+        out.append(EpilogueKey(m, i_rank, hidden, bias, dtype, dtype, act))
+        out.append(EpilogueKey(m, hidden, i_rank, bias and tp == 1, dtype, dtype))
     return out
 
 
