@@ -331,6 +331,7 @@ def test_gemma2_flex_tier_matches_stock_eager_cpu(no_flash, flex_on_cpu):
     assert flex._warm and not flex._failed  # prefill went through flex
 
 
+@pytest.mark.slow  # torch.compile of a whole model: test_compiled_flex_block_sparsity_on_cpu compiles flex
 def test_gemma2_flex_tier_under_compile_cpu(no_flash, flex_on_cpu, monkeypatch):
     """Under torch.compile the eager tier runs in the graph (fused by inductor), never flex: parity holds."""
     calls = []

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import gemmtune
@@ -80,6 +81,7 @@ def test_capture_cli_runs_the_command(tmp_path):
     assert [(k.M, k.N, k.K, c) for k, c in read_shapes(str(out))] == [(5, 40, 24, 1)]
 
 
+@pytest.mark.slow  # the exit statuses: tests/test_toolkit_hardening.py's default cases
 def test_capture_cli_passes_the_exit_code(tmp_path):
     res = subprocess.run(
         [

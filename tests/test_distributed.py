@@ -234,6 +234,7 @@ def test_two_gpus_under_nccl_write_every_key_for_their_gpu(tmp_path):
     assert {(r["gfx"], r["cu_num"]) for r in rows} == {(ident.gfx, str(ident.cu_num))}
 
 
+@pytest.mark.slow  # a torchrun run: the two-kinds test and the gloo check are the default tier's
 def test_distributed_refuses_more_than_one_worker_per_rank(tmp_path):
     shapes = tiny_llama_shapes(tmp_path)
     p = torchrun("tune", shapes, "-o", str(tmp_path / "t.csv"), "--mp", "2", "--no-progress")

@@ -310,6 +310,7 @@ def test_optimized_model_compiles_fullgraph_and_matches(arch):
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # a fresh interpreter without triton runs the whole pipeline
 def test_optimize_runs_without_triton(tmp_path):
     """Triton is an optional extra: optimize(), plain and quantized, runs its PyTorch references without it
     (a fresh process where importing triton fails)."""

@@ -55,7 +55,9 @@ def run_ranks(tmp_path: Path, *args: str) -> list[dict]:
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+# Each case starts two processes and loads a model twice: the MoE model (fused q/k/v too) stays in the
+# default tier, the others run in the slow tier and CI's model legs.
+@pytest.mark.parametrize("kind", [pytest.param("dense", marks=pytest.mark.slow), "moe"])
 def test_optimize_gives_stock_tp_greedy_tokens_on_every_rank(tmp_path, kind):
     ranks = run_ranks(tmp_path, save_tiny(kind, tmp_path / kind), kind)
     for r in ranks:
@@ -75,6 +77,7 @@ def test_optimize_gives_stock_tp_greedy_tokens_on_every_rank(tmp_path, kind):
         assert "experts -> gemmtune.fused_moe (E=4 I=16" in changed  # every expert, half its intermediate size
 
 
+@pytest.mark.slow
 def test_a_table_that_differs_on_one_rank_is_refused_on_every_rank(tmp_path):
     row = "cpu,2,{m},128,64,False,torch.float32,torch.float32,False,False,torch,0,0,5.0,native\n"
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
@@ -124,6 +127,7 @@ def test_verdicts_are_decided_together():
 MODELS = Path(__file__).with_name("data") / "models"
 
 
+@pytest.mark.slow
 def test_bench_model_tp_checks_parity_on_every_rank_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "gemmtune", "bench-model", "--tp", "2", "--model",

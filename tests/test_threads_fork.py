@@ -20,6 +20,7 @@ import threading
 
 import pytest
 import torch
+from tiers import tiered_at
 
 import gemmtune
 from gemmtune.capture import read_shape_list, read_shapes
@@ -206,7 +207,7 @@ def test_the_cases_cover_every_public_op_but_the_helpers():
     assert set(_op_names()) == ops
 
 
-@pytest.mark.parametrize("order", ["rotated", "same"])
+@pytest.mark.parametrize("order", tiered_at(["rotated", "same"], {0}))
 def test_first_calls_of_every_op_from_64_threads_at_once_are_all_right(order):
     out = _child(FIRST_CALLS, THREADS, order)
     assert out["fresh"], "the registries were loaded before the threads started: no first call was raced"
@@ -395,7 +396,7 @@ FORK = textwrap.dedent(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-@pytest.mark.parametrize("how", ["exit", "flush", "lock held", "multiprocessing", "pool"])
+@pytest.mark.parametrize("how", tiered_at(["exit", "flush", "lock held", "multiprocessing", "pool"], {0, 3}))
 def test_capture_across_fork_counts_parent_and_child_calls_once(tmp_path, how):
     out = _child(FORK, how, tmp_path / "shapes.csv", timeout=120)
     assert out == {"3": 7 + 11, "5": 4 + 2}

@@ -311,9 +311,11 @@ def test_optimize_twice_then_restore_once():
     "child, want",
     [
         ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL),
-        ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", 128 + signal.SIGTERM),
+        pytest.param(
+            "import os, signal; os.kill(os.getpid(), signal.SIGTERM)", 128 + signal.SIGTERM, marks=pytest.mark.slow
+        ),
         ("raise SystemExit(5)", 5),
-        ("pass", 0),
+        pytest.param("pass", 0, marks=pytest.mark.slow),
     ],
     ids=["sigkill", "sigterm", "code5", "code0"],
 )
@@ -326,7 +328,13 @@ def test_capture_exits_as_a_shell_reports_the_child(tmp_path, child, want):
     assert shell.returncode == want  # the status a shell gives the same child
 
 
-@pytest.mark.parametrize("what, want", [("missing", 127), ("not executable", 126), ("a folder", 126)])
+@pytest.mark.parametrize(
+    "what, want",
+    [
+        ("missing", 127),
+        *(pytest.param(*c, marks=pytest.mark.slow) for c in [("not executable", 126), ("a folder", 126)]),
+    ],
+)
 def test_capture_of_a_command_that_cannot_start_exits_as_a_shell_does(tmp_path, what, want):
     script = tmp_path / "job.sh"
     script.write_text(f"echo ran > {tmp_path / 'RAN'}\n")
