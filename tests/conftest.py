@@ -10,6 +10,12 @@ import torch
 
 HAS_GPU = torch.cuda.is_available()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per worker, and for the processes its tests start: the workers already fill the cores,
+    # and more OpenMP threads than cores spend their time spinning against each other.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per core on the CPU; none on a GPU machine, where the

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_models_parity import ARCHITECTURES, batch, build, pair  # noqa: E402
+from test_models_parity import ARCHITECTURES, DEFAULT_TIER_ARCHS, batch, build, pair  # noqa: E402
 from tiers import tiered  # noqa: E402
 
 import gemmtune  # noqa: E402
@@ -24,7 +24,7 @@ def _greedy(model, n=8):
     return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", tiered(ARCHITECTURES, DEFAULT_TIER_ARCHS.__contains__))
 def test_every_architecture_passes_the_cached_path_check(arch):
     _, _, report = pair(arch)
     note = [n for n in report.notes if n.startswith("cached-path check")]
