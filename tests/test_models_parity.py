@@ -231,7 +231,9 @@ def _qk_pair(arch, layers, monkeypatch, device="cpu", dtype=torch.float32):
 
 
 # gemma3: 2 layer_types
-@pytest.mark.parametrize("arch, n", tiered_at([("qwen3", 4), ("qwen3_moe", 4), ("gemma3", 2)], {0}))
+@pytest.mark.parametrize(
+    "arch, n", [("qwen3", 4), *(pytest.param(*c, marks=pytest.mark.slow) for c in [("qwen3_moe", 4), ("gemma3", 2)])]
+)
 def test_qk_norm_rope_saves_two_launches_per_layer(arch, n, monkeypatch):
     stock, fused, unfused = _qk_pair(arch, n, monkeypatch)
     counts = _count_attention_ops(monkeypatch)
