@@ -169,7 +169,7 @@ def test_each_item_is_compiled_by_one_rank_of_the_host_whatever_order_it_lists_t
     assert parts[:2] == parts[2:]  # the same split whatever the order
 
 
-@pytest.mark.slow  # torchrun tuning runs: test_ranks_of_two_gpu_kinds_... is the default tier's
+@pytest.mark.slow  # a torchrun tuning run
 def test_two_ranks_write_the_table_one_process_writes(tmp_path):
     shapes = tiny_llama_shapes(tmp_path)
     one, two = tmp_path / "one.csv", tmp_path / "two.csv"
@@ -185,7 +185,7 @@ def test_two_ranks_write_the_table_one_process_writes(tmp_path):
     assert p.returncode == 0 and "already tuned" in p.stderr, p.stderr[-3000:]
 
 
-@pytest.mark.slow  # torchrun tuning runs: test_ranks_of_two_gpu_kinds_... is the default tier's
+@pytest.mark.slow  # a torchrun tuning run
 def test_a_killed_rank_leaves_a_table_the_restart_completes(tmp_path):
     env = plugin_env(tmp_path, "rank_death", RANK_DEATH)
     shapes = tiny_llama_shapes(tmp_path)
@@ -201,6 +201,7 @@ def test_a_killed_rank_leaves_a_table_the_restart_completes(tmp_path):
     assert not list(tmp_path.glob(".gemmtune-*"))  # no temp files left behind
 
 
+@pytest.mark.slow  # torchrun tuning runs: the gloo table check is the default tier's torchrun test
 def test_ranks_of_two_gpu_kinds_each_tune_every_key_for_their_own_kind(tmp_path):
     env = plugin_env(tmp_path, "other_kind", OTHER_KIND)
     shapes = tiny_llama_shapes(tmp_path)
@@ -234,7 +235,7 @@ def test_two_gpus_under_nccl_write_every_key_for_their_gpu(tmp_path):
     assert {(r["gfx"], r["cu_num"]) for r in rows} == {(ident.gfx, str(ident.cu_num))}
 
 
-@pytest.mark.slow  # a torchrun run: the two-kinds test and the gloo check are the default tier's
+@pytest.mark.slow  # a torchrun run: the gloo table check is the default tier's
 def test_distributed_refuses_more_than_one_worker_per_rank(tmp_path):
     shapes = tiny_llama_shapes(tmp_path)
     p = torchrun("tune", shapes, "-o", str(tmp_path / "t.csv"), "--mp", "2", "--no-progress")

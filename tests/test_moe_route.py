@@ -19,7 +19,8 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results
+from kernel_cases import chosen_cases, kernel_results
+from tiers import tiered_at
 
 from gemmtune.device import triton_runs_on
 from gemmtune.kernels import fused_moe as kmoe
@@ -232,28 +233,39 @@ def optimize_parity() -> dict:
     return res
 
 
-def _all(device) -> dict:
+def _all(device, chosen=list) -> dict:
+    """Every selected case's result (chosen(cases): the selected ones, in order), the host counts and the
+    optimize() parity."""
     gpu = device == "cuda"
-    res = run_cases(SORT_CASES + (GPU_SORT_CASES if gpu else []), ROUTER_CASES + (GPU_ROUTER_CASES if gpu else []),
-                    device)  # fmt: skip
-    res["grouped"] = run_grouped(GROUPED_CASES + (GPU_GROUPED_CASES if gpu else []), device)
+    res = run_cases(chosen(SORT_CASES) + (GPU_SORT_CASES if gpu else []),
+                    chosen(ROUTER_CASES) + (GPU_ROUTER_CASES if gpu else []), device)  # fmt: skip
+    res["grouped"] = run_grouped(chosen(GROUPED_CASES) + (GPU_GROUPED_CASES if gpu else []), device)
     res["host"] = host_counts()
     res["parity"] = optimize_parity()
     return res
 
 
 @pytest.fixture(scope="module")
-def results():
-    return kernel_results(__file__, lambda _cases, device: _all(device), [], [])
+def results(request):
+    def run(cases, device):
+        return _all(device, lambda of: [c for c in of if c in cases])
+
+    return kernel_results(__file__, run, SORT_CASES + ROUTER_CASES + GROUPED_CASES, [], request)
 
 
-@pytest.mark.parametrize("case", SORT_CASES + (GPU_SORT_CASES if HAS_GPU else []), ids=repr)
+# The default tier of each sweep: a spread of its kinds (sizes, routings, extras, dtypes); the rest is slow.
+_SORT_DEFAULT, _ROUTER_DEFAULT, _GROUPED_DEFAULT = {0, 2, 5, 7, 8, 9}, {0, 3, 6, 8}, {0, 2, 3}
+
+
+@pytest.mark.parametrize("case", tiered_at(SORT_CASES, _SORT_DEFAULT) + (GPU_SORT_CASES if HAS_GPU else []), ids=repr)
 def test_expert_sort_matches_torch_sort(case, results):
     r = results["sort"][repr(case)]
     assert all(r.values()), r  # perm, tok, offs, inv: equal element for element, same dtypes
 
 
-@pytest.mark.parametrize("case", ROUTER_CASES + (GPU_ROUTER_CASES if HAS_GPU else []), ids=repr)
+@pytest.mark.parametrize(
+    "case", tiered_at(ROUTER_CASES, _ROUTER_DEFAULT) + (GPU_ROUTER_CASES if HAS_GPU else []), ids=repr
+)
 def test_router_topk_matches_reference(case, results):
     r = results["router"][repr(case)]
     assert r["ids"] and r["dtype"], r
@@ -261,7 +273,9 @@ def test_router_topk_matches_reference(case, results):
     assert r["err"] <= {"float32": 2e-7, "float16": 1e-3, "bfloat16": 8e-3}[wdt], r
 
 
-@pytest.mark.parametrize("case", GROUPED_CASES + (GPU_GROUPED_CASES if HAS_GPU else []), ids=repr)
+@pytest.mark.parametrize(
+    "case", tiered_at(GROUPED_CASES, _GROUPED_DEFAULT) + (GPU_GROUPED_CASES if HAS_GPU else []), ids=repr
+)
 def test_grouped_router_topk_matches_reference(case, results):
     r = results["grouped"][repr(case)]
     assert r["ids"] and r["dtype"] and r["largest_first"], r
@@ -444,4 +458,4 @@ def test_gpu_router_picks_the_experts_torch_topk_picks_on_ties(gpu):
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    print(json.dumps(_all("cpu")))
+    print(json.dumps(_all("cpu", chosen_cases)))
