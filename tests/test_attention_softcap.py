@@ -275,14 +275,19 @@ def results(request):
 
 
 _FP32_DEFAULT = {"causal-gqa-float32", "full-cap-float32", "mask-padded-float32"}
+_FP16_DEFAULT = {
+    f"{n}-float16"
+    for n in ("causal-gqa", "window-chunk", "full-cap", "d256-tiny", "one-query", "default-config",
+              "mask-padded-window", "mask-static", "mask-broadcast", "mask-nocap-padded")
+}  # fmt: skip
 
 
 def _in_default(case) -> bool:
-    """The default tier: the 16-bit cases (on a GPU bf16 at every shape, fp16 but Gemma-2's) and a few fp32
-    ones for the summation order; the other fp32 and GPU fp16 cases are slow."""
+    """The default tier: bf16 at every shape on a GPU, a spread of the fp16 cases (causal, window, cap,
+    head size, one query, the default config; each kind of mask) and a few fp32 ones for the summation
+    order; the other cases are slow."""
     name = case[0]
-    dt = name.rsplit("-", 1)[1]
-    return dt == "bfloat16" or (dt == "float16" and "gemma2" not in name) or name in _FP32_DEFAULT
+    return name.endswith("-bfloat16") or name in _FP16_DEFAULT or name in _FP32_DEFAULT
 
 
 @pytest.mark.parametrize("case", tiered(ALL, _in_default), ids=[c[0] for c in ALL])

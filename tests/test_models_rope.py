@@ -11,7 +11,8 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results, nan_outputs
+from kernel_cases import chosen_cases, kernel_results, nan_outputs
+from tiers import tiered_at
 
 from gemmtune.kernels import rope as R
 
@@ -80,11 +81,16 @@ def _run_cases(cases, device: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return kernel_results(__file__, run_cases, CASES, GPU_CASES)
+def results(request):
+    return kernel_results(__file__, run_cases, CASES, GPU_CASES, request)
 
 
-@pytest.mark.parametrize("case", ALL, ids=[c[0] for c in ALL])
+# The default tier: every third case of the cross products (each dtype, layout, rotary width, batch
+# config and head split appears), and the model-sized decode cases; the rest is slow.
+_DEFAULT = {i for i, c in enumerate(CASES) if i % 3 == 0 or "decode" in c[0]}
+
+
+@pytest.mark.parametrize("case", tiered_at(CASES, _DEFAULT) + (GPU_CASES if HAS_GPU else []), ids=lambda c: c[0])
 def test_kernel_matches_reference(case, results):
     r = results[case[0]]
     assert r["shape_ok"] and not r["nan"], r
@@ -132,4 +138,4 @@ def test_bad_shapes_raise():
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    print(json.dumps(run_cases(CASES, "cpu")))
+    print(json.dumps(run_cases(chosen_cases(CASES), "cpu")))

@@ -19,7 +19,7 @@ import zlib
 import kernel_cases as kc
 import pytest
 import torch
-from tiers import tiered
+from tiers import tiered, tiered_at
 
 from gemmtune.families.quantized import FP8, BlockKey
 
@@ -91,13 +91,18 @@ def run_cases(cases, device):
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(request):
     if FP8 is None:
         pytest.skip("this torch has no float8_e4m3fn")
-    return kc.kernel_results(__file__, run_cases, CASES, GPU_CASES)
+    return kc.kernel_results(__file__, run_cases, CASES, GPU_CASES, request)
 
 
-@pytest.mark.parametrize("case", ALL, ids=_name)
+# The default tier: each config on two of the shapes, the shapes in turn (every config, shape and scale
+# layout runs); the other pairs are slow.
+_DEFAULT = {i for i in range(len(CASES)) if (i % len(_SHAPES) - i // len(_SHAPES)) % len(_SHAPES) in (0, 1)}
+
+
+@pytest.mark.parametrize("case", tiered_at(CASES, _DEFAULT) + (GPU_CASES if HAS_GPU else []), ids=_name)
 def test_kernel_matches_reference(case, results):
     kc.assert_rel_outcome(results[_name(case)], case[6])
 
@@ -193,4 +198,4 @@ def test_gpu_runner_past_max_rows_and_op_dispatch(gpu, clean_dispatch):
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    print(json.dumps(run_cases(CASES, "cpu")))
+    print(json.dumps(run_cases(kc.chosen_cases(CASES), "cpu")))
