@@ -218,12 +218,7 @@ def attention(query, key, value, mask, *, scaling, softcap, window, causal) -> t
     None, then `causal` (keys already cropped to L by the caller) or full attention; window: the
     layer's sliding window, applied when no mask is given. Check `takes()` first.
     """
-    B, L, S = query.shape[0], query.shape[2], key.shape[2]
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    kwargs = {"score_mod": score_mod(softcap), "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
-    if KERNEL_OPTIONS:
-        kwargs["kernel_options"] = KERNEL_OPTIONS
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # checked first: building a score function is not traceable
         # Inside the user's torch.compile the caller's tier runs: mask-free softcapped prefill the Triton
         # kernel (models/attention.py), masked calls the eager tier, fused by inductor. Measured on the H100
         # (Gemma-2-9B, 4 layers, prefill 2048): flex inlined failed to lower with transformers' mask (a
@@ -232,6 +227,11 @@ def attention(query, key, value, mask, *, scaling, softcap, window, causal) -> t
         # Flex inlined for the mask-free (causal) calls did lower once the softcap and window were
         # constants in code, but measured no better: 8.05 vs 8.13 ms (compiled stock, softcap dropped: 7.57).
         return None
+    B, L, S = query.shape[0], query.shape[2], key.shape[2]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    kwargs = {"score_mod": score_mod(softcap), "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
+    if KERNEL_OPTIONS:
+        kwargs["kernel_options"] = KERNEL_OPTIONS
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
     if mask is not None and not capturing and is_plain_causal(mask, L, S, window):
         # No padding, queries from position 0: the causal block mask over the first L keys, which
