@@ -10,6 +10,7 @@ and which other changes it works only with (needs).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +45,7 @@ class Change:
         return self.rewrite.kind
 
 
-class Rewrite:
+class Rewrite(ABC):
     """One kind of change. Subclasses set `kind` (the report's word for it) and implement plan / apply / undo."""
 
     kind = ""
@@ -57,17 +58,18 @@ class Rewrite:
         """Whether this rewrite has anything to plan for the architecture entry and optimize()'s options."""
         return True
 
+    @abstractmethod
     def plan(self, ctx: PlanContext) -> None:
         """Add a Change (ctx.add) for each module this rewrite would change, and report each one it
         leaves alone with the reason (ctx.skip). Nothing is touched yet."""
-        raise NotImplementedError
 
+    @abstractmethod
     def apply(self, model: nn.Module, change: Change, report) -> None:
-        raise NotImplementedError
+        """Make one planned change."""
 
+    @abstractmethod
     def undo(self, model: nn.Module, change: Change) -> str | None:
         """Undo an applied change; returns why not where the module tree changed since (None: done)."""
-        raise NotImplementedError
 
     def new_weights(self, change: Change) -> tuple[str, str] | None:
         """(what makes new weight tensors, the option that leaves it out) when applying makes them."""
@@ -99,8 +101,9 @@ class ForwardSwap(Rewrite):
     def apply(self, model: nn.Module, change: Change, report) -> None:
         self.install(model.get_submodule(change.path) if change.path else model, change)
 
+    @abstractmethod
     def install(self, mod: nn.Module, change: Change) -> None:
-        raise NotImplementedError
+        """Put the change's attributes (its forward first) on the module."""
 
     def undo(self, model: nn.Module, change: Change) -> str | None:
         mod = find(model, change.path)
@@ -128,8 +131,9 @@ class Deferred(Rewrite):
     def apply(self, model: nn.Module, change: Change, report) -> None:
         change.data["undo"] = self.run(model, change, report)
 
+    @abstractmethod
     def run(self, model: nn.Module, change: Change, report) -> Callable[[], None]:
-        raise NotImplementedError
+        """Make the changes on the current tree, report them, and return what undoes them."""
 
     def undo(self, model: nn.Module, change: Change) -> str | None:
         change.data["undo"]()
