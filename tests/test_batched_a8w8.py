@@ -98,9 +98,31 @@ def test_aiter_table_loads_and_its_rows_fall_back(aiter_configs):
     assert row.libtype == "ck" and isinstance(row.key, BatchedQuantKey)
 
 
+def test_untuned_keys_run_the_triton_default_on_an_nvidia_gpu(monkeypatch):
+    from gemmtune import device
+    from gemmtune.backends.batched_a8w8 import policy
+    from gemmtune.backends.batched_a8w8.pytorch import NATIVE
+    from gemmtune.backends.batched_a8w8.triton import default_config, tile_configs
+
+    key = BatchedQuantKey(16, 4, 512, 128, torch.float8_e4m3fn, torch.bfloat16)
+    assert policy.batched_a8w8(key, "cpu") == ("torch", NATIVE)
+    monkeypatch.setattr(device, "vendor", lambda d=None: device.NVIDIA)
+    monkeypatch.setattr(device, "triton_runs_on", lambda d=None: True)
+    for b, n, k in ((128, 512, 128), (16, 128, 512)):
+        for m in (1, 5, 16, 17, 48, 100, 4096):
+            key = BatchedQuantKey(b, m, n, k, torch.int8, torch.bfloat16)
+            name, sol = policy.batched_a8w8(key, "cuda")
+            cfg = default_config(key)
+            assert (name, sol.kernel_name) == ("triton", cfg.name)
+            assert cfg in tile_configs(key)  # the tuner times the default among its candidates
+            assert cfg.block_m == (16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
+    monkeypatch.setattr(device, "vendor", lambda d=None: device.AMD)
+    assert policy.batched_a8w8(key, "cuda") == ("torch", NATIVE)
+
+
 # ---- the Triton kernel -----------------------------------------------------------------------------------
 def _kernel_cases(device: str) -> list[dict]:
-    from gemmtune.backends.batched_a8w8.triton import TritonBatchedA8W8Backend, tile_configs
+    from gemmtune.backends.batched_a8w8.triton import TritonBatchedA8W8Backend, default_config
     from gemmtune.kernels.batched_a8w8 import BatchedA8W8Config, batched_a8w8
 
     out = []
@@ -116,7 +138,7 @@ def _kernel_cases(device: str) -> list[dict]:
                     out.append({"case": f"{shape} {q} {cfg.name} {dt}", "nan": bool(torch.isnan(y).any()),
                                 "rel": _rel(y.cpu(), ref), "dt": str(dt)})  # fmt: skip
             key = BatchedQuantKey(*shape, q, torch.float32)
-            sol = TritonBatchedA8W8Backend().solution(tile_configs(key)[0])
+            sol = TritonBatchedA8W8Backend().solution(default_config(key))  # what an untuned key runs
             y = TritonBatchedA8W8Backend().make_runner(sol, key, torch.device(device))(xq, wq, xs, ws)
             out.append({"case": f"{shape} {q} runner", "nan": bool(torch.isnan(y).any()), "rel": _rel(y.cpu(), ref),
                         "dt": "torch.float32"})  # fmt: skip
