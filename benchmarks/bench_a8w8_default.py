@@ -19,6 +19,7 @@ Ratios > 1 mean gemmtune is faster; the 8-bit roof takes twice the bf16 matmul r
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --out OUT_DIR [--formats fp8,int8] [--ms 1,16,...]
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --producer --suite-only --out OUT_DIR
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --producer --suite-only --table tuned.csv --out OUT_DIR
+    PYTHONPATH=src python benchmarks/bench_a8w8_default.py --nk 5760x3840,3840x3840 --formats fp8 --out OUT_DIR
 
 With --table, gemmtune's GEMM is the tuned table's row for each point instead of the untuned default
 (the report says which); torch's and bf16's contenders are unchanged.
@@ -206,6 +207,7 @@ def main():
     ap.add_argument("--producer", action="store_true", help="also the RMSNorm -> GEMM chain, fused and not")
     ap.add_argument("--suite-only", action="store_true", help="only the three models' shapes (no EXTRA)")
     ap.add_argument("--table", default=None, help="a tuned a8w8 table for gemmtune's GEMM (default: none)")
+    ap.add_argument("--nk", default=None, help="these NxK shapes instead of the suite's (comma list, 5760x3840,...)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gemmtune.set_config(args.table)  # None: the untuned default, whatever GEMMTUNE_CONFIG says
@@ -214,8 +216,12 @@ def main():
     ceil = measure_ceilings(dev)
     device = torch.cuda.get_device_name(dev)
     print(f"{device}; torch {torch.__version__}; ceilings: {ceil.describe()}", flush=True)
-    shapes, _ = suite_shapes(find_models_dir(args.models_dir), SUITE)
-    points = sorted({(n, k) for _, _, n, k in shapes} | (set() if args.suite_only else {(n, k) for _, n, k in EXTRA}))
+    if args.nk:
+        points = [tuple(int(v) for v in nk.split("x")) for nk in args.nk.split(",")]
+    else:
+        shapes, _ = suite_shapes(find_models_dir(args.models_dir), SUITE)
+        extra = set() if args.suite_only else {(n, k) for _, n, k in EXTRA}
+        points = sorted({(n, k) for _, _, n, k in shapes} | extra)
     rows, t0 = [], time.time()
     for fmt in args.formats.split(","):
         for i, (n, k) in enumerate(points):

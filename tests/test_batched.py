@@ -98,7 +98,7 @@ def test_op_bad_input_names_the_problem(a, b, kw, match):
     assert str(tuple(a.shape)) in str(exc.value)  # the message shows the shapes it got
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_fullgraph(backend):
     def f(a, b):
         return torch.relu(gemmtune.batched_gemm(a, b, transpose_b=True)) * 2

@@ -18,7 +18,7 @@ from gemmtune.tuner import online, online_common
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("mode", ["background", pytest.param("blocking", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) for m in ("background", "blocking")])
 def test_a_model_run_fills_the_table_and_a_second_run_reuses_it(tmp_path, mode):
     """Both modes end with the same rows, in the file and in effect; background mode tunes in a worker
     process (the run waits for it only to check the outcome)."""

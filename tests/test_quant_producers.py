@@ -237,7 +237,7 @@ def test_ops_pass_opcheck(qdtype, scaling):
         torch.library.opcheck(op, args)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scaling", P.SCALINGS)
 def test_torch_compile_fullgraph_runs_the_ops(backend, scaling):
     seen = []

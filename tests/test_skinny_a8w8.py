@@ -40,8 +40,10 @@ _CFGS = [
     "skinny_gemv_bn8_bk64_sk3_w4_s1_fx",
 ]
 # (M, N, K, scales, bias, out): K 203 / 520 ragged and not a multiple of any BLOCK_K * SPLIT_K, 192 even.
+# M 37 and 64: the rows the fp8 default runs past decode (one M tile of up to 64 rows).
 _SHAPES = [(1, 77, 203, "per_token", True, "fp32"), (3, 70, 192, "per_tensor", False, "fp16"),
-           (16, 33, 520, "per_token", False, "fp32"), (3, 45, 203, "mixed", True, "fp16")]  # fmt: skip
+           (16, 33, 520, "per_token", False, "fp32"), (3, 45, 203, "mixed", True, "fp16"),
+           (37, 70, 203, "per_token", True, "fp32"), (64, 45, 520, "mixed", False, "fp16")]  # fmt: skip
 _DT = {"int8": torch.int8, "fp8": FP8, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

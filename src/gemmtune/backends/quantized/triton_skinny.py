@@ -3,7 +3,8 @@ kernels/skinny.py run on fp8 e4m3 / int8 operands, scales in the epilogue (kerne
 
 libtype "skinny" (a Triton kernel kind, named apart as in the a16w16 family); a solution's kernel_name
 is `a8w8_` + the skinny config string (a8w8_skinny_dot_bn64_bk512_sk2_w4_s3_fx_pdl2), its solidx the
-crc of that name. Offered for M <= MAX_TUNE_M. The tiles are lib/skinny.py's, each as measured for
+crc of that name. Offered for M <= MAX_TUNE_M; the untuned default's tile runs up to DEFAULT_MAX_M
+(quantized/policy.py). The tiles are lib/skinny.py's, each as measured for
 bf16 and with twice its block_k (1-byte elements: the same bytes per tile as the bf16 tile), split to
 fill one wave with the in-kernel FIXUP reduction, plus the PDL variants on sm90+. The partials +
 reduce-kernel twin is not offered (measured within 2% of the fix-up for bf16); its rows still parse
@@ -28,7 +29,8 @@ from ..lib.triton_tiles import compile_in_workers
 from .pytorch import NATIVE, TorchA8W8Backend
 from .triton_tg import standins
 
-MAX_TUNE_M = 16
+MAX_TUNE_M = 16  # candidates are offered up to here
+DEFAULT_MAX_M = 64  # the default tile runs (and a row may name a skinny kernel) up to here: one M tile
 PREFIX = "a8w8_"
 DOT_TILES_8BIT = tuple(dict.fromkeys(t for bn, bk, w, s in DOT_TILES for t in ((bn, bk, w, s), (bn, 2 * bk, w, s))))
 GEMV_TILES_8BIT = tuple(dict.fromkeys(t for bn, bk, w in GEMV_TILES for t in ((bn, bk, w), (bn, 2 * bk, w))))
@@ -70,16 +72,16 @@ DEFAULT_PDL = 2
 
 def default_config(key, device: torch.device) -> ks.SkinnyConfig | None:
     """The DEFAULT_TILE config for `key` (None outside the skinny rows or when it does not fit)."""
-    if not (key_ok(key) and config_ok(ks.SkinnyConfig(*DEFAULT_TILE[:3], 1, *DEFAULT_TILE[3:]))):
+    if not (key_ok(key, DEFAULT_MAX_M) and config_ok(ks.SkinnyConfig(*DEFAULT_TILE[:3], 1, *DEFAULT_TILE[3:]))):
         return None
     sms, smem, smem_sm = device_limits(device)
     cfg = dataclasses.replace(tile_config(*DEFAULT_TILE, Shape(key.M, key.N, key.K, 1), sms, smem_sm), pdl=DEFAULT_PDL)
     return cfg if smem_bytes(cfg, 1) <= smem else None
 
 
-def key_ok(key) -> bool:
+def key_ok(key, max_m: int = MAX_TUNE_M) -> bool:
     q_ok = key.q_dtype_w == torch.int8 or tensor_core_fp8(key.q_dtype_w)
-    return q_ok and key.outdtype in OUT_DTYPES and 0 < key.M <= MAX_TUNE_M and key.N > 0 and 0 < key.K and (
+    return q_ok and key.outdtype in OUT_DTYPES and 0 < key.M <= max_m and key.N > 0 and 0 < key.K and (
         key.N * key.K < 2**31)  # fmt: skip
 
 
@@ -114,6 +116,12 @@ class SkinnyA8W8Backend(Backend):
     def key_ok(self, key) -> bool:
         return key_ok(key)
 
+    def runs_key(self, key) -> bool:
+        """Whether a row or the default may run one of this backend's kernels for `key`: up to
+        MAX_TUNE_M rows as offered, and the per-row / per-tensor scale kinds (this prefix) up to
+        DEFAULT_MAX_M, where the untuned default runs them."""
+        return self.key_ok(key) or (self.prefix == PREFIX and key_ok(key, DEFAULT_MAX_M))
+
     def runner_scope(self, solution: Solution, key) -> tuple:
         return self.m_agnostic_scope(key)  # launch plans are made per M inside the runner
 
@@ -131,7 +139,7 @@ class SkinnyA8W8Backend(Backend):
         return None if cfg is None else solution(cfg, self.prefix)
 
     def supports(self, solution: Solution, key, device: torch.device) -> bool:
-        if solution.libtype != self.name or not self.key_ok(key):
+        if solution.libtype != self.name or not self.runs_key(key):
             return False
         cfg = self.parse(solution.kernel_name)
         if cfg is None:
