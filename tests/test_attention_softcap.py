@@ -274,12 +274,10 @@ def results(request):
     return kernel_results(__file__, run_cases, CASES + MASK_CASES, GPU_CASES + GPU_MASK_CASES, request)
 
 
-_FP32_DEFAULT = {"causal-gqa-float32", "full-cap-float32", "mask-padded-float32"}
+_FP32_DEFAULT = {"causal-gqa-float32"}
 _FP16_DEFAULT = {
-    f"{n}-float16"
-    for n in ("causal-gqa", "window-chunk", "full-cap", "d256-tiny", "one-query", "default-config",
-              "mask-padded-window", "mask-static", "mask-broadcast", "mask-nocap-padded")
-}  # fmt: skip
+    f"{n}-float16" for n in ("window-chunk", "full-cap", "one-query", "mask-padded-window", "mask-broadcast")
+}
 
 
 def _in_default(case) -> bool:

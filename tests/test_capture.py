@@ -44,6 +44,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_four_concurrent_processes_lose_nothing(tmp_path):
     out = tmp_path / "shapes.csv"
     script = tmp_path / "worker.py"

@@ -219,6 +219,7 @@ def test_an_item_counts_toward_the_first_key_of_its_shape():
     assert index(OTHER) == 0  # a shape no key has: before every key
 
 
+@pytest.mark.slow
 def test_the_real_pool_builds_every_item_once_in_spawned_processes(tmp_path):
     items = [triton_tiles.CompileItem(str(tmp_path / f"k{i}"), GemmKey(i + 1, 8, 8), _Touch) for i in range(5)]
     seen = []

@@ -133,7 +133,7 @@ def test_custom_op_passes_opcheck():
     torch.library.opcheck(torch.ops.gemmtune.gemm.default, (x.half(), w.half(), None, torch.float32))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_fullgraph(backend):
     def f(x, w, b):
         return torch.relu(gemmtune.gemm(x, w, b)) * 2

@@ -260,7 +260,7 @@ def _check(case, r):
 
 # The default tier of each sweep: a spread of its kinds (routing, direct / sorted, split, each extra once
 # over the sweeps); the other cases are slow.
-@pytest.mark.parametrize("case", tiered_at(INTERP_CASES, {1, 3, 7, 9, 11, 15}), ids=_case_id)
+@pytest.mark.parametrize("case", tiered_at(INTERP_CASES, {1, 7, 11}), ids=_case_id)
 def test_interpreter_matches_fp32_reference(case, interp_results):
     if torch.cuda.is_available():
         r = run_case(case, "cuda")
@@ -279,14 +279,14 @@ def test_bad_id_case_really_poisons_one_row():
     assert torch.isnan(ref).any(1).sum() == 1
 
 
-@pytest.mark.parametrize("mix", tiered_at(MIX_CASES, {0, 1, 5}), ids=_mix_id)
+@pytest.mark.parametrize("mix", tiered_at(MIX_CASES, {5}), ids=_mix_id)
 def test_interpreter_mixed_stages_match_fp32_reference(mix, interp_results):
     case, s1, s2 = mix
     r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
     _check(case, r)
 
 
-@pytest.mark.parametrize("mix", tiered_at(SPLIT1_CASES, {0, 5, 7, 12}), ids=_mix_id)
+@pytest.mark.parametrize("mix", tiered_at(SPLIT1_CASES, {0, 7}), ids=_mix_id)
 def test_interpreter_split_stage1_matches_fp32_reference(mix, interp_results):
     case, s1, s2 = mix
     r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]
@@ -294,7 +294,7 @@ def test_interpreter_split_stage1_matches_fp32_reference(mix, interp_results):
     assert r["repeat_equal"]
 
 
-@pytest.mark.parametrize("mix", tiered_at(SLOT_GRID_CASES, {0, 1, 9, 12}), ids=_mix_id)
+@pytest.mark.parametrize("mix", tiered_at(SLOT_GRID_CASES, {0, 9}), ids=_mix_id)
 def test_interpreter_slot_grid_matches_fp32_reference(mix, interp_results):
     from gemmtune.kernels.fused_moe import DIRECT_MAX_SLOTS
 
@@ -310,7 +310,7 @@ def test_interpreter_slot_grid_matches_fp32_reference(mix, interp_results):
     assert r["repeat_equal"] in (None, True)
 
 
-@pytest.mark.parametrize("mix", tiered_at(TOKEN_CASES, {0, 4, 8, 12}), ids=_mix_id)
+@pytest.mark.parametrize("mix", tiered_at(TOKEN_CASES, {0, 8}), ids=_mix_id)
 def test_interpreter_by_token_stage2_matches_fp32_reference(mix, interp_results):
     case, s1, s2 = mix
     r = run_case(case, "cuda", s1, s2) if torch.cuda.is_available() else interp_results[(*case, s1, s2)]

@@ -375,6 +375,7 @@ def _interp_main(tier: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below builds the items for real")
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", SWEEP_TIERS)
 def test_each_kind_of_item_builds_and_runs_under_the_interpreter(tier):
     env = dict(os.environ, TRITON_INTERPRET="1")

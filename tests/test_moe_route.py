@@ -254,7 +254,7 @@ def results(request):
 
 
 # The default tier of each sweep: a spread of its kinds (sizes, routings, extras, dtypes); the rest is slow.
-_SORT_DEFAULT, _ROUTER_DEFAULT, _GROUPED_DEFAULT = {0, 2, 5, 7, 8, 9}, {0, 3, 6, 8}, {0, 2, 3}
+_SORT_DEFAULT, _ROUTER_DEFAULT, _GROUPED_DEFAULT = {0, 7, 9}, {0, 6}, {3}
 
 
 @pytest.mark.parametrize("case", tiered_at(SORT_CASES, _SORT_DEFAULT) + (GPU_SORT_CASES if HAS_GPU else []), ids=repr)

@@ -62,6 +62,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_adopt_the_same_rows_at_the_same_sync(tmp_path):
     script = tmp_path / "serve.py"
     script.write_text(SCRIPT)

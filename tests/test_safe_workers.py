@@ -182,6 +182,7 @@ def test_online_tuning_from_python_c(tmp_path):
     assert rows(tmp_path / "t.csv") == [(3, 16, 24)]
 
 
+@pytest.mark.slow
 def test_a_forked_child_tunes_its_own_misses(tmp_path):
     """The parent misses M=3 and forks at once (its tuner's thread may hold the key): the child, which
     has none of the parent's threads, tunes that key and its own M=5 itself."""
@@ -209,7 +210,7 @@ def test_a_forked_child_tunes_its_own_misses(tmp_path):
     assert rows(tmp_path / "t.csv") == [(3, 16, 24), (5, 16, 24)]
 
 
-@pytest.mark.parametrize("ending", ["exit", "os._exit"])
+@pytest.mark.parametrize("ending", ["exit", pytest.param("os._exit", marks=pytest.mark.slow)])
 def test_a_process_that_exits_right_after_a_miss_leaves_a_valid_table_and_no_worker(tmp_path, ending):
     """The script exits as soon as the tuner's worker exists: whatever was written reads back, and the
     worker is gone."""

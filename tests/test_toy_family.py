@@ -363,7 +363,7 @@ print(res.solution.kernel_name, res.row is not None, calls["row_loop"], calls["f
 """
 
 
-@pytest.mark.parametrize("how", ["GEMMTUNE_CONFIG_TOY", "set_config"])
+@pytest.mark.parametrize("how", ["GEMMTUNE_CONFIG_TOY", pytest.param("set_config", marks=pytest.mark.slow)])
 def test_a_fresh_process_loads_the_plugin_family_table_at_runtime(toy, tmp_path, how):
     ident = identity(CPU)
     table = tmp_path / "toy_table.csv"

@@ -2,7 +2,7 @@
 the library that really runs it (a Triton kernel is a `skinny` or `triton` row, never `torch`).
 
 a8w8 (and its bpreshuffle twin), measured on an H100 (benchmarks/results/h100/a8w8_vs_bf16/) and an
-H200 (benchmarks/results/h200/a8w8_serving_band/):
+H200 (benchmarks/results/h200/serving_band/):
 - on an NVIDIA GPU where Triton runs, M <= 16 (fp8 and int8), and for fp8 M <= 32, and M <= 64 where
   N <= 12288: the 8-bit skinny kernel's default tile (triton_skinny.DEFAULT_TILE). On the H100 the
   skinny kernels won all 72 decode points, 1.6x over torch._scaled_mm (decode_fp8_int8.md); on the
