@@ -20,6 +20,7 @@ Ratios > 1 mean gemmtune is faster; the 8-bit roof takes twice the bf16 matmul r
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --producer --suite-only --out OUT_DIR
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --producer --suite-only --table tuned.csv --out OUT_DIR
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --nk 5760x3840,3840x3840 --formats fp8 --out OUT_DIR
+    PYTHONPATH=src python benchmarks/bench_a8w8_default.py --skinny-max-m 64 --ms 17,64 --formats fp8 --out OUT_DIR
 
 With --table, gemmtune's GEMM is the tuned table's row for each point instead of the untuned default
 (the report says which); torch's and bf16's contenders are unchanged.
@@ -207,9 +208,20 @@ def main():
     ap.add_argument("--producer", action="store_true", help="also the RMSNorm -> GEMM chain, fused and not")
     ap.add_argument("--suite-only", action="store_true", help="only the three models' shapes (no EXTRA)")
     ap.add_argument("--table", default=None, help="a tuned a8w8 table for gemmtune's GEMM (default: none)")
+    ap.add_argument(
+        "--skinny-max-m",
+        type=int,
+        default=None,
+        help="run the 8-bit skinny default tile for every untuned key up to this M (at most 64)",
+    )
     ap.add_argument("--nk", default=None, help="these NxK shapes instead of the suite's (comma list, 5760x3840,...)")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.skinny_max_m is not None:  # what-if: the policy's skinny band widened (or narrowed) for this run
+        from gemmtune.backends.quantized import policy, triton_skinny
+
+        m = min(args.skinny_max_m, triton_skinny.DEFAULT_MAX_M)
+        policy.SKINNY_MAX_M = policy.SKINNY_FP8_MAX_M = policy.SKINNY_FP8_WIDE_MAX_M = m
     gemmtune.set_config(args.table)  # None: the untuned default, whatever GEMMTUNE_CONFIG says
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

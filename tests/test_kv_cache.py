@@ -15,7 +15,8 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import kernel_results
+from kernel_cases import chosen_cases, kernel_results
+from tiers import tiered_at
 
 from gemmtune.kernels import kv_cache
 
@@ -71,7 +72,10 @@ def run_case(case, device, overflow=False) -> dict:
     }
 
 
-def static_decode(device) -> dict:
+DECODE_MODELS = ["llama", "qwen2-moe"]
+
+
+def static_decode(device, names=DECODE_MODELS) -> dict:
     """Tiny Llama and Qwen2-MoE (fp32), optimize()d, decoding on a StaticCache against stock on its own."""
     from test_models_moe_families import build as build_moe
     from test_models_parity import build
@@ -82,7 +86,7 @@ def static_decode(device) -> dict:
     from gemmtune.models.hf_cache import with_cache
 
     out = {}
-    for name in ("llama", "qwen2-moe"):
+    for name in names:
         stock = build(name, device) if name == "llama" else build_moe(name).to(device)
         opt = build(name, device) if name == "llama" else build_moe(name).to(device)
         gemmtune.optimize(opt)
@@ -102,20 +106,25 @@ def static_decode(device) -> dict:
     return out
 
 
-def _all(device) -> dict:
-    cases = CASES + (GPU_CASES if device == "cuda" else [])
+def _all(device, chosen=list) -> dict:
+    """The selected cases' results (chosen(of): the selected ones of `of`), the overflow case and the
+    selected models' decode."""
+    cases = chosen(CASES) + (GPU_CASES if device == "cuda" else [])
     res = {repr(c): run_case(c, device) for c in cases}
     res["overflow"] = run_case(OVERFLOW, device, overflow=True)
-    res["decode"] = static_decode(device)
+    res["decode"] = static_decode(device, chosen(DECODE_MODELS))
     return res
 
 
 @pytest.fixture(scope="module")
-def results():
-    return kernel_results(__file__, lambda _cases, device: _all(device), [], [])
+def results(request):
+    def run(cases, device):
+        return _all(device, lambda of: [c for c in of if c in cases])
+
+    return kernel_results(__file__, run, CASES + DECODE_MODELS, [], request)
 
 
-@pytest.mark.parametrize("case", CASES + (GPU_CASES if HAS_GPU else []), ids=repr)
+@pytest.mark.parametrize("case", tiered_at(CASES, {0, 2}) + (GPU_CASES if HAS_GPU else []), ids=repr)
 def test_static_write_matches_the_stock_update(case, results):
     r = results[repr(case)]
     assert all(r.values()), r
@@ -126,7 +135,7 @@ def test_writes_past_the_end_are_left_out(results):
     assert all(r.values()), r
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2-moe"])
+@pytest.mark.parametrize("name", tiered_at(DECODE_MODELS, {0}))
 def test_optimized_decode_on_a_static_cache(name, results):
     pytest.importorskip("transformers")
     r = results["decode"][name]
@@ -186,7 +195,7 @@ def test_gpu_static_write_replays_in_a_cuda_graph(gpu):
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    print(json.dumps(_all("cpu")))
+    print(json.dumps(_all("cpu", chosen_cases)))
 
 
 def test_static_layer_under_torch_compile_warns_nothing(monkeypatch):

@@ -208,7 +208,11 @@ def host_counts() -> dict:
     return res
 
 
-def optimize_parity() -> dict:
+PARITY_ARCHS = ["qwen3_moe", "mixtral"]
+HOST_COUNTS = ["host counts"]  # a part of _all() that a selected test asks for, as a case is
+
+
+def optimize_parity(archs=PARITY_ARCHS) -> dict:
     """optimize() with the routers swapped vs stock, on the tiny Qwen3-MoE and Mixtral (fp32)."""
     from test_models_parity import batch, build
 
@@ -216,7 +220,7 @@ def optimize_parity() -> dict:
 
     dev = "cuda" if HAS_GPU else "cpu"
     res = {}
-    for arch in ("qwen3_moe", "mixtral"):
+    for arch in archs:
         stock = build(arch, dev)
         opt = build(arch, dev)
         report = gemmtune.optimize(opt)
@@ -240,8 +244,9 @@ def _all(device, chosen=list) -> dict:
     res = run_cases(chosen(SORT_CASES) + (GPU_SORT_CASES if gpu else []),
                     chosen(ROUTER_CASES) + (GPU_ROUTER_CASES if gpu else []), device)  # fmt: skip
     res["grouped"] = run_grouped(chosen(GROUPED_CASES) + (GPU_GROUPED_CASES if gpu else []), device)
-    res["host"] = host_counts()
-    res["parity"] = optimize_parity()
+    if chosen(HOST_COUNTS):
+        res["host"] = host_counts()
+    res["parity"] = optimize_parity(chosen(PARITY_ARCHS))
     return res
 
 
@@ -250,7 +255,8 @@ def results(request):
     def run(cases, device):
         return _all(device, lambda of: [c for c in of if c in cases])
 
-    return kernel_results(__file__, run, SORT_CASES + ROUTER_CASES + GROUPED_CASES, [], request)
+    return kernel_results(__file__, run, SORT_CASES + ROUTER_CASES + GROUPED_CASES + PARITY_ARCHS + HOST_COUNTS, [],
+                         request)  # fmt: skip
 
 
 # The default tier of each sweep: a spread of its kinds (sizes, routings, extras, dtypes); the rest is slow.
@@ -292,7 +298,8 @@ def test_grouped_router_topk_rejects_bad_arguments():
         moe_route.grouped_router_topk(x, bias, 9, 4, 2, True, 1.0)
 
 
-def test_grouped_mm_path_host_work_is_bounded(results):
+@pytest.mark.parametrize("part", tiered_at(HOST_COUNTS, set()))  # the interpreter counts them slowly
+def test_grouped_mm_path_host_work_is_bounded(part, results):
     """aten ops that launch device work, and Triton launches. Before this glue: the grouped_mm pair
     22 ops + 2 launches, an optimized Qwen3-MoE block (router + experts) 26 ops + 2 launches (fp32).
     Now the pair is the gather and the two torch._grouped_mm (+ sort, activation, combine in Triton),
@@ -303,7 +310,7 @@ def test_grouped_mm_path_host_work_is_bounded(results):
     assert h["block_ops"] <= 4 and h["block_triton"] <= 4, h
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", tiered_at(PARITY_ARCHS, {0}))
 def test_optimize_with_router_kernel_keeps_logits(arch, results):
     r = results["parity"][arch]
     assert r["routers"] >= 1 and r["restored"], r
