@@ -4,6 +4,7 @@ config string, solidx its crc). Runners take (xq [B, M, K], wq [B, N, K], xs [B,
 from __future__ import annotations
 
 import torch
+import triton
 
 from ...device import Needs, facts
 from ...kernels.batched_a8w8 import BatchedA8W8Config, batched_a8w8, parse_config
@@ -15,19 +16,15 @@ def _q_ok(key) -> bool:
     return key.q_dtype_w == torch.int8 or tensor_core_fp8(key.q_dtype_w) or key.q_dtype_w == torch.float8_e4m3fn
 
 
-def _p2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
-
 def default_config(key) -> BatchedA8W8Config:
     """The config an untuned key runs: a tile no taller than M needs (16 rows at decode), 64 columns
     where M is short (the batch and N tiles fill the GPU when each program reads little), a K depth of
     up to 256 (two loads of a 128-deep MLA head fit one step), 4 warps and 3 stages; 128 x 128 tiles
     at prefill heights."""
-    bm = min(128, max(16, _p2(key.M)))
-    bn = 64 if bm <= 32 else 128
-    bk = min(256 if bm <= 32 else 128, max(64, _p2(key.K)))
-    return BatchedA8W8Config(bm, min(bn, max(32, _p2(key.N))), bk, 4 if bm * bn < 128 * 128 else 8, 3)
+    bm = min(128, max(16, triton.next_power_of_2(key.M)))
+    bn = min(64 if bm <= 32 else 128, max(32, triton.next_power_of_2(key.N)))
+    bk = min(256 if bm <= 32 else 128, max(64, triton.next_power_of_2(key.K)))
+    return BatchedA8W8Config(bm, bn, bk, 4 if bm * bn < 128 * 128 else 8, 3)
 
 
 def tile_configs(key, smem: int = 227 * 1024):
@@ -36,13 +33,13 @@ def tile_configs(key, smem: int = 227 * 1024):
 
     out = []
     for bm in (16, 32, 64, 128):
-        if bm > max(16, _p2(key.M)):
+        if bm > max(16, triton.next_power_of_2(key.M)):
             continue
         for bn in (32, 64, 128, 256):
-            if bn > max(32, _p2(key.N)):
+            if bn > max(32, triton.next_power_of_2(key.N)):
                 continue
             for bk in (64, 128, 256):
-                if bk > max(64, _p2(key.K)):
+                if bk > max(64, triton.next_power_of_2(key.K)):
                     continue
                 for warps, stages in ((4, 3), (4, 4), (8, 3)):
                     if (bm + bn) * bk * stages <= smem and not (warps == 8 and bm * bn < 128 * 64):

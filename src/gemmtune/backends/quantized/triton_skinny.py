@@ -108,7 +108,7 @@ class SkinnyA8W8Backend(Backend):
         first called inside a CUDA-graph capture compiles nothing there."""
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        xq, wq, xs, ws, bias, y = standins(key, device)  # M itself (<= 16), N's 16/17-row twin
+        xq, wq, xs, ws, bias, y = standins(key, device)  # M's twin (<= DEFAULT_MAX_M), N's 16/17-row twin
         if cfg.pdl and not pdl_enabled(device):
             cfg = dataclasses.replace(cfg, pdl=0)  # as make_runner runs it
         ks.launch(cfg, xq, wq, bias, y, ks.new_counters(cfg, wq.shape[0], xq.shape[0], device), scales=(xs, ws))
