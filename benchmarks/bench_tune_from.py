@@ -9,13 +9,16 @@ counts as slower only if that agrees (as `gemmtune bench` does). Writes <out>/tu
 --from tune's verdict per key (carried over, neighbour won, default kept, full search) and every key
 where a table is slower than the default beyond the noise.
 
-The GPU acceptance run (an H200; the donor holds H100 rows for Llama-3-8B and Qwen3-32B at M 1, 8, 2048):
+The GPU acceptance run (an H200; the donor holds H100 rows for Llama-3-8B and Qwen3-32B at M 1, 8, 2048,
+which seed the other Ms of the default ladder; --steps splits the run over device calls that keep OUT):
 
     for m in llama-3-8b qwen3-32b; do
-      gemmtune shapes --model $m --nsets 1,8,2048 --family a8w8 --no-lm-head -o /tmp/shapes.$m.csv; done
+      gemmtune shapes --model $m --family a8w8 --no-lm-head -o /tmp/shapes.$m.csv; done
     (head -1 /tmp/shapes.llama-3-8b.csv; tail -qn +2 /tmp/shapes.*.csv | sort -u) > /tmp/a8w8_shapes.csv
     python benchmarks/bench_tune_from.py /tmp/a8w8_shapes.csv \\
-        benchmarks/results/h100/optimize_fp8/a8w8_tuned.csv -o /tmp/tune_from_h200
+        benchmarks/results/h100/optimize_fp8/a8w8_tuned.csv -o /tmp/tune_from_h200 --steps full,from
+    python benchmarks/bench_tune_from.py /tmp/a8w8_shapes.csv \\
+        benchmarks/results/h100/optimize_fp8/a8w8_tuned.csv -o /tmp/tune_from_h200 --steps measure
 
 A dry run on the CPU (a tiny a16w16 list, a donor tuned on the CPU first):
 
@@ -39,6 +42,8 @@ import torch
 from bench_tune_fleet import run  # the same wall-time runner: one command, its log, exit on failure
 
 from gemmtune.tuner.donor import VERDICTS
+
+STEPS = ("full", "from", "measure")
 
 
 def profile_verdicts(path: str) -> dict[str, str]:
@@ -105,22 +110,43 @@ def main() -> None:
     ap.add_argument("--family", default=None, help="the list's family (default: from its header)")
     ap.add_argument("--reps", type=int, default=50, help="graph replays of the final measurement (median)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    ap.add_argument("--steps", default="full,from,measure",
+                    help="which steps to run, in order: the two tunes (each writes its wall seconds to "
+                         "<out>/wall.json) and the measurement, which reads them; split them over runs that "
+                         "keep <out>")  # fmt: skip
     args = ap.parse_args()
+    steps = args.steps.split(",")
+    if not steps or any(s not in STEPS for s in steps):
+        ap.error(f"--steps {args.steps!r}: a comma list of {', '.join(STEPS)}")
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
     tables = {"full": os.path.join(args.out, "full.csv"), "from": os.path.join(args.out, "from.csv")}
     profiles = {n: os.path.join(args.out, f"{n}_profile.csv") for n in tables}
-    for path in [*tables.values(), *profiles.values()]:  # this benchmark's own files: each run starts afresh
-        if os.path.exists(path):
-            os.remove(path)
+    wall_file = os.path.join(args.out, "wall.json")
+    wall = {}
+    if os.path.exists(wall_file):
+        with open(wall_file) as fh:
+            wall = json.load(fh)
     tune = [sys.executable, "-m", "gemmtune.cli.main", "tune", args.shapes, "--no-progress", "--device", args.device]
     tune += ["--family", args.family] if args.family else []
-    wall = {}
     for name, extra in (("full", []), ("from", ["--from", args.donor])):
+        if name not in steps:
+            continue
+        for path in (tables[name], profiles[name]):  # this benchmark's own files: each tune starts afresh
+            if os.path.exists(path):
+                os.remove(path)
         env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix=f"triton_cache_{name}_"))
         cmd = [*tune, *extra, "-o", tables[name], "--profile-file", profiles[name]]
         wall[name] = run(cmd, env, os.path.join(args.out, f"tune_{name}.log"))
+        with open(wall_file, "w") as fh:
+            json.dump(wall, fh)
         print(f"{name}: tuned in {wall[name]:.1f} s", flush=True)
+    if "measure" not in steps:
+        return
+    missing = [n for n in tables if n not in wall or not os.path.exists(tables[n])]
+    if missing:
+        need = ",".join(missing)
+        sys.exit(f"bench_tune_from: no {need} tune in {args.out}: run --steps {need} first")
     verdict_of = profile_verdicts(profiles["from"])
     keys = measure(args.shapes, args.family, tables, device, args.reps)
     for e in keys:

@@ -184,7 +184,7 @@ def test_a_tune_that_fails_cancels_the_compile(monkeypatch):
             self.joined = True
             return []
 
-        error, timings = None, C.PrecompileTimings()
+        error, timings, waited = None, C.PrecompileTimings(), 0.0
 
     def failing():
         yield 1

@@ -253,6 +253,35 @@ def test_a_key_the_donor_lacks_gets_the_full_search(tiles, tmp_path, monkeypatch
     assert any(line.startswith("from ") and "carried over 1" in line and "full search 1" in line for line in lines)
 
 
+def test_a_key_between_the_donors_ms_takes_the_rows_of_the_nearest_ms_of_its_shape(tiles, tmp_path, monkeypatch):
+    """The donor tuned the shape at M 4 and 64, not 16: both rows' solutions are timed, the nearer first."""
+    delays(monkeypatch, **{"tl_bm128_s4": 0.0})
+    low, high = KEY._replace(M=4), KEY._replace(M=64)
+    report, out = run_from(tmp_path, [KEY], {low: [(PICK, 5.0)], high: [("tl_bm128_s4", 9.0)]})
+    res = report.results[0]
+    timed = {c.kernel_name for c in res.candidates if c.libtype == "tiles"}
+    assert {PICK, "tl_bm128_s4"} <= timed and len(timed) < len(GRID)
+    assert res.donor == CARRIED and res.winner.kernel_name == "tl_bm128_s4"
+    assert "donor rows of M=4,64" in res.note
+    assert read_table_file(str(out)).rows[0].key == KEY
+
+
+def test_donor_picks_of_other_ms_come_nearest_first_and_only_from_the_same_shape():
+    fam = families.get("a16w16")
+    pick = lambda name, m: donor_mod.DonorPick("tiles", name, stable_solidx(name), 0, 9.0, "gfx942", 304, m)  # noqa: E731
+    picks = {KEY._replace(M=2): (pick("a", 2),), KEY._replace(M=64): (pick("b", 64), pick("a", 64)),
+             KEY._replace(M=2048): (pick("c", 2048),), OTHER._replace(M=1): (pick("d", 1),)}  # fmt: skip
+    keys = [KEY, KEY._replace(M=8), KEY._replace(M=4096), KEY._replace(M=2048), OTHER._replace(M=8),
+            KEY._replace(N=8)]  # fmt: skip
+    got = {k: [(p.kernel_name, p.m) for p in ps] for k, ps in donor_mod.picks_for(keys, picks, fam).items()}
+    assert got[KEY] == [("b", 64), ("a", 64)]  # 64/16 = 4 is nearer than 16/2 = 8; "a" once
+    assert got[KEY._replace(M=8)] == [("a", 2), ("b", 64)]  # 8/2 = 4 is nearer than 64/8 = 8
+    assert got[KEY._replace(M=4096)] == [("c", 2048)]  # above the largest: the largest alone
+    assert got[KEY._replace(M=2048)] == [("c", 2048)]  # its own row, no other M
+    assert got[OTHER._replace(M=8)] == [("d", 1)]
+    assert KEY._replace(N=8) not in got  # a shape the donor never tuned: the full search
+
+
 def test_a_donor_solution_that_cannot_run_here_falls_back_to_the_full_search(tiles, tmp_path, monkeypatch):
     delays(monkeypatch, **{PICK: 0.0})
     report, _ = run_from(tmp_path, [KEY], {KEY: [("tl_bm256_s9", 9.0)]})  # a kernel this backend lacks
@@ -493,7 +522,7 @@ class _Grid(TorchBackend):
 
 def test_the_short_list_is_bounded_and_deterministic():
     grid = _Grid()
-    picks = tuple(donor_mod.DonorPick("grid", n, stable_solidx(n), 0, 9.0 + i, "gfx942", 304)
+    picks = tuple(donor_mod.DonorPick("grid", n, stable_solidx(n), 0, 9.0 + i, "gfx942", 304, 16)
                   for i, n in enumerate(["gr_a2_b2_c2_d2", "gr_a1_b3_c2_d1_fa", "gr_a3_b1_c1_d3"]))  # fmt: skip
     default = Solution("grid", "gr_a2_b2_c2_d1", 0)
 
@@ -518,7 +547,7 @@ def test_the_short_list_is_bounded_and_deterministic():
 def test_the_precompile_builds_only_what_a_donor_tune_times(tiles):
     from gemmtune.tuner.search import ahead_items
 
-    picks = {KEY: (donor_mod.DonorPick("tiles", PICK, stable_solidx(PICK), 0, 9.0, "gfx942", 304),)}
+    picks = {KEY: (donor_mod.DonorPick("tiles", PICK, stable_solidx(PICK), 0, 9.0, "gfx942", 304, 16),)}
     names = lambda opts: {it.name for _, it in ahead_items([KEY, OTHER], CPU, opts) if it.key == KEY}  # noqa: E731
     assert names(TuneOptions(libtypes=["tiles"], donor=picks)) == {PICK} | PICK_NEIGHBOURS
     assert names(TuneOptions(libtypes=["tiles"])) == set(GRID)
@@ -539,7 +568,7 @@ def test_the_precompile_lists_no_candidates_of_a_backend_that_compiles_nothing(a
         return type(algos).candidates(algos, key, device)
 
     monkeypatch.setattr(algos, "candidates", candidates)
-    pick = lambda lib, name: donor_mod.DonorPick(lib, name, stable_solidx(name), 0, 9.0, "gfx942", 304)  # noqa: E731
+    pick = lambda lib, name: donor_mod.DonorPick(lib, name, stable_solidx(name), 0, 9.0, "gfx942", 304, 16)  # noqa: E731
     picks = {KEY: (pick("tiles", PICK), pick("algos", "al_a1_c2"))}
     opts = TuneOptions(libtypes=["tiles", "algos"], donor=picks)
     items = ahead_items([KEY], CPU, opts)

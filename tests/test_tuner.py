@@ -382,7 +382,7 @@ class _Ahead:
     def __init__(self, order):
         from gemmtune.tuner.search import PrecompileTimings
 
-        self.order, self.timings, self.error = order, PrecompileTimings(), None
+        self.order, self.timings, self.error, self.waited = order, PrecompileTimings(), None, 0.0
 
     def gated(self, keys, log):
         for key in keys:

@@ -75,6 +75,7 @@ class CompileAhead:
         self._per_process: dict[int, float] = {}
         self._cancelled = threading.Event()
         self._gave_up = False  # a key waited WAIT_MAX: the rest go on without waiting
+        self.waited = 0.0  # seconds the tune spent waiting for kernels (wait_for)
         with self._cond:
             self._advance()
 
@@ -135,15 +136,19 @@ class CompileAhead:
         )
 
     def wait_for(self, key, log: Callable[[str], None] = lambda m: None) -> None:
-        deadline = time.monotonic() + WAIT_MAX
-        with self._cond:
-            while not self._gave_up and not self.ready(key):
-                if time.monotonic() > deadline:
-                    self._gave_up = True
-                    log(f"gemmtune: kernels for a key still compiling after {WAIT_MAX:.0f}s; no key waits for "
-                        f"them from now on")  # fmt: skip
-                    return
-                self._cond.wait(POLL)
+        start = time.monotonic()
+        deadline = start + WAIT_MAX
+        try:
+            with self._cond:
+                while not self._gave_up and not self.ready(key):
+                    if time.monotonic() > deadline:
+                        self._gave_up = True
+                        log(f"gemmtune: kernels for a key still compiling after {WAIT_MAX:.0f}s; no key waits "
+                            f"for them from now on")  # fmt: skip
+                        return
+                    self._cond.wait(POLL)
+        finally:
+            self.waited += time.monotonic() - start
 
     def gated(self, keys: Iterable, log: Callable[[str], None] = lambda m: None) -> Iterator:
         """`keys`, each handed on once its kernels are built."""

@@ -4,7 +4,10 @@ its neighbours in its backend's solution space, the default and a few of the def
 instead of every candidate.
 
 The donor's rows are matched by key alone (any gfx/cu_num; several rows of one key give every
-distinct solution they name). The search itself is the full tune's (search.py: check, screen, final
+distinct solution they name). A key the donor has no row for, but whose shape (the key but its M) it
+tuned at other Ms, takes the rows of the nearest tuned M below and above it, the nearer first: a table
+tuned at a few Ms seeds the Ms between them and beyond, as its runtime would answer them from its
+nearest rows; the search decides here. The search itself is the full tune's (search.py: check, screen, final
 timing against the default with its noise rule, head-to-head, M-range verification), run over that
 short list; a key the donor lacks, or whose donor solutions cannot run here, gets the full search.
 
@@ -26,6 +29,7 @@ own candidate list here, so every one can run; at most MAX_NEAR per key in all, 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -68,6 +72,7 @@ class DonorPick:
     us: float
     gfx: str
     cu_num: int
+    m: int  # the M of the donor row (another M than the key's when seeded from its shape's rows)
 
 
 def check_donor_path(donor: str, shapes: str, output: str) -> None:
@@ -86,12 +91,41 @@ def read_donor(path: str, family: Family) -> dict[tuple, tuple[DonorPick, ...]]:
         raise DonorError(f"donor table {exc}") from None
     picks: dict[tuple, dict[tuple, DonorPick]] = {}
     for r in tf.rows:
-        pick = DonorPick(r.libtype, r.kernel_name, r.solidx, r.splitk, r.us, r.gfx, r.cu_num)
+        pick = DonorPick(r.libtype, r.kernel_name, r.solidx, r.splitk, r.us, r.gfx, r.cu_num, family.m_of(r.key))
         sol = (pick.libtype, pick.kernel_name, pick.solidx, pick.splitk)
         old = picks.setdefault(r.key, {}).get(sol)
         if old is None or pick.us < old.us:
             picks[r.key][sol] = pick
     return {k: tuple(sorted(v.values(), key=lambda p: p.us)) for k, v in picks.items()}
+
+
+Picks = dict[tuple, tuple[DonorPick, ...]]  # key -> the donor's solutions for it
+
+
+def picks_for(keys: list, picks: Picks, family: Family) -> Picks:
+    """key -> its donor solutions among `picks` (read_donor): the key's own rows, else those of its shape
+    at the nearest tuned M below and above (module doc); a key of a shape the donor never tuned has none."""
+    by_shape: dict[tuple, dict[int, tuple[DonorPick, ...]]] = {}
+    for key, ps in picks.items():
+        by_shape.setdefault(family.with_m(key, 1), {})[family.m_of(key)] = ps
+    out = {}
+    for key in keys:
+        if key in picks:
+            out[key] = picks[key]
+            continue
+        tuned = by_shape.get(family.with_m(key, 1))
+        if not tuned:
+            continue
+        m = family.m_of(key)
+        below = max((t for t in tuned if t < m), default=None)
+        above = min((t for t in tuned if t > m), default=None)
+        nearest = sorted((t for t in (below, above) if t is not None), key=lambda t: (abs(math.log(t / m)), t))
+        merged: dict[tuple, DonorPick] = {}
+        for t in nearest:
+            for p in tuned[t]:
+                merged.setdefault((p.libtype, p.kernel_name, p.solidx, p.splitk), p)
+        out[key] = tuple(merged.values())
+    return out
 
 
 # ---- neighbours -----------------------------------------------------------------------------------

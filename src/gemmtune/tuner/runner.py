@@ -26,7 +26,7 @@ from ..device import DeviceIdentity, identity
 from ..errors import NoShapesError
 from ..families import Family
 from .compile_ahead import CompileAhead
-from .donor import check_donor_path, read_donor
+from .donor import check_donor_path, picks_for, read_donor
 from .output import append_profile, check_tune_outputs, done_keys, result_row, write_row
 from .search import (
     ShapeResult,
@@ -113,10 +113,11 @@ def with_donor(opts: TuneOptions, donor: str | None, shapes_path: str, output: s
         return opts
     check_donor_path(donor, shapes_path, output)
     picks = read_donor(donor, fam)
-    matched = {k: picks[k] for k in keys if k in picks}
+    matched = picks_for(keys, picks, fam)
+    own = sum(k in picks for k in matched)
     gpus = sorted({f"{p.gfx}/{p.cu_num}" for ps in matched.values() for p in ps})
-    log(f"gemmtune: donor {donor}: rows for {len(matched)} of {len(keys)} keys (tuned on {', '.join(gpus) or '-'}); "
-        "the other keys get the full search")  # fmt: skip
+    log(f"gemmtune: donor {donor}: rows for {own} of {len(keys)} keys, {len(matched) - own} more from their "
+        f"shape's rows at other Ms (tuned on {', '.join(gpus) or '-'}); the others get the full search")  # fmt: skip
     return replace(opts, donor=matched)
 
 
@@ -211,7 +212,7 @@ def finish_compile(ahead: CompileAhead | None, log: Callable[[str], None]) -> No
     fails = ahead.join()
     failed = f"; the pool failed ({ahead.error}), the tune compiled what it needed" if ahead.error else ""
     log(f"gemmtune: precompiled kernels beside the tune ({describe_timings(ahead.timings)}; "
-        f"{len(fails)} did not compile{failed})")  # fmt: skip
+        f"{len(fails)} did not compile{failed}; keys waited {ahead.waited:.1f} s for theirs)")  # fmt: skip
 
 
 def _tuned_then_finish(items: Iterator, ahead: CompileAhead | None, log: Callable[[str], None]) -> Iterator:

@@ -60,7 +60,7 @@ from .candidates import (
     time_group,
 )
 from .check import check_runner, reference
-from .donor import FULL_SEARCH, DonorPlan, donor_verdict, plan_for
+from .donor import DonorPlan, donor_verdict, plan_for
 from .stages import search_stages, stage_columns
 from .timing import make_inputs, measure_ceilings, roof_us
 
@@ -163,8 +163,9 @@ def _offered(bname: str, backend: Backend, key, device, plan: DonorPlan | None) 
 
 def donor_plan(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Backend],
                listed=None) -> tuple[DonorPlan | None, str]:  # fmt: skip
-    """A donor tune's plan for `key` (None: not a donor tune, or the full search) and, for the full
-    search, why; `listed`: the backends whose short lists are wanted (donor.plan_for)."""
+    """A donor tune's plan for `key` (None: not a donor tune, or the full search) and a note: for the
+    full search why, for a key seeded from its shape's rows at other Ms which Ms; `listed`: the
+    backends whose short lists are wanted (donor.plan_for)."""
     if opts.donor is None:
         return None, ""
     picks = opts.donor.get(key)
@@ -173,6 +174,9 @@ def donor_plan(fam: Family, key, device, opts: TuneOptions, chosen: dict[str, Ba
     plan = plan_for(picks, key, device, chosen, backends.default(fam.name, key, device)[1], listed)
     if not plan.usable:
         return None, f"no donor solution runs here ({'; '.join(plan.unusable)})"
+    donor_ms = sorted({p.m for p in picks})
+    if donor_ms != [fam.m_of(key)]:
+        return plan, "donor rows of M=" + ",".join(map(str, donor_ms))
     return plan, ""
 
 
@@ -533,7 +537,7 @@ def tune_shape(
         raise ValueError(f"the {fam.name} family has no default backend here ({fam.unrunnable})")
     default_backend, default_sol = backends.default(fam.name, key, device)
     default = CandidateResult.of(default_sol)
-    plan, full_why = donor_plan(fam, key, device, opts, select_backends(device, opts.libtypes, fam.name))
+    plan, donor_note = donor_plan(fam, key, device, opts, select_backends(device, opts.libtypes, fam.name))
     pool = _gather(fam, key, device, opts, exclude or {}, plan)
     lap("gather")
 
@@ -598,8 +602,8 @@ def tune_shape(
     donor = ""
     if opts.donor is not None:
         donor = donor_verdict(plan is not None, best is None, pool.roles.get(best or "", ""))
-        if donor == FULL_SEARCH:
-            note = f"{full_why}; " + note if note else full_why
+        if donor_note:
+            note = f"{donor_note}; " + note if note else donor_note
     return ShapeResult(key, winner, winner.us, default, default.us, noise, roof, best is None, cands,
                        time.perf_counter() - t0, note, fam.name, lo, m, phases, extra, pool.busy,
                        donor)  # fmt: skip

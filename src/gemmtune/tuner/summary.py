@@ -66,6 +66,11 @@ def summary_lines(report, output: str) -> list[str]:
             f"tuned {n} shapes in {report.seconds:.1f}s -> {output}: default kept for {kept}, "
             f"winners {dict(libs)}, geomean speedup vs default {geo:.3f}x"
         )
+    phases: collections.Counter = collections.Counter()
+    for r in report.results:
+        phases.update(r.phases)
+    if sum(phases.values()) > 0:  # where the keys' tuning time went (tune_shape's phases)
+        lines.append("time per phase, all keys: " + ", ".join(f"{p} {s:.1f}s" for p, s in phases.items()))
     if donor and report.results:
         counts = collections.Counter(r.donor for r in report.results)
         lines.append(f"from {donor}: " + ", ".join(f"{v} {counts[v]}" for v in VERDICTS))
