@@ -80,7 +80,7 @@ class _Problem:
         return self.answer
 
 
-def test_default_solution_is_the_heuristic_pick_with_plain_accumulation(monkeypatch):
+def test_default_solution_is_the_heuristic_pick_of_the_accumulation_asked_for(monkeypatch):
     lt = qb.BlasLtA8W8Backend()
     monkeypatch.setattr(qb.BlasLtA8W8Backend, "is_available", lambda self, device: True)
     monkeypatch.setattr(qb, "lt_version", lambda: 130100)
@@ -94,6 +94,8 @@ def test_default_solution_is_the_heuristic_pick_with_plain_accumulation(monkeypa
     monkeypatch.setattr(qb.BlasLtA8W8Backend, "problem_for", problem_for)
     sol = lt.default_solution(_key(), CUDA)
     assert (sol.libtype, sol.kernel_name, sol.splitk) == ("blaslt", NAME, 1) and tags == [""]
+    sol = lt.default_solution(_key(), CUDA, fast=True)  # the fast-accumulation problem's pick
+    assert (sol.kernel_name, tags[-1]) == (NAME + "_fa", "_fa")
     assert lt.default_solution(_key(), torch.device("cpu")) is None  # cuBLASLt runs CUDA tensors only
     assert lt.default_solution(_key(q=torch.int8), CUDA) is None
     assert lt.default_solution(_key(n=1000), CUDA) is None
@@ -147,21 +149,21 @@ def _default(family, key) -> tuple[str, str]:
 def test_policy_runs_blaslt_for_fp8_past_the_skinny_rows_else_scaled_mm(h100, monkeypatch):
     asked = []
 
-    def lt_default(self, key, device):
-        asked.append(key)
-        return self.solution(bl.AlgoSpec.parse(NAME))
+    def lt_default(self, key, device, fast=False):
+        asked.append((key, fast))
+        return self.solution(bl.AlgoSpec.parse(NAME), "_fa" if fast else "")
 
     monkeypatch.setattr(qb.BlasLtA8W8Backend, "default_solution", lt_default)
     for fam in ("a8w8", "a8w8_bpreshuffle"):
         for m, n in ((65, 6144), (48, 16384), (1024, 6144)):
             for scale in ("per_token", "per_tensor"):
-                assert _default(fam, _key(m=m, n=n, k=4096, scale=scale)) == ("blaslt", NAME)
+                assert _default(fam, _key(m=m, n=n, k=4096, scale=scale)) == ("blaslt", NAME + "_fa")
         for m in (8, 17, 64):  # decode, and fp8's band past it up to N 12288: the skinny kernel
             assert _default(fam, _key(m=m, n=6144, k=4096))[0] == "skinny"
         assert _default(fam, _key(m=1024, n=6144, k=4096, q=torch.int8))[0] == "triton"
-    assert all(k.q_dtype_w == FP8 and (k.M > 64 or k.N > 12288) for k in asked)
+    assert all(k.q_dtype_w == FP8 and (k.M > 64 or k.N > 12288) and fast == (k.M > 32) for k, fast in asked)
     # cuBLASLt through nvmath has nothing (not installed, or no algorithm): torch._scaled_mm as before
-    monkeypatch.setattr(qb.BlasLtA8W8Backend, "default_solution", lambda self, key, device: None)
+    monkeypatch.setattr(qb.BlasLtA8W8Backend, "default_solution", lambda self, key, device, fast=False: None)
     assert _default("a8w8", _key(m=1024, n=6144, k=4096)) == ("torch", "scaled_mm")
 
 
@@ -349,17 +351,17 @@ def test_gpu_untuned_fp8_default_is_cublaslt_heuristic_pick(lt, gpu, family):
 
     fam = get(family)
     key = _key(1000, 5120, 4096, "per_token", False, BF16)
-    want = lt.default_solution(key, gpu)
+    want = lt.default_solution(key, gpu, fast=True)  # M 1000: the fast-accumulation pick (policy.py)
     assert want is not None, f"cuBLASLt has no fp8 algorithm for {key.describe()}"
     backend, sol = backends.default(family, key, gpu)
-    assert (backend.name, sol) == ("blaslt", want) and not sol.kernel_name.endswith("_fa")
-    assert bl.AlgoSpec.parse(sol.kernel_name).version == bl.lt_version()
+    spec, tag = qb.split_name(sol.kernel_name)
+    assert (backend.name, sol, tag) == ("blaslt", want, "_fa") and spec.version == bl.lt_version()
     assert gemmtune.resolve(key, gpu, family=family).solution.libtype == "blaslt"
     xq, wq, xs, ws, b = fam.make_inputs(key, gpu, 1, 0)[0]
     op = gemm_a8w8 if family == "a8w8" else gemm_a8w8_bpreshuffle
     _poison(key.M, key.N, gpu)
     y = op(xq, wq, xs, ws, b, BF16)
     assert not torch.isnan(y).any() and _rel(y, fam.reference(key, (xq, wq, xs, ws, b))) < fam.error_threshold(key)
-    # torch._scaled_mm on the same operands (plain accumulation both): the same cuBLASLt numerics
-    sm = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=BF16)
+    # torch._scaled_mm on the same operands (fast accumulation both): the same cuBLASLt numerics
+    sm = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=BF16, use_fast_accum=True)
     assert _rel(y, sm) < 1e-2

@@ -231,6 +231,7 @@ def test_gpu_new_candidates_pass_the_family_check_and_replay_bit_equal(gpu, key)
 @pytest.mark.parametrize("m", [8, 1024])
 def test_gpu_untuned_key_runs_its_default(gpu, q, m):
     from gemmtune import backends, families
+    from gemmtune.backends.quantized import policy
     from gemmtune.device import is_rocm
     from gemmtune.tuner.check import check_runner
 
@@ -244,7 +245,7 @@ def test_gpu_untuned_key_runs_its_default(gpu, q, m):
     elif q == "int8" and hopper and not rocm:
         assert (lib, name) == ("triton", "a8w8_tg_bm128_bn128_bk128_g8_w8_s3_sk1_tma")
     elif q == "fp8" and hopper:  # cuBLASLt: directly where nvmath-python's bindings load (quantized/blaslt.py)
-        direct = backends.get("blaslt", "a8w8").default_solution(key, gpu)
+        direct = backends.get("blaslt", "a8w8").default_solution(key, gpu, fast=m >= policy.FAST_ACCUM_MIN_M)
         assert (lib, name) == (("blaslt", direct.kernel_name) if direct else ("torch", "scaled_mm"))
     fam = families.get("a8w8")
     run = backend.make_runner(sol, key, gpu)

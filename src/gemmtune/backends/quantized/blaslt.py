@@ -15,7 +15,7 @@ Accumulation: FAST_ACCUM off (fp32 accumulation all along K, torch._scaled_mm's 
 (Hopper's fp8 fast accumulation: faster, less precise). The kernel name says which: a fast-accumulation
 algorithm's name ends in `_fa` (`lt130100_a66_t20_s35_k1_r0_w0_c0_i0_cl2_fa`). The tuner gets both as
 candidates and its check against the fp32 reference decides; the untuned default (default_solution) is
-always the plain accumulation.
+the heuristic's pick of the accumulation the policy asks for (quantized/policy.py).
 
 Runners call cublasLtMatmul on torch's current stream with the caller's tensors (copies only for a
 misaligned or non-unit-stride operand), descriptors made once per (M, row stride of xq, bias), the scale
@@ -111,18 +111,20 @@ class BlasLtA8W8Backend(LtBackend):
             log.info("blaslt %s%s: cuBLASLt offers nothing (%s)", key.describe(), tag, exc)
             return []
 
-    def default_solution(self, key, device: torch.device) -> Solution | None:
-        """cuBLASLt's heuristic pick for `key` with the plain accumulation, under the name a table row
-        would give it; None where this backend cannot run the key or cuBLASLt has no algorithm for it."""
+    def default_solution(self, key, device: torch.device, fast: bool = False) -> Solution | None:
+        """cuBLASLt's heuristic pick for `key` with the plain accumulation (`fast`: with FAST_ACCUM on),
+        under the name a table row would give it; None where this backend cannot run the key or cuBLASLt
+        has no algorithm for it."""
         device = torch.device(device)
         if device.type != "cuda" or not (self.is_available(device) and self.key_ok(key) and self.sizes_ok(key)):
             return None
+        tag = FAST if fast else ""
         try:
-            ranked = self.problem(key, device).heuristic(1)
+            ranked = self.problem_for(key, device, tag).heuristic(1)
         except Exception as exc:  # noqa: BLE001 - cuBLASLt refuses the problem
-            log.info("blaslt %s: no cuBLASLt default (%s)", key.describe(), exc)
+            log.info("blaslt %s%s: no cuBLASLt default (%s)", key.describe(), tag, exc)
             return None
-        return self.solution(AlgoSpec(lt_version(), algo_attrs(ranked[0][0]))) if ranked else None
+        return self.solution(AlgoSpec(lt_version(), algo_attrs(ranked[0][0])), tag) if ranked else None
 
     def runner(self, spec: AlgoSpec, key, device: torch.device, fast: bool = False) -> Runner:
         return LtA8W8Runner(spec, key, fast, device_index(device))

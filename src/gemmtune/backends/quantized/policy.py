@@ -9,12 +9,16 @@ H200 (benchmarks/results/h200/serving_band/):
   H200 at fp8 M 17..64 the tile was never slower than cuBLASLt's heuristic beyond 3% in that band
   (where cuBLASLt lost to bf16), and above N 12288 at M 48 / 64 cuBLASLt was as fast or faster;
 - fp8 above that (and at M <= 16 where no skinny kernel runs it) on an NVIDIA GPU: cuBLASLt's heuristic
-  algorithm for the key, called directly by the `blaslt` backend (quantized/blaslt.py; FAST_ACCUM off,
-  torch._scaled_mm's numerics; the row names the algorithm, `lt<version>_a.._cl..`) where nvmath-python's
-  cuBLASLt bindings load and the heuristic has an algorithm for the key; else cuBLASLt through
-  torch._scaled_mm where it applies. Both run the same cuBLASLt fp8 kernel: over the 170 points of
-  default_vs_torch.md run 6 above the skinny rows, GEMM only 1.000x of _scaled_mm geomean (worst 0.961x,
-  within that run's 4.6% noise), quantizer + GEMM against torch's quantizer + _scaled_mm worst 1.13x;
+  algorithm for the key, called directly by the `blaslt` backend (quantized/blaslt.py; the row names the
+  algorithm, `lt<version>_a.._cl..`) where nvmath-python's cuBLASLt bindings load and the heuristic has an
+  algorithm for the key; else cuBLASLt through torch._scaled_mm where it applies. Above M = 32 with
+  Hopper's fp8 fast accumulation (FAST_ACCUM, the `_fa` rows; vLLM's SM90 fp8 CUTLASS kernels accumulate
+  so too): in an H200 tune of Llama-3-8B's and Qwen3-32B's shapes at M 64..8192 the heuristic's
+  fast-accumulation pick was never slower than its plain one, and faster by up to 1.16x
+  (benchmarks/results/h200/tune_from_donor/); up to M = 32, where the skinny kernel usually runs, the
+  plain accumulation, torch._scaled_mm's numerics. The plain pick is the same cuBLASLt kernel as
+  _scaled_mm's: over the 170 points of default_vs_torch.md run 6 above the skinny rows, GEMM only 1.000x
+  of _scaled_mm geomean (worst 0.961x, within that run's 4.6% noise);
 - on an NVIDIA GPU, int8 from M = 33: the Triton GEMM kernel's 8-bit config that won most prefill points
   (triton_tg.DEFAULT, 1.47x over bf16 at M >= 1024 tuned, prefill_int8.md; cuBLAS int8 via _int_mm ran
   at 0.5x of bf16), else the Triton tile kernel's heuristic config (lib/quant_tiles.default_config);
@@ -37,6 +41,7 @@ SKINNY_MAX_M = 16  # an untuned key runs the 8-bit skinny kernel's default tile 
 SKINNY_FP8_MAX_M = 32  # fp8 up to here,
 SKINNY_FP8_WIDE_MAX_M = 64  # and up to here where N <= SKINNY_FP8_WIDE_MAX_N
 SKINNY_FP8_WIDE_MAX_N = 12288
+FAST_ACCUM_MIN_M = 33  # fp8 keys from here that run cuBLASLt run its fast-accumulation pick
 
 
 def _skinny_default(key) -> bool:
@@ -60,7 +65,7 @@ def a8w8(key, device: torch.device) -> tuple[str, Solution]:
         if sol is not None:
             return "skinny", sol
     if device_facts.vendor(device) == device_facts.NVIDIA and tensor_core_fp8(key.q_dtype_w):
-        sol = BlasLtA8W8Backend().default_solution(key, device)
+        sol = BlasLtA8W8Backend().default_solution(key, device, fast=key.M >= FAST_ACCUM_MIN_M)
         if sol is not None:
             return "blaslt", sol
     if scaled_mm_ok(key, device):
