@@ -12,8 +12,8 @@ H200 (benchmarks/results/h200/serving_band/):
   algorithm for the key, called directly by the `blaslt` backend (quantized/blaslt.py; the row names the
   algorithm, `lt<version>_a.._cl..`) where nvmath-python's cuBLASLt bindings load and the heuristic has an
   algorithm for the key; else cuBLASLt through torch._scaled_mm where it applies. Above M = 32 with
-  Hopper's fp8 fast accumulation (FAST_ACCUM, the `_fa` rows; vLLM's SM90 fp8 CUTLASS kernels accumulate
-  so too): in an H200 tune of Llama-3-8B's and Qwen3-32B's shapes at M 64..8192 the heuristic's
+  Hopper's fp8 fast accumulation (FAST_ACCUM, the `_fa` rows; vLLM's SM90 fp8 grouped CUTLASS GEMMs
+  accumulate so too): in an H200 tune of Llama-3-8B's and Qwen3-32B's shapes at M 64..8192 the heuristic's
   fast-accumulation pick was never slower than its plain one, and faster by up to 1.16x
   (benchmarks/results/h200/tune_from_donor/); up to M = 32, where the skinny kernel usually runs, the
   plain accumulation, torch._scaled_mm's numerics. The plain pick is the same cuBLASLt kernel as
