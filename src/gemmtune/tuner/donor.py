@@ -9,7 +9,8 @@ tuned at other Ms, takes the rows of the nearest tuned M below and above it, the
 tuned at a few Ms seeds the Ms between them and beyond, as its runtime would answer them from its
 nearest rows; the search decides here. The search itself is the full tune's (search.py: check, screen, final
 timing against the default with its noise rule, head-to-head, M-range verification), run over that
-short list; a key the donor lacks, or whose donor solutions cannot run here, gets the full search.
+short list; a key of a shape the donor never tuned, or whose donor solutions cannot run here, gets
+the full search.
 
 Neighbours: a solution's kernel name is read as `_`-separated fields, each a label with a number
 (`bm128`, `s4`, `sk2f`) or a literal (`tg`, `tma`, `fa`). A candidate of the same backend for this key
@@ -107,13 +108,13 @@ def picks_for(keys: list, picks: Picks, family: Family) -> Picks:
     at the nearest tuned M below and above (module doc); a key of a shape the donor never tuned has none."""
     by_shape: dict[tuple, dict[int, tuple[DonorPick, ...]]] = {}
     for key, ps in picks.items():
-        by_shape.setdefault(family.with_m(key, 1), {})[family.m_of(key)] = ps
+        by_shape.setdefault(family.shape_family(key), {})[family.m_of(key)] = ps
     out = {}
     for key in keys:
         if key in picks:
             out[key] = picks[key]
             continue
-        tuned = by_shape.get(family.with_m(key, 1))
+        tuned = by_shape.get(family.shape_family(key))
         if not tuned:
             continue
         m = family.m_of(key)
