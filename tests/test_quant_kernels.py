@@ -47,11 +47,15 @@ def _cases(dt: str) -> list:
     kinds = ("per_token", "per_token_twopass", "1x128", "1x128m")
     out += [(f"quant-{g}-{dt}-M{m}-K{k}", "quant", g, dt, m, 0, k, "", False)
             for g in kinds for m, k in ((1, 300), (6, 4100))]  # fmt: skip
+    # a row read as a block and a tail (kernels/quant.py's row_launch, its row threshold lowered)
+    out.append((f"quant-per_token_tail-{dt}-M3-K1040", "quant", "per_token_tail", dt, 3, 0, 1040, "", False))
     return out
 
 
 CASES = _cases("int8")
 GPU_CASES = _cases("fp8") + [(c[0] + "-large", *c[1:4], 300, 1000, 1024, *c[7:]) for c in _cases("fp8")[:1]]
+# enough rows for the block-and-tail launch (kernels/quant.py's TAIL_MIN_ROWS) through the CUDA entry point
+GPU_CASES.append(("quant-per_token-fp8-M1030-K4112", "quant", "per_token", "fp8", 1030, 0, 4112, "", False))
 ALL = CASES + (GPU_CASES if HAS_GPU else [])
 
 
@@ -78,7 +82,7 @@ def run_case(case, device: str) -> dict:
         x = x.to(device)
         m_major = cfg_name == "1x128m"
         per_token = cfg_name.startswith("per_token")
-        if device == "cpu" or cfg_name == "per_token_twopass":  # the launchers the CUDA entry points use
+        if device == "cpu" or cfg_name in ("per_token_twopass", "per_token_tail"):  # the CUDA entry's launchers
             q, s = _interp_quant(kq, x, dt, cfg_name)
         elif per_token:
             q, s = kq.quantize_per_token_triton(x, dt)
@@ -86,10 +90,12 @@ def run_case(case, device: str) -> dict:
             q, s = kq.quantize_1x128_triton(x, dt, m_major=m_major)
         qr, sr = (Q.quantize_per_token if per_token else Q.quantize_1x128)(x, dt)
         deq = _deq_1x128 if not per_token else (lambda q_, s_: q_.float() * s_)
+        tails = [p.kwargs.get("TAIL") for sig, p in kq._PER_TOKEN.items() if tuple(sig[0][0]) == (m, k)]
         return {"scale_err": (s - sr).abs().max().item() / sr.abs().max().item(),
                 "q_steps": (q.float() - qr.float()).abs().max().item() if dt == torch.int8 else
                 _rel(deq(q, s), deq(qr, sr)),
-                "layout_ok": is_m_major(s) if m_major else s.is_contiguous(), "nan": 0}  # fmt: skip
+                "layout_ok": is_m_major(s) if m_major else s.is_contiguous(), "nan": 0,
+                "tails": tails}  # fmt: skip
     w = torch.randn(n, k, generator=g) / k**0.5
     cfg = ka.TileConfig.parse(cfg_name)
     out = torch.bfloat16 if device != "cpu" else torch.float32  # the interpreter gets bf16 wrong
@@ -123,7 +129,12 @@ def _interp_quant(kq, x, dt, kind):
     q = torch.empty(m, k, dtype=dt, device=x.device)
     if kind.startswith("per_token"):
         s = torch.empty(m, 1, device=x.device)
-        kq.launch_per_token(x, q, s, one_pass_max=16 if kind.endswith("twopass") else kq.ONE_PASS_MAX)
+        rows = kq.TAIL_MIN_ROWS
+        kq.TAIL_MIN_ROWS = 1 if kind.endswith("tail") else rows
+        try:
+            kq.launch_per_token(x, q, s, one_pass_max=16 if kind.endswith("twopass") else kq.ONE_PASS_MAX)
+        finally:
+            kq.TAIL_MIN_ROWS = rows
     else:
         s = kq.scales_1x128(m, k, x.device, m_major=kind == "1x128m")
         kq.launch_1x128(x, q, s)
@@ -147,10 +158,35 @@ def test_kernel_matches_reference(case, results):
         assert r["scale_err"] < 1e-6 and r["layout_ok"]
         # int8: at most one step apart (rounding ties); fp8: the dequantized values agree closely
         assert r["q_steps"] <= (1 if case[3] == "int8" else 1e-2)
+        if case[2] == "per_token_tail" or case[0] == "quant-per_token-fp8-M1030-K4112":
+            assert r["tails"] == [16], r  # the block-and-tail launch ran
         return
     assert r["shape_ok"]
     # fp32 out (interpreter) vs bf16 out (GPU): the output rounding dominates on the GPU.
     assert r["err"] < (1e-5 if not HAS_GPU else 6e-3), r
+
+
+@pytest.mark.parametrize("width", [1, 16, 300, 1040, 4096, 4112, 5120, 14336, 17408, 25600, 32767])
+def test_row_pieces_are_a_block_or_a_block_and_a_tail(width):
+    pytest.importorskip("triton")
+    from gemmtune.kernels.quant import LEAST_TAIL, TAIL_MAX_FILL, TAIL_MIN_ROWS, row_pieces
+
+    whole = max(LEAST_TAIL, 1 << (width - 1).bit_length())
+    assert row_pieces(width, TAIL_MIN_ROWS - 1) == (whole,)  # few rows: one block, one reduction
+    pieces = row_pieces(width, TAIL_MIN_ROWS)
+    assert all(p >= LEAST_TAIL and p & (p - 1) == 0 for p in pieces) and sum(pieces) >= width, pieces
+    assert pieces == (whole,) or (len(pieces) == 2 and sum(pieces) <= TAIL_MAX_FILL * whole), pieces
+
+
+def test_row_launch_of_the_widths_one_block_padded_most():
+    pytest.importorskip("triton")
+    from gemmtune.kernels.quant import TAIL_MIN_ROWS, row_launch, row_pieces
+
+    assert row_pieces(17408, TAIL_MIN_ROWS) == (16384, 1024) and row_pieces(4112, TAIL_MIN_ROWS) == (4096, 16)
+    assert row_pieces(14336, TAIL_MIN_ROWS) == (16384,)  # a tail would pad 8192 + 8192: no gain
+    want = {"BLOCK": 16384, "TAIL": 1024, "ONE_PASS": True, "num_warps": 32}
+    assert row_launch(17408, TAIL_MIN_ROWS) == want
+    assert row_launch(40000, TAIL_MIN_ROWS)["ONE_PASS"] is False
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ import torch
 from kernel_cases import kernel_results
 
 from gemmtune.kernels import activations, norms
+from gemmtune.kernels import quant as kq
 from gemmtune.kernels import quant_producers as P
 from gemmtune.quant import quantize as Q
 from gemmtune.quant.layouts import is_m_major
@@ -42,10 +43,12 @@ def _cases(dtypes, shapes):
 
 # K: not a multiple of 16 (96 is, but under one 128 group), ragged last group (200), three groups (384);
 # 4100 a norm row past 4096, and the per-token act kernel's row read once (one pass) or, its "-twopass"
-# twin (ONE_PASS_MAX lowered), in two passes that each loop twice.
+# twin (ONE_PASS_MAX lowered), in two passes that each loop twice; 1040 read as a 1024 block and a 16
+# tail ("-tail": quant.TAIL_MIN_ROWS lowered to reach it with two rows).
 CASES = _cases(("float32", "float16"), [(1, 96), (3, 200), (17, 384)]) + _cases(("float16",), [(2, 4100)])
 CASES += [(f"{c[0]}-twopass", *c[1:]) for c in CASES if c[1] in ("silu", "gelu_tanh") and c[-1] == 4100]
-GPU_CASES = _cases(("bfloat16",), [(1, 96), (3, 200), (17, 384), (300, 4096), (2, 14336)])
+CASES += [(f"{c[0]}-tail", *c[1:]) for c in _cases(("float16",), [(2, 1040)]) if c[1] in ("silu", "gelu_tanh")]
+GPU_CASES = _cases(("bfloat16",), [(1, 96), (3, 200), (17, 384), (300, 4096), (2, 14336), (1030, 17408)])
 ALL = CASES + (GPU_CASES if HAS_GPU else [])
 
 
@@ -124,16 +127,18 @@ def run_case(case, device: str) -> dict:
     dtype, qdtype = getattr(torch, dt), (torch.int8 if qd == "int8" else FP8)
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     t = _inputs(kind, dtype, m, k, device, gen)
-    one_pass_max = P.ONE_PASS_MAX
+    one_pass_max, tail_rows = P.ONE_PASS_MAX, kq.TAIL_MIN_ROWS
     P.ONE_PASS_MAX = used = 4096 if name.endswith("-twopass") else one_pass_max
+    kq.TAIL_MIN_ROWS = 1 if name.endswith("-tail") else tail_rows
     try:
         with poisoned_outputs():
             q, s, total, y, y32 = run_producer(kind, t, qdtype, scaling, "triton")
     finally:
-        P.ONE_PASS_MAX = one_pass_max
+        P.ONE_PASS_MAX, kq.TAIL_MIN_ROWS = one_pass_max, tail_rows
     # the per-token act launch kept for this case's gate_up and threshold: two passes for a "-twopass" case
-    one_pass = [plan.kwargs.get("ONE_PASS") for sig, plan in P._ACT_PLANS.items()
-                if sig[0][0] == (m, 2 * k) and sig[1:4] == (kind, qdtype, scaling) and sig[-1] == used]  # fmt: skip
+    plans = [plan for sig, plan in P._ACT_PLANS.items()
+             if sig[0][0] == (m, 2 * k) and sig[1:4] == (kind, qdtype, scaling) and sig[-1] == used]  # fmt: skip
+    one_pass, tails = [plan.kwargs.get("ONE_PASS") for plan in plans], [plan.kwargs.get("TAIL") for plan in plans]
     _, s_ref = P.quantize_ref(y, qdtype, scaling)
     deq = q.float() * _expand(s, scaling, k)
     scale_layout = s.shape == (m, 1) if scaling == "per_token" else s.shape == (m, -(-k // 128)) and is_m_major(s)
@@ -144,6 +149,7 @@ def run_case(case, device: str) -> dict:
         "sum_equal": total is None or torch.equal(total, t["r"] + t["x"]),
         "vs_fp32": ((deq - y32).norm() / y32.norm()).item(),
         "one_pass": one_pass,
+        "tails": tails,
     }
     if qdtype == torch.int8:
         out["q_steps"] = (q.float() - P.quantize_ref(y, qdtype, scaling)[0].float()).abs().max().item()
@@ -176,6 +182,8 @@ def test_kernel_matches_the_unfused_reference(case, results):
     assert r["poisoned"] == 0 and r["layout_ok"] and r["sum_equal"], r
     if case[0].endswith("-twopass") and case[4] == "per_token":
         assert r["one_pass"] == [False], r  # the two-pass kernel ran, not the one-pass twin's kept launch
+    if case[0].endswith("-tail") and case[4] == "per_token":
+        assert r["tails"] == [16], r  # the block-and-tail launch ran
     assert r["scale_err"] <= SCALE_TOL[dt], r
     if qd == "int8":
         assert r["q_steps"] <= 1, r  # a value one ulp off, or a tie rounded away from zero

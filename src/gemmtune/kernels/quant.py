@@ -33,23 +33,42 @@ if HAS_TRITON:  # the kernels; the quantizers below run their references where T
         scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / QMAX
         return _to_q(y / scale[:, None], QMAX, IS_INT, q_ty), scale
 
+    @triton.jit
+    def row_piece(row_ptr, START: tl.constexpr, SIZE: tl.constexpr, width):
+        """(offsets, fp32 values) of the SIZE-wide piece of a row from START (zero past `width`)."""
+        offs = START + tl.arange(0, SIZE)
+        return offs, tl.load(row_ptr + offs, mask=offs < width, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def store_piece(row_ptr, offs, values, scale, width, QMAX: tl.constexpr, IS_INT: tl.constexpr):
+        tl.store(row_ptr + offs, _to_q(values / scale, QMAX, IS_INT, row_ptr.dtype.element_ty), mask=offs < width)
+
     @triton.jit(do_not_specialize=["K"])
     def _per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, IS_INT: tl.constexpr,
-                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-        """One row a program. ONE_PASS (the row fits BLOCK): read once and kept in registers for the amax and
-        the values; else two passes over it."""
+                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, TAIL: tl.constexpr = 0,
+                          PDL: tl.constexpr = False):  # fmt: skip
+        """One row a program. ONE_PASS: the row is read once, as one BLOCK-wide piece and a TAIL-wide one after
+        it (row_launch; 0: none), kept in registers for the amax and the values; else two passes over
+        BLOCK-wide chunks."""
         if PDL:  # see norms.py: the 8-bit GEMM after it may start prefetching its weights; x is the last kernel's
             gdc_launch_dependents()
             gdc_wait()
         row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
         x_row = x_ptr + row * stride_xm
+        q_row = q_ptr + row * K
         if ONE_PASS:
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
+            o0, x0 = row_piece(x_row, 0, BLOCK, K)
+            amax = tl.max(tl.abs(x0), axis=0)
+            if TAIL > 0:
+                o1, x1 = row_piece(x_row, BLOCK, TAIL, K)
+                amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=0))
+            scale = tl.maximum(amax, 1e-12) / QMAX
             tl.store(s_ptr + row, scale)
-            tl.store(q_ptr + row * K + offs, _to_q(x / scale, QMAX, IS_INT, q_ptr.dtype.element_ty), mask=offs < K)
+            store_piece(q_row, o0, x0, scale, K, QMAX, IS_INT)
+            if TAIL > 0:
+                store_piece(q_row, o1, x1, scale, K, QMAX, IS_INT)
         else:
+            offs = tl.arange(0, BLOCK)
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for k in range(0, K, BLOCK):
                 x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
@@ -59,7 +78,7 @@ if HAS_TRITON:  # the kernels; the quantizers below run their references where T
             for k in range(0, K, BLOCK):
                 x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
                 q = _to_q(x / scale, QMAX, IS_INT, q_ptr.dtype.element_ty)
-                tl.store(q_ptr + row * K + k + offs, q, mask=k + offs < K)
+                tl.store(q_row + k + offs, q, mask=k + offs < K)
 
     @triton.jit
     def _group_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm, stride_sm, stride_sg, QMAX: tl.constexpr,
@@ -87,18 +106,41 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # A row up to this wide is read once and kept on chip (32 warps: 32 values a thread). Two passes read x
 # twice: at M=1024, K=8192 on an H100 that quantizer ran at ~1 TB/s, slower than the fp8 GEMM it fed gained.
 ONE_PASS_MAX = 32768
+# A row read in one pass is one block of next_power_of_2(K) values, or a block and a tail where that pads
+# most: a 17408-wide row took a 32768 block, twice the registers a thread of 16384 and half the programs an
+# SM. The second piece costs a second reduction, which loses where few rows leave latency exposed
+# (benchmarks/experiments/exp_quant_pieces.py); so only from TAIL_MIN_ROWS rows, and where the two pieces
+# are at most TAIL_MAX_FILL of the block.
+TAIL_MIN_ROWS = 1024
+TAIL_MAX_FILL = 0.75
+LEAST_TAIL = 16
 
 _PER_TOKEN, _GROUPS = Plans(), Plans()  # the launches of each kernel, per signature
 
 
-def row_launch(width: int, one_pass_max: int = ONE_PASS_MAX) -> dict:
-    """BLOCK, ONE_PASS and num_warps of a per-token kernel over `width`-wide rows, one row a program: the
-    whole row in one block up to one_pass_max, else 4096-wide blocks in two passes; 16 values a thread
-    (32 at 32768 wide)."""
-    whole = triton.next_power_of_2(max(width, 16))
-    one_pass = whole <= one_pass_max
-    block = whole if one_pass else min(4096, whole)
-    return {"BLOCK": block, "ONE_PASS": one_pass, "num_warps": 4 if block <= 2048 else min(32, block // 512)}
+def row_pieces(width: int, rows: int) -> tuple[int, ...]:
+    """The power-of-two pieces a one-pass kernel reads a `width`-wide row in, for `rows` rows: (block,) or
+    (block, tail), block the largest power of two under width (module note above)."""
+    whole = triton.next_power_of_2(max(width, LEAST_TAIL))
+    if rows < TAIL_MIN_ROWS or whole == width:
+        return (whole,)
+    head = whole // 2
+    tail = max(LEAST_TAIL, triton.next_power_of_2(width - head))
+    return (head, tail) if head + tail <= TAIL_MAX_FILL * whole else (whole,)
+
+
+def row_launch(width: int, rows: int = 1, one_pass_max: int = ONE_PASS_MAX) -> dict:
+    """BLOCK, TAIL (0: none), ONE_PASS and num_warps of a per-token kernel over `rows` rows `width` wide,
+    one row a program: the whole row in row_pieces up to one_pass_max values, else 4096-wide blocks in two
+    passes; 16 values a thread (up to 32 warps)."""
+    pieces = row_pieces(width, rows)
+    total = sum(pieces)
+    whole = triton.next_power_of_2(width)
+    if whole > one_pass_max:
+        block = min(4096, whole)
+        return {"BLOCK": block, "TAIL": 0, "ONE_PASS": False, "num_warps": 4 if block <= 2048 else block // 512}
+    warps = 4 if total <= 2048 else min(32, triton.next_power_of_2(triton.cdiv(total, 512)))
+    return {"BLOCK": pieces[0], "TAIL": pieces[1] if len(pieces) > 1 else 0, "ONE_PASS": True, "num_warps": warps}
 
 
 def launch_per_token(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, one_pass_max: int = ONE_PASS_MAX) -> None:
@@ -112,7 +154,7 @@ def launch_per_token(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, one_pas
         kept(x2, q, s)
     else:
         _PER_TOKEN.put(signature, bind(_per_token_kernel, (m,), x2, q, s, k, x2.stride(0), QMAX=qmax(q.dtype),
-                                       IS_INT=not is_fp8(q.dtype), **row_launch(k, one_pass_max),
+                                       IS_INT=not is_fp8(q.dtype), **row_launch(k, m, one_pass_max),
                                        **_pdl_kwargs(x2.device)))  # fmt: skip
 
 

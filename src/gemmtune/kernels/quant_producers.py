@@ -97,7 +97,7 @@ def act_mul_quant_ref(gu, act: str, qdtype, scaling):
 if HAS_TRITON:
     from .activations import act_mul_values
     from .norms import rmsnorm_tile
-    from .quant import _to_q, group_launch, quantize_rows, row_launch
+    from .quant import _to_q, group_launch, quantize_rows, row_launch, store_piece
 
     @triton.jit
     def _store_rows(y, rows, cols, mask, Q, QS, n_rows, C, stride_sm, stride_sg,
@@ -132,25 +132,38 @@ if HAS_TRITON:
         _store_rows(y.to(tl.float32), rows, cols, mask, Q, QS, n_rows, C, stride_sm, stride_sg,
                     QMAX, IS_INT, GROUP, BLOCK_R, BLOCK_C)  # fmt: skip
 
+    @triton.jit
+    def _act_piece(gu_row, START: tl.constexpr, SIZE: tl.constexpr, n_cols, ACT: tl.constexpr, DT: tl.constexpr):
+        """(offsets, fp32 act(gate) * up) of the SIZE-wide piece of a row from START (zero past n_cols)."""
+        offs = START + tl.arange(0, SIZE)
+        return offs, act_mul_values(gu_row, n_cols, offs, offs < n_cols, ACT, DT).to(tl.float32)
+
     @triton.jit(do_not_specialize=["n_cols"])
     def _act_mul_quant_token_kernel(GU, Q, QS, n_cols, stride_row, ACT: tl.constexpr, QMAX: tl.constexpr,
                                     IS_INT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                                    PDL: tl.constexpr = False):  # fmt: skip
-        """One row a program. ONE_PASS (the row fits BLOCK): read once, kept in registers for the amax and
-        the values; else two passes over it: the amax, then the values (recomputed, never stored)."""
+                                    TAIL: tl.constexpr = 0, PDL: tl.constexpr = False):  # fmt: skip
+        """One row a program. ONE_PASS: read once, as one BLOCK-wide piece and a TAIL-wide one after it
+        (quant.row_launch; 0: none), kept in registers for the amax and the values; else two passes over
+        BLOCK-wide chunks: the amax, then the values (recomputed, never stored)."""
         row = tl.program_id(0).to(tl.int64)
         if PDL:  # see norms.py
             gdc_launch_dependents()
             gdc_wait()
         gu_row = GU + row * stride_row
-        offs = tl.arange(0, BLOCK)
+        q_row = Q + row * n_cols
         if ONE_PASS:
-            whole = act_mul_values(gu_row, n_cols, offs, offs < n_cols, ACT, GU.dtype.element_ty).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(whole), axis=0), 1e-12) / QMAX
+            o0, y0 = _act_piece(gu_row, 0, BLOCK, n_cols, ACT, GU.dtype.element_ty)
+            amax = tl.max(tl.abs(y0), axis=0)
+            if TAIL > 0:
+                o1, y1 = _act_piece(gu_row, BLOCK, TAIL, n_cols, ACT, GU.dtype.element_ty)
+                amax = tl.maximum(amax, tl.max(tl.abs(y1), axis=0))
+            scale = tl.maximum(amax, 1e-12) / QMAX
             tl.store(QS + row, scale)
-            q = _to_q(whole / scale, QMAX, IS_INT, Q.dtype.element_ty)
-            tl.store(Q + row * n_cols + offs, q, mask=offs < n_cols)
+            store_piece(q_row, o0, y0, scale, n_cols, QMAX, IS_INT)
+            if TAIL > 0:
+                store_piece(q_row, o1, y1, scale, n_cols, QMAX, IS_INT)
         else:
+            offs = tl.arange(0, BLOCK)
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for k in range(0, n_cols, BLOCK):
                 y = act_mul_values(gu_row, n_cols, k + offs, k + offs < n_cols, ACT, GU.dtype.element_ty)
@@ -160,7 +173,7 @@ if HAS_TRITON:
             for k in range(0, n_cols, BLOCK):
                 y = act_mul_values(gu_row, n_cols, k + offs, k + offs < n_cols, ACT, GU.dtype.element_ty)
                 q = _to_q(y.to(tl.float32) / scale, QMAX, IS_INT, Q.dtype.element_ty)
-                tl.store(Q + row * n_cols + k + offs, q, mask=k + offs < n_cols)
+                tl.store(q_row + k + offs, q, mask=k + offs < n_cols)
 
     @triton.jit
     def _act_mul_quant_group_kernel(GU, Q, QS, n_cols, n_groups, stride_row, stride_sm, stride_sg,
@@ -229,7 +242,7 @@ def _launch_act(gu, act: str, qdtype, scaling, signature, kept):
     if scaling == "per_token":
         # a row up to ONE_PASS_MAX wide is read once, kept on chip; wider ones read gate_up twice
         _ACT_PLANS.put(signature, bind(_act_mul_quant_token_kernel, (m,), rows2d, q, s, inter, rows2d.stride(0),
-                                       **row_launch(inter, ONE_PASS_MAX), **common))  # fmt: skip
+                                       **row_launch(inter, m, ONE_PASS_MAX), **common))  # fmt: skip
     else:
         groups = s.shape[1]
         grid, per = group_launch(m, groups)
