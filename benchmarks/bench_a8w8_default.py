@@ -23,7 +23,11 @@ Ratios > 1 mean gemmtune is faster; the 8-bit roof takes twice the bf16 matmul r
     PYTHONPATH=src python benchmarks/bench_a8w8_default.py --skinny-max-m 64 --ms 17,64 --formats fp8 --out OUT_DIR
 
 With --table, gemmtune's GEMM is the tuned table's row for each point instead of the untuned default
-(the report says which); torch's and bf16's contenders are unchanged.
+(the report says which); torch's and bf16's contenders are unchanged. With --tiles (what-if, GEMM only),
+each named Triton tile (kernels/a8w8.py, BMxBNxBKwWsS) is also timed on the quantized activation, its K
+split by the tile kernel's own rule (lib/quant_tiles.tile_split), and with --tg the first a8w8_tg_
+candidate whose name matches the pattern, and with --blaslt cuBLASLt's heuristic pick (fast accumulation
+from policy.FAST_ACCUM_MIN_M): what a default policy could run instead.
 
 Writes a8w8_default.md / .json into --out.
 """
@@ -31,9 +35,11 @@ Writes a8w8_default.md / .json into --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
+import re
 import time
 
 import torch
@@ -41,7 +47,13 @@ import torch.nn.functional as F
 from suites import find_models_dir, suite_shapes
 
 import gemmtune
+from gemmtune.backends.lib.quant_tiles import tile_split
+from gemmtune.backends.quantized import policy, triton_tg
+from gemmtune.backends.quantized.blaslt import BlasLtA8W8Backend
+from gemmtune.backends.quantized.triton import TritonA8W8Backend
+from gemmtune.device import facts
 from gemmtune.families.quantized import FP8, QuantKey
+from gemmtune.kernels.a8w8 import TileConfig
 from gemmtune.kernels.norms import rmsnorm
 from gemmtune.kernels.quant import quantize_per_token_triton
 from gemmtune.kernels.quant_producers import rmsnorm_quant
@@ -96,7 +108,31 @@ def producer_contenders(qd, norm_w: torch.Tensor) -> dict:
     return {"bf16 norm+gemm": bf16, "gemmtune norm+q+gemm": unfused, "gemmtune fused norm+gemm": fused}
 
 
-def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, producer: bool = False) -> dict:
+def what_if_runners(key, dev, tiles: list[str], tg_pattern: str | None, blaslt: bool = False) -> dict:
+    """name -> GEMM runner(xq, wq, xs, ws) of each --tiles tile (its rule's split), the --tg match and
+    cuBLASLt's heuristic pick (--blaslt)."""
+    backend, out = TritonA8W8Backend(), {}
+    if blaslt:
+        lt = BlasLtA8W8Backend()
+        pick = lt.default_solution(key, dev, fast=key.M >= policy.FAST_ACCUM_MIN_M)
+        if pick is not None:
+            out["blaslt heuristic"] = lt.make_runner(pick, key, dev)
+    for spec in tiles:
+        bm, bn, rest = spec.split("x")
+        bk, rest = rest.split("w")
+        w, s = (int(v) for v in rest.split("s"))
+        split = tile_split(int(bm), int(bn), int(bk), key, facts(dev).sms)
+        cfg = TileConfig("a8w8", int(bm), int(bn), int(bk), 8, split, w, s)
+        out[cfg.name] = backend.make_runner(backend.solution(cfg), key, dev)
+    if tg_pattern:
+        match = next((c for c in triton_tg.candidates(key, dev) if re.fullmatch(tg_pattern, c.kernel_name)), None)
+        if match is not None:
+            out[match.kernel_name] = backend.make_runner(match, key, dev)
+    return {name: functools.partial(run, bias=None) for name, run in out.items()}
+
+
+def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, producer: bool = False,
+                tiles: tuple = (), tg_pattern: str | None = None, blaslt: bool = False) -> dict:  # fmt: skip
     qd = DTYPES[fmt]
     per_set = m * k * 2 + n * k * 3 + m * n * 2  # bf16 x and w, 8-bit w, bf16 y
     n_sets = min(MAX_SETS, max(2, math.ceil(2 * l2_bytes(dev) / per_set) + 1))
@@ -128,9 +164,13 @@ def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, pro
     }
     if producer:
         contenders.update(producer_contenders(qd, 1 + torch.rand(k, device=dev, generator=g).to(torch.bfloat16)))
+    key = QuantKey(m, n, k, qd, "per_token")
+    alts = what_if_runners(key, dev, list(tiles), tg_pattern, blaslt) if (tiles or tg_pattern or blaslt) else {}
+    for name, run in alts.items():
+        contenders[name] = lambda x, w, wq, ws, xq, xs, run=run: run(xq, wq, xs, ws)
     ref = F.linear(*(t.float() for t in sets[0][:2]))
     errors = {}
-    for name in ("torch gemm", "gemmtune gemm", "gemmtune q+gemm"):
+    for name in ("torch gemm", "gemmtune gemm", "gemmtune q+gemm", *alts):
         y = contenders[name](*sets[0]).float()
         errors[name] = ((y - ref).norm() / ref.norm()).item()
 
@@ -143,7 +183,6 @@ def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, pro
 
     us = {n_: v * 1e3 for n_, v in time_graphs({n_: calls(f) for n_, f in contenders.items()}, reps=reps,
                                                  calls_per_graph=len(sets)).items()}  # fmt: skip
-    key = QuantKey(m, n, k, qd, "per_token")
     res = gemmtune.resolve(key, dev, family="a8w8")
     row = {"format": fmt, "M": m, "N": n, "K": k, "us": us, "rel_err": errors, "default": res.solution.describe(),
            "noise": abs(us["bf16"] - us["bf16#2"]) / us["bf16"]}  # fmt: skip
@@ -151,6 +190,7 @@ def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, pro
     row["x_torch_gemm"] = us["torch gemm"] / us["gemmtune gemm"]
     row["x_bf16_q"] = us["bf16"] / us["gemmtune q+gemm"]
     row["x_bf16_gemm"] = us["bf16"] / us["gemmtune gemm"]
+    row["alt_x_default"] = {name: us["gemmtune gemm"] / us[name] for name in alts}  # > 1: the tile is faster
     if producer:
         row["x_bf16_fused"] = us["bf16 norm+gemm"] / us["gemmtune fused norm+gemm"]
         row["x_bf16_unfused"] = us["bf16 norm+gemm"] / us["gemmtune norm+q+gemm"]
@@ -194,6 +234,19 @@ def summarize(rows: list[dict], device: str, table: str | None = None) -> str:
                     cells = [fmt, label, len(sel), *(f"{_geomean([r[c] for r in sel]):.2f}"
                              for c in ("x_bf16_fused", "x_bf16_unfused", "x_bf16_gemm"))]  # fmt: skip
                     lines.append("| " + " | ".join(map(str, cells)) + " |")
+    alt_rows = [r for r in rows if r.get("alt_x_default")]
+    if alt_rows:
+        lines += [
+            "",
+            "What-if tiles (--tiles / --tg), GEMM alone, x = the default's time / the tile's (> 1: the tile "
+            "is faster), per point:",
+            "",
+            "| fmt | M | N | K | default | tiles |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in alt_rows:
+            cells = ", ".join(f"{name} {x:.3f}" for name, x in r["alt_x_default"].items())
+            lines.append(f"| {r['format']} | {r['M']} | {r['N']} | {r['K']} | {r['default']} | {cells} |")
     lines += ["", f"Noise: largest |bf16 - bf16#2| / bf16: {100 * max(r['noise'] for r in rows):.1f}%"]
     return "\n".join(lines)
 
@@ -214,11 +267,14 @@ def main():
         default=None,
         help="run the 8-bit skinny default tile for every untuned key up to this M (at most 64)",
     )
+    ap.add_argument("--tiles", default="", help="what-if Triton tiles to time too (comma list, 64x128x128w4s4,...)")
+    ap.add_argument("--tg", default=None, help="what-if: also the first a8w8_tg_ candidate matching this regex")
+    ap.add_argument("--blaslt", action="store_true", help="what-if: also cuBLASLt's heuristic pick")
     ap.add_argument("--nk", default=None, help="these NxK shapes instead of the suite's (comma list, 5760x3840,...)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.skinny_max_m is not None:  # what-if: the policy's skinny band widened (or narrowed) for this run
-        from gemmtune.backends.quantized import policy, triton_skinny
+        from gemmtune.backends.quantized import triton_skinny
 
         m = min(args.skinny_max_m, triton_skinny.DEFAULT_MAX_M)
         policy.SKINNY_MAX_M = policy.SKINNY_FP8_MAX_M = policy.SKINNY_FP8_WIDE_MAX_M = m
@@ -238,10 +294,23 @@ def main():
     for fmt in args.formats.split(","):
         for i, (n, k) in enumerate(points):
             for m in (int(v) for v in args.ms.split(",")):
-                r = bench_point(fmt, n, k, m, dev, args.reps, seed=1000 * i + m, producer=args.producer)
+                r = bench_point(
+                    fmt,
+                    n,
+                    k,
+                    m,
+                    dev,
+                    args.reps,
+                    seed=1000 * i + m,
+                    producer=args.producer,
+                    tiles=tuple(t for t in args.tiles.split(",") if t),
+                    tg_pattern=args.tg,
+                    blaslt=args.blaslt,
+                )
                 rows.append(r)
                 print(f"{fmt:5s} M={m:5d} N={n:6d} K={k:6d} x torch q+gemm {r['x_torch_q']:.3f} gemm "
-                      f"{r['x_torch_gemm']:.3f} x bf16 {r['x_bf16_q']:.2f} {r['default']} [{time.time() - t0:.0f}s]",
+                      f"{r['x_torch_gemm']:.3f} x bf16 {r['x_bf16_q']:.2f} {r['default']} [{time.time() - t0:.0f}s]"
+                      + "".join(f" | {name} {x:.3f}" for name, x in r["alt_x_default"].items()),
                       flush=True)  # fmt: skip
     text = summarize(rows, device, args.table)
     print(text)

@@ -171,6 +171,13 @@ def test_int8_prefill_default_is_the_config_that_won_most_points(h100):
         (QuantKey(48, 16384, 4096, FP8), ("torch", "scaled_mm")),
         (QuantKey(65, 6144, 4096, FP8), ("torch", "scaled_mm")),
         (QuantKey(1024, 6144, 4096, FP8), ("torch", "scaled_mm")),
+        # fp8 at M 65..512, K >= 8192, where 64 x 128 tiles leave most SMs idle: that tile split (H200 band)
+        (QuantKey(128, 1280, 8192, FP8), ("triton", "a8w8_bm64_bn128_bk128_g8_sk8_w4_s4")),
+        (QuantKey(96, 3840, 11520, FP8), ("triton", "a8w8_bm64_bn128_bk128_g8_sk4_w4_s4")),
+        (QuantKey(512, 1280, 8192, FP8), ("triton", "a8w8_bm64_bn128_bk128_g8_sk3_w4_s4")),
+        (QuantKey(256, 4480, 15360, FP8), ("torch", "scaled_mm")),  # the rule leaves K whole: cuBLASLt
+        (QuantKey(128, 3840, 3840, FP8), ("torch", "scaled_mm")),  # K < 8192
+        (QuantKey(1024, 1280, 8192, FP8), ("torch", "scaled_mm")),  # above M 512
         (QuantKey(24, 6144, 4096, torch.int8), ("triton", "a8w8_bm16_bn64_bk256_g1_sk1_w4_s4")),
         (QuantKey(33, 6144, 4096, torch.int8), ("triton", "a8w8_tg_bm128_bn128_bk128_g8_w8_s3_sk1_tma")),
         (QuantKey(1024, 1000, 1000, torch.int8), ("triton", "a8w8_tg_bm128_bn128_bk128_g8_w8_s3_sk1")),  # no TMA
@@ -230,10 +237,9 @@ def test_gpu_new_candidates_pass_the_family_check_and_replay_bit_equal(gpu, key)
 @pytest.mark.parametrize("q", ["int8", "fp8"])
 @pytest.mark.parametrize("m", [8, 1024])
 def test_gpu_untuned_key_runs_its_default(gpu, q, m):
-    from gemmtune import backends, families
+    from gemmtune import backends
     from gemmtune.backends.quantized import policy
     from gemmtune.device import is_rocm
-    from gemmtune.tuner.check import check_runner
 
     key = QuantKey(m, 1536, 2048, _Q[q], "per_token", True, torch.bfloat16)
     backend, sol = backends.default("a8w8", key, gpu)
@@ -247,9 +253,29 @@ def test_gpu_untuned_key_runs_its_default(gpu, q, m):
     elif q == "fp8" and hopper:  # cuBLASLt: directly where nvmath-python's bindings load (quantized/blaslt.py)
         direct = backends.get("blaslt", "a8w8").default_solution(key, gpu, fast=m >= policy.FAST_ACCUM_MIN_M)
         assert (lib, name) == (("blaslt", direct.kernel_name) if direct else ("torch", "scaled_mm"))
+    _replays_and_passes_the_check(backend, sol, key, gpu, seed=m)
+
+
+@pytest.mark.gpu
+def test_gpu_untuned_fp8_short_grid_runs_the_split_tile(gpu):
+    from gemmtune import backends
+
+    key = QuantKey(100, 1040, 8208, FP8, "per_token", True, torch.bfloat16)  # odd M, N; K not a 128 multiple
+    backend, sol = backends.default("a8w8", key, gpu)
+    if torch.cuda.get_device_capability(gpu) >= (8, 9):  # fp8 tensor cores
+        assert (backend.name, sol.kernel_name) == ("triton", "a8w8_bm64_bn128_bk128_g8_sk8_w4_s4")
+    _replays_and_passes_the_check(backend, sol, key, gpu, seed=7)
+
+
+def _replays_and_passes_the_check(backend, sol, key, gpu, seed: int) -> None:
+    """The runner's first call captured in a CUDA graph replays what eager computes, and passes the family check."""
+    from gemmtune import families
+    from gemmtune.tuner.check import check_runner
+
+    name = sol.kernel_name
     fam = families.get("a8w8")
     run = backend.make_runner(sol, key, gpu)
-    inputs = fam.make_inputs(key, gpu, 1, seed=m)[0]
+    inputs = fam.make_inputs(key, gpu, 1, seed=seed)[0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # the runner's first call: it must not compile now
         out = run(*inputs)

@@ -44,6 +44,15 @@ def _pick_split(tiles: int, k_iters: int, slots: int) -> int:
     return best
 
 
+def tile_split(bm: int, bn: int, bk: int, key, sms: int) -> int:
+    """The K split of a bm x bn x bk tile for `key` on `sms` SMs: where its output tiles leave most SMs
+    idle (or at decode sizes), the split that comes closest to one wave; else 1."""
+    n_tiles = triton.cdiv(key.M, bm) * triton.cdiv(key.N, bn)
+    # Small tiles fit 2 programs an SM; half a wave of output tiles is enough to stay unsplit.
+    slots = sms * (2 if bm * bn <= 64 * 128 else 1)
+    return _pick_split(n_tiles, triton.cdiv(key.K, bk), slots) if n_tiles < slots // 2 or key.M <= 32 else 1
+
+
 def tile_configs(kind: str, key, device: torch.device) -> list[TileConfig]:
     sms = facts(device).sms
     large = _LARGE_BLOCK if kind == "blockscale" else _LARGE
@@ -54,10 +63,7 @@ def tile_configs(kind: str, key, device: torch.device) -> list[TileConfig]:
             bk = min(bk, 128)
         if (bm + bn) * bk * s > SMEM:
             continue
-        n_tiles = triton.cdiv(key.M, bm) * triton.cdiv(key.N, bn)
-        # Small tiles fit 2 programs an SM; half a wave of output tiles is enough to stay unsplit.
-        slots = sms * (2 if bm * bn <= 64 * 128 else 1)
-        sk = _pick_split(n_tiles, triton.cdiv(key.K, bk), slots) if n_tiles < slots // 2 or key.M <= 32 else 1
+        sk = tile_split(bm, bn, bk, key, sms)
         group = 8 if key.M > 32 else 1
         for split in dict.fromkeys((sk, 1)):
             out.append(TileConfig(kind, bm, bn, bk, group, split, w, s))

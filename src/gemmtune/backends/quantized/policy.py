@@ -8,6 +8,11 @@ H200 (benchmarks/results/h200/serving_band/):
   skinny kernels won all 72 decode points, 1.6x over torch._scaled_mm (decode_fp8_int8.md); on the
   H200 at fp8 M 17..64 the tile was never slower than cuBLASLt's heuristic beyond 3% in that band
   (where cuBLASLt lost to bf16), and above N 12288 at M 48 / 64 cuBLASLt was as fast or faster;
+- fp8 at M 65..512 where K >= 8192 and the Triton tile kernel's 64 x 128 output tiles leave
+  most SMs idle (its split rule splits K: lib/quant_tiles.tile_split): that tile with the split
+  (SPLIT_TILE). On an H200 over the 11 shapes of benchmarks/results/h200/serving_band/ at M 96..512 it
+  was 1.10-1.33x faster than cuBLASLt's fast-accumulation pick at every such point (9: N 1280 to 4480,
+  K 8192 to 15360); where the rule leaves K whole, or K is shorter, cuBLASLt was as fast or faster;
 - fp8 above that (and at M <= 16 where no skinny kernel runs it) on an NVIDIA GPU: cuBLASLt's heuristic
   algorithm for the key, called directly by the `blaslt` backend (quantized/blaslt.py; the row names the
   algorithm, `lt<version>_a.._cl..`) where nvmath-python's cuBLASLt bindings load and the heuristic has an
@@ -34,6 +39,7 @@ import torch
 from ... import device as device_facts
 from ..base import Solution
 from ..lib.quant_support import tensor_core_fp8
+from ..lib.quant_tiles import tile_split
 from .blaslt import BlasLtA8W8Backend
 from .pytorch import DEQUANT, SCALED_MM, SCALED_MM_BLOCKWISE, TorchA8W8Backend, blockwise_ok, scaled_mm_ok
 
@@ -42,6 +48,9 @@ SKINNY_FP8_MAX_M = 32  # fp8 up to here,
 SKINNY_FP8_WIDE_MAX_M = 64  # and up to here where N <= SKINNY_FP8_WIDE_MAX_N
 SKINNY_FP8_WIDE_MAX_N = 12288
 FAST_ACCUM_MIN_M = 33  # fp8 keys from here that run cuBLASLt run its fast-accumulation pick
+SPLIT_TILE = (64, 128, 128, 4, 4)  # block_m, block_n, block_k, num_warps, num_stages of the split-K default
+SPLIT_TILE_MAX_M = 512
+SPLIT_TILE_MIN_K = 8192
 
 
 def _skinny_default(key) -> bool:
@@ -49,6 +58,23 @@ def _skinny_default(key) -> bool:
         return True
     fp8 = tensor_core_fp8(key.q_dtype_w)
     return fp8 and (key.M <= SKINNY_FP8_MAX_M or (key.M <= SKINNY_FP8_WIDE_MAX_M and key.N <= SKINNY_FP8_WIDE_MAX_N))
+
+
+def _split_tile(key, device: torch.device) -> Solution | None:
+    """The Triton tile kernel's SPLIT_TILE with its rule's K split, for an fp8 key of a short grid (module
+    doc); None elsewhere."""
+    band = SKINNY_FP8_WIDE_MAX_M < key.M <= SPLIT_TILE_MAX_M
+    if not (tensor_core_fp8(key.q_dtype_w) and band and key.K >= SPLIT_TILE_MIN_K):
+        return None
+    from ...kernels.a8w8 import TileConfig
+    from .triton import TritonA8W8Backend
+
+    bm, bn, bk, warps, stages = SPLIT_TILE
+    split = tile_split(bm, bn, bk, key, device_facts.facts(device).sms)
+    backend = TritonA8W8Backend()
+    if split < 2 or backend.default_solution(key, device) is None:  # None: the backend cannot run the key
+        return None
+    return backend.solution(TileConfig("a8w8", bm, bn, bk, 8, split, warps, stages))
 
 
 def _triton_on_gpu(device: torch.device, vendors: tuple[str, ...]) -> bool:
@@ -64,6 +90,10 @@ def a8w8(key, device: torch.device) -> tuple[str, Solution]:
         sol = SkinnyA8W8Backend().default_solution(key, device)
         if sol is not None:
             return "skinny", sol
+    if nvidia:
+        sol = _split_tile(key, device)
+        if sol is not None:
+            return "triton", sol
     if device_facts.vendor(device) == device_facts.NVIDIA and tensor_core_fp8(key.q_dtype_w):
         sol = BlasLtA8W8Backend().default_solution(key, device, fast=key.M >= FAST_ACCUM_MIN_M)
         if sol is not None:

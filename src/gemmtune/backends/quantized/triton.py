@@ -104,6 +104,10 @@ class TritonA8W8Backend(TritonQuantBackend):
             y = torch.empty((xq.shape[0], wq.shape[0]), device=xq.device, dtype=out)
             return a8w8_launch(cfg, xq, wq, xs, ws, bias, y)
 
+        # Compile now on operands that specialize like the key's (the policy runs these tiles untuned, and a
+        # first call may come inside a CUDA-graph capture), unless a graph is being captured.
+        if torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            a8w8_launch(cfg, *tg.standins(key, torch.device(device)))
         return run
 
 
