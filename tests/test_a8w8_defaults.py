@@ -171,6 +171,10 @@ def test_int8_prefill_default_is_the_config_that_won_most_points(h100):
         (QuantKey(48, 16384, 4096, FP8), ("torch", "scaled_mm")),
         (QuantKey(65, 6144, 4096, FP8), ("torch", "scaled_mm")),
         (QuantKey(1024, 6144, 4096, FP8), ("torch", "scaled_mm")),
+        # fp8 at M 17..64 from N 23040: the 64 x 128 tile, unsplit there (H200 band); decode stays skinny
+        (QuantKey(24, 28672, 4096, FP8), ("triton", "a8w8_bm64_bn128_bk128_g8_sk1_w4_s4")),
+        (QuantKey(64, 51200, 5120, FP8), ("triton", "a8w8_bm64_bn128_bk128_g8_sk1_w4_s4")),
+        (QuantKey(16, 28672, 4096, FP8), ("skinny", "a8w8_skinny_dot_bn64_bk512_sk1_w4_s3_pdl2")),
         # fp8 at M 65..512, K >= 8192, where 64 x 128 tiles leave most SMs idle: that tile split (H200 band)
         (QuantKey(128, 1280, 8192, FP8), ("triton", "a8w8_bm64_bn128_bk128_g8_sk8_w4_s4")),
         (QuantKey(96, 3840, 11520, FP8), ("triton", "a8w8_bm64_bn128_bk128_g8_sk4_w4_s4")),

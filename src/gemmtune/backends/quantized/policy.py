@@ -3,6 +3,10 @@ the library that really runs it (a Triton kernel is a `skinny` or `triton` row, 
 
 a8w8 (and its bpreshuffle twin), measured on an H100 (benchmarks/results/h100/a8w8_vs_bf16/) and an
 H200 (benchmarks/results/h200/serving_band/):
+- fp8 at M 17..64 where N >= 23040 on an NVIDIA GPU where Triton runs: the Triton tile kernel's 64 x 128
+  tile (SPLIT_TILE, K split by its rule: unsplit at these N). On an H200 over the 6 such shapes of the
+  serving-band runs (N 23040 to 51200) it was 1.05-1.33x faster than the default of the time (the skinny
+  tile up to M 32, cuBLASLt's pick above) at all 25 points, while at N 16384 it was 0.93-1.06x;
 - on an NVIDIA GPU where Triton runs, M <= 16 (fp8 and int8), and for fp8 M <= 32, and M <= 64 where
   N <= 12288: the 8-bit skinny kernel's default tile (triton_skinny.DEFAULT_TILE). On the H100 the
   skinny kernels won all 72 decode points, 1.6x over torch._scaled_mm (decode_fp8_int8.md); on the
@@ -51,6 +55,7 @@ FAST_ACCUM_MIN_M = 33  # fp8 keys from here that run cuBLASLt run its fast-accum
 SPLIT_TILE = (64, 128, 128, 4, 4)  # block_m, block_n, block_k, num_warps, num_stages of the split-K default
 SPLIT_TILE_MAX_M = 512
 SPLIT_TILE_MIN_K = 8192
+WIDE_TILE_MIN_N = 23040  # fp8 at M 17..64 from here runs SPLIT_TILE too
 
 
 def _skinny_default(key) -> bool:
@@ -61,18 +66,21 @@ def _skinny_default(key) -> bool:
 
 
 def _split_tile(key, device: torch.device) -> Solution | None:
-    """The Triton tile kernel's SPLIT_TILE with its rule's K split, for an fp8 key of a short grid (module
-    doc); None elsewhere."""
-    band = SKINNY_FP8_WIDE_MAX_M < key.M <= SPLIT_TILE_MAX_M
-    if not (tensor_core_fp8(key.q_dtype_w) and band and key.K >= SPLIT_TILE_MIN_K):
+    """The Triton tile kernel's SPLIT_TILE with its rule's K split, for an fp8 key of a wide N at M 17..64
+    or of a short grid at M 65..512 (module doc); None elsewhere."""
+    if not tensor_core_fp8(key.q_dtype_w):
+        return None
+    bm, bn, bk, warps, stages = SPLIT_TILE
+    split = tile_split(bm, bn, bk, key, device_facts.facts(device).sms)
+    wide = SKINNY_MAX_M < key.M <= SKINNY_FP8_WIDE_MAX_M and key.N >= WIDE_TILE_MIN_N
+    short = SKINNY_FP8_WIDE_MAX_M < key.M <= SPLIT_TILE_MAX_M and key.K >= SPLIT_TILE_MIN_K and split >= 2
+    if not (wide or short):
         return None
     from ...kernels.a8w8 import TileConfig
     from .triton import TritonA8W8Backend
 
-    bm, bn, bk, warps, stages = SPLIT_TILE
-    split = tile_split(bm, bn, bk, key, device_facts.facts(device).sms)
     backend = TritonA8W8Backend()
-    if split < 2 or backend.default_solution(key, device) is None:  # None: the backend cannot run the key
+    if backend.default_solution(key, device) is None:  # the backend cannot run the key
         return None
     return backend.solution(TileConfig("a8w8", bm, bn, bk, 8, split, warps, stages))
 
@@ -84,16 +92,15 @@ def _triton_on_gpu(device: torch.device, vendors: tuple[str, ...]) -> bool:
 def a8w8(key, device: torch.device) -> tuple[str, Solution]:
     device = torch.device(device)
     nvidia = _triton_on_gpu(device, (device_facts.NVIDIA,))
+    tile = _split_tile(key, device) if nvidia else None
+    if tile is not None:
+        return "triton", tile
     if nvidia and _skinny_default(key):
         from .triton_skinny import SkinnyA8W8Backend
 
         sol = SkinnyA8W8Backend().default_solution(key, device)
         if sol is not None:
             return "skinny", sol
-    if nvidia:
-        sol = _split_tile(key, device)
-        if sol is not None:
-            return "triton", sol
     if device_facts.vendor(device) == device_facts.NVIDIA and tensor_core_fp8(key.q_dtype_w):
         sol = BlasLtA8W8Backend().default_solution(key, device, fast=key.M >= FAST_ACCUM_MIN_M)
         if sol is not None:
