@@ -120,7 +120,7 @@ _PER_TOKEN, _GROUPS = Plans(), Plans()  # the launches of each kernel, per signa
 
 def row_pieces(width: int, rows: int) -> tuple[int, ...]:
     """The power-of-two pieces a one-pass kernel reads a `width`-wide row in, for `rows` rows: (block,) or
-    (block, tail), block the largest power of two under width (module note above)."""
+    (block, tail), the block the largest power of two below width (the note above TAIL_MIN_ROWS)."""
     whole = triton.next_power_of_2(max(width, LEAST_TAIL))
     if rows < TAIL_MIN_ROWS or whole == width:
         return (whole,)

@@ -52,7 +52,7 @@ SKINNY_FP8_MAX_M = 32  # fp8 up to here,
 SKINNY_FP8_WIDE_MAX_M = 64  # and up to here where N <= SKINNY_FP8_WIDE_MAX_N
 SKINNY_FP8_WIDE_MAX_N = 12288
 FAST_ACCUM_MIN_M = 33  # fp8 keys from here that run cuBLASLt run its fast-accumulation pick
-SPLIT_TILE = (64, 128, 128, 4, 4)  # block_m, block_n, block_k, num_warps, num_stages of the split-K default
+SPLIT_TILE = (64, 128, 128, 4, 4)  # block_m, block_n, block_k, num_warps, num_stages (wide N, short grids)
 SPLIT_TILE_MAX_M = 512
 SPLIT_TILE_MIN_K = 8192
 WIDE_TILE_MIN_N = 23040  # fp8 at M 17..64 from here runs SPLIT_TILE too
