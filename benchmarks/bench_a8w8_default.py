@@ -35,7 +35,6 @@ Writes a8w8_default.md / .json into --out.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import pathlib
@@ -109,7 +108,7 @@ def producer_contenders(qd, norm_w: torch.Tensor) -> dict:
 
 
 def what_if_runners(key, dev, tiles: list[str], tg_pattern: str | None, blaslt: bool = False) -> dict:
-    """name -> GEMM runner(xq, wq, xs, ws) of each --tiles tile (its rule's split), the --tg match and
+    """name -> GEMM runner(xq, wq, xs, ws, bias) of each --tiles tile (its rule's split), the --tg match and
     cuBLASLt's heuristic pick (--blaslt)."""
     backend, out = TritonA8W8Backend(), {}
     if blaslt:
@@ -128,7 +127,7 @@ def what_if_runners(key, dev, tiles: list[str], tg_pattern: str | None, blaslt: 
         match = next((c for c in triton_tg.candidates(key, dev) if re.fullmatch(tg_pattern, c.kernel_name)), None)
         if match is not None:
             out[match.kernel_name] = backend.make_runner(match, key, dev)
-    return {name: functools.partial(run, bias=None) for name, run in out.items()}
+    return out
 
 
 def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, producer: bool = False,
@@ -167,7 +166,7 @@ def bench_point(fmt: str, n: int, k: int, m: int, dev, reps: int, seed: int, pro
     key = QuantKey(m, n, k, qd, "per_token")
     alts = what_if_runners(key, dev, list(tiles), tg_pattern, blaslt) if (tiles or tg_pattern or blaslt) else {}
     for name, run in alts.items():
-        contenders[name] = lambda x, w, wq, ws, xq, xs, run=run: run(xq, wq, xs, ws)
+        contenders[name] = lambda x, w, wq, ws, xq, xs, run=run: run(xq, wq, xs, ws, None)
     ref = F.linear(*(t.float() for t in sets[0][:2]))
     errors = {}
     for name in ("torch gemm", "gemmtune gemm", "gemmtune q+gemm", *alts):

@@ -133,12 +133,12 @@ def row_launch(width: int, rows: int = 1, one_pass_max: int = ONE_PASS_MAX) -> d
     """BLOCK, TAIL (0: none), ONE_PASS and num_warps of a per-token kernel over `rows` rows `width` wide,
     one row a program: the whole row in row_pieces up to one_pass_max values, else 4096-wide blocks in two
     passes; 16 values a thread (up to 32 warps)."""
-    pieces = row_pieces(width, rows)
-    total = sum(pieces)
     whole = triton.next_power_of_2(width)
     if whole > one_pass_max:
         block = min(4096, whole)
         return {"BLOCK": block, "TAIL": 0, "ONE_PASS": False, "num_warps": 4 if block <= 2048 else block // 512}
+    pieces = row_pieces(width, rows)
+    total = sum(pieces)
     warps = 4 if total <= 2048 else min(32, triton.next_power_of_2(triton.cdiv(total, 512)))
     return {"BLOCK": pieces[0], "TAIL": pieces[1] if len(pieces) > 1 else 0, "ONE_PASS": True, "num_warps": warps}
 

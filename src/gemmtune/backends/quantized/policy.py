@@ -68,20 +68,21 @@ def _skinny_default(key) -> bool:
 def _split_tile(key, device: torch.device) -> Solution | None:
     """The Triton tile kernel's SPLIT_TILE with its rule's K split, for an fp8 key of a wide N at M 17..64
     or of a short grid at M 65..512 (module doc); None elsewhere."""
-    if not tensor_core_fp8(key.q_dtype_w):
-        return None
-    bm, bn, bk, warps, stages = SPLIT_TILE
-    split = tile_split(bm, bn, bk, key, device_facts.facts(device).sms)
-    wide = SKINNY_MAX_M < key.M <= SKINNY_FP8_WIDE_MAX_M and key.N >= WIDE_TILE_MIN_N
-    short = SKINNY_FP8_WIDE_MAX_M < key.M <= SPLIT_TILE_MAX_M and key.K >= SPLIT_TILE_MIN_K and split >= 2
-    if not (wide or short):
-        return None
-    from ...kernels.a8w8 import TileConfig
     from .triton import TritonA8W8Backend
 
     backend = TritonA8W8Backend()
-    if backend.default_solution(key, device) is None:  # the backend cannot run the key
+    if not (tensor_core_fp8(key.q_dtype_w) and backend.is_available(device) and backend.key_ok(key)):
         return None
+    bm, bn, bk, warps, stages = SPLIT_TILE
+    wide = SKINNY_MAX_M < key.M <= SKINNY_FP8_WIDE_MAX_M and key.N >= WIDE_TILE_MIN_N
+    short_band = SKINNY_FP8_WIDE_MAX_M < key.M <= SPLIT_TILE_MAX_M and key.K >= SPLIT_TILE_MIN_K
+    if not (wide or short_band):
+        return None
+    split = tile_split(bm, bn, bk, key, device_facts.facts(device).sms)
+    if short_band and split < 2:  # the grid is not short: cuBLASLt
+        return None
+    from ...kernels.a8w8 import TileConfig
+
     return backend.solution(TileConfig("a8w8", bm, bn, bk, 8, split, warps, stages))
 
 
