@@ -174,6 +174,19 @@ def test_shapes_cli_dtype_override_and_stdout():
     assert len(lines) == 1 + 4
 
 
+@pytest.mark.parametrize("family", ["a8w8", "a8w8_blockscale"])
+def test_shapes_cli_no_lm_head_for_8bit_families(family):
+    """--no-lm-head leaves the vocab projection out of the 8-bit lists too (optimize keeps it 16-bit)."""
+
+    def ns(*extra):
+        res = CliRunner().invoke(cli, ["shapes", "-m", "llama-3-8b", "--family", family, "--nsets", "2048", *extra])
+        assert res.exit_code == 0, res.output
+        return {int(line.split(",")[1]) for line in res.output.strip().splitlines()[1:]}
+
+    assert ns() == {6144, 4096, 28672, 128256}
+    assert ns("--no-lm-head") == {6144, 4096, 28672}
+
+
 def test_shapes_cli_fmoe_keys_shared_experts_dense_or_fused(tmp_path):
     """DeepSeek-V3's shared expert: a dense MLP by default (optimize() runs it so: its GEMMs are in the
     a16w16 list), an extra expert of the fused call with --fuse-shared-experts (aiter's, SGLang's way)."""

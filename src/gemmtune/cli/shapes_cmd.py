@@ -12,6 +12,7 @@ from ..configs.schema import UNTUNED_COLUMNS
 from ..tuner.model_shapes import (
     OWN_GEMMS,
     PRESETS,
+    QUANT_LINEAR_FAMILIES,
     ModelConfigError,
     config_dtype,
     load_model_config,
@@ -71,7 +72,7 @@ def command(model, tp, nsets, dtype, outdtype, no_lm_head, family, fuse_shared_e
     if fuse_shared_experts and family != "fmoe":
         raise click.UsageError(f"--fuse-shared-experts applies to --family fmoe, not --family {family}")
     if family != "a16w16":
-        _other_family(family, config, source, tp, ms, dt, output, fuse_shared_experts)
+        _other_family(family, config, source, tp, ms, dt, output, fuse_shared_experts, no_lm_head)
         return
     others = [name for name in OWN_GEMMS if _keys(name, config, tp, ms[:1], dt)]
     if others and output:
@@ -100,10 +101,13 @@ def _keys(family: str, config, tp, ms, dtype) -> list:
         return []
 
 
-def _other_family(name, config, source, tp, ms, dtype, output, fuse_shared: bool = False) -> None:
+def _other_family(name, config, source, tp, ms, dtype, output, fuse_shared: bool = False,
+                  no_lm_head: bool = False) -> None:  # fmt: skip
     try:
         fam = families.get(name)
         options = {"fuse_shared": True} if fuse_shared else {}
+        if no_lm_head and name in QUANT_LINEAR_FAMILIES:  # the other families have no lm_head key
+            options["lm_head"] = False
         keys = list(dict.fromkeys(model_keys(name, config, tp, ms, dtype, **options)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -27,6 +27,7 @@ __all__ = [
     "FAMILY_KEYS",
     "MAX_TOKENS",
     "OWN_GEMMS",
+    "QUANT_LINEAR_FAMILIES",
     "PRESETS",
     "BatchedShape",
     "LinearShape",
@@ -183,9 +184,9 @@ def epilogue_keys(config: dict, tp: int, ms: Iterable[int], dtype: torch.dtype) 
     return out
 
 
-def _weight_shapes(config: dict, tp: int) -> list[tuple[int, int]]:
-    """The distinct (N, K) of the model's linear layers."""
-    return list(dict.fromkeys((s.N, s.K) for s in model_gemms(config, tp)))
+def _weight_shapes(config: dict, tp: int, lm_head: bool = True) -> list[tuple[int, int]]:
+    """The distinct (N, K) of the model's linear layers (lm_head's among them unless lm_head=False)."""
+    return list(dict.fromkeys((s.N, s.K) for s in model_gemms(config, tp) if lm_head or s.name != "lm_head"))
 
 
 def _quant_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -193,15 +194,16 @@ def _quant_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if formats.is_quant_dtype(dtype) else formats.FP8
 
 
-def _a8w8_keys(config, tp, ms, dtype) -> list[QuantKey]:
+def _a8w8_keys(config, tp, ms, dtype, lm_head: bool = True) -> list[QuantKey]:
     q = _quant_dtype(dtype)
-    return [QuantKey(m, n, k, q, "per_token", False, torch.bfloat16) for n, k in _weight_shapes(config, tp) for m in ms]
-
-
-def _blockscale_keys(config, tp, ms, dtype) -> list[BlockKey]:
-    q = _quant_dtype(dtype)
-    return [BlockKey(m, n, k, q, torch.bfloat16) for n, k in _weight_shapes(config, tp) if k % formats.BLOCK == 0
+    return [QuantKey(m, n, k, q, "per_token", False, torch.bfloat16) for n, k in _weight_shapes(config, tp, lm_head)
             for m in ms]  # fmt: skip
+
+
+def _blockscale_keys(config, tp, ms, dtype, lm_head: bool = True) -> list[BlockKey]:
+    q = _quant_dtype(dtype)
+    return [BlockKey(m, n, k, q, torch.bfloat16) for n, k in _weight_shapes(config, tp, lm_head)
+            if k % formats.BLOCK == 0 for m in ms]  # fmt: skip
 
 
 def _batched_keys(config, tp, ms, dtype) -> list[BatchedKey]:
@@ -224,6 +226,8 @@ FAMILY_KEYS: dict[str, Callable[[dict, int, Sequence[int], torch.dtype], list]] 
     "fmoe": _fmoe_keys,
     "epilogue": epilogue_keys,
 }
+# Families whose keys are the model's linear layers run another way (8-bit): their derivers take lm_head=.
+QUANT_LINEAR_FAMILIES = ("a8w8", "a8w8_bpreshuffle", "a8w8_blockscale", "a8w8_blockscale_bpreshuffle")
 # Families a model runs besides its linear layers (the others run the same linear layers another way:
 # quantized, fused epilogue).
 OWN_GEMMS = ("batched", "fmoe")
