@@ -70,6 +70,12 @@ def _interp_case(name: str, dt: str, odt: str, shape) -> dict:
     kern(x, w, b, y)
     ref = triton_gemm_ref(x.double(), w.double(), None if b is None else b.double(), torch.float64)
     out = {"err": _rel_err(y, ref), "nan": bool(torch.isnan(y).any())}
+    # Other values of the same signature: the kept launch (descriptors, copies, partials made anew).
+    x2, w2, b2 = _make(m, n, k, bias, layout, _DT[dt], "cpu", seed=m * 1000 + n + k + 1)
+    y2 = torch.full((m, n), float("nan"), dtype=_DT[odt])
+    kern(x2, w2, b2, y2)
+    ref2 = triton_gemm_ref(x2.double(), w2.double(), None if b2 is None else b2.double(), torch.float64)
+    out |= {"err_kept": _rel_err(y2, ref2), "nan_kept": bool(torch.isnan(y2).any()), "launches": len(kern._launches)}
     if kern._lock is not None:
         out["lock_clear"] = bool((kern._lock == 0).all())
         y2 = torch.full((m, n), float("nan"), dtype=_DT[odt])
@@ -146,9 +152,10 @@ def test_interpreter_all_variants_match_reference(interp):
     assert len(_interp_tier("default")) + len(_interp_tier("slow")) == len(INTERP_CONFIGS) * 3 * len(INTERP_SHAPES)
     assert set(cases) == {_case_name(*c) for c in _interp_tier(tier)}
     for case, r in cases.items():
-        assert not r["nan"], f"{case}: output left unwritten (NaN)"
+        assert not r["nan"] and not r["nan_kept"], f"{case}: output left unwritten (NaN)"
         tol = 1e-5 if "->fp32" in case and case.split("|")[1].startswith("fp32") else 3e-3
         assert r["err"] < tol, f"{case}: rel err {r['err']:.2e}"
+        assert r["err_kept"] < tol and r["launches"] == 1, f"{case}: kept launch rel err {r['err_kept']:.2e}"
         if "lock_clear" in r:
             assert r["lock_clear"] and r["repeat_equal"], f"{case}: split-K counters not reset"
 
@@ -277,6 +284,32 @@ def test_gpu_matches_fp32_reference(gpu, name, dtype):
         assert not torch.isnan(y).any(), (name, m, n, k)
         err = _rel_err(y, ref)
         assert err <= 2 * torch_err + 1e-3, (name, m, n, k, err, torch_err)
+
+
+@pytest.mark.gpu
+def test_gpu_kept_launch_is_the_jit_launch(gpu):
+    """A TGKernel's second call of a signature (its kept _Launch: descriptors, partials and copies made
+    anew, the compiled kernel's own launcher) computes bit for bit what a first call through JITFunction
+    computes, on new values, a misaligned x (TMA copies it) and an epilogue with C and alpha."""
+    from gemmtune.backends.lib.triton_tiles import hardware
+    from gemmtune.kernels.triton_gemm import TGKernel, parse_config
+
+    for name in GPU_CONFIGS:
+        cfg = parse_config(name)
+        if (cfg.tma and not hardware(gpu).tma) or (cfg.pdl and not hardware(gpu).pdl):
+            continue
+        kept = TGKernel(cfg, gpu, lock_tiles=1)
+        for seed, offset in ((1, 0), (2, 0), (3, 4)):
+            g = torch.Generator(device=gpu).manual_seed(seed)
+            base = torch.randn(300 * 1032 + offset, device=gpu, generator=g).bfloat16()
+            x = base[offset:].view(300, 1032)  # offset 4: a base 8 bytes past 16-byte alignment
+            w = (torch.randn(1000, 1032, device=gpu, generator=g) / 32).bfloat16()
+            c = torch.randn(300, 1000, device=gpu, generator=g).bfloat16()
+            y_kept, y_jit = (torch.full((300, 1000), float("nan"), device=gpu, dtype=torch.bfloat16) for _ in "ab")
+            kept(x, w, None, y_kept, c=c, alpha=0.5, beta=2.0)
+            TGKernel(cfg, gpu, lock_tiles=1)(x, w, None, y_jit, c=c, alpha=0.5, beta=2.0)
+            assert torch.equal(y_kept, y_jit), (name, seed, offset)
+        assert len(kept._launches) == 1, name
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ import triton.language as tl
 from ..device import facts
 from ._common import HAS_PDL, gdc_launch_dependents, gdc_wait  # noqa: F401 - gdc_* used in the kernel
 from .gemm_ref import epilogue_ref, gemm_ref
-from .launch import Plans, cached_launch, tensor_signature
+from .launch import Plans, bind, tensor_signature
 from .tile_config import GemmTileConfig
 
 try:  # host-side TMA descriptors (Triton >= 3.4); absent on older releases
@@ -388,9 +388,45 @@ def tma_usable(x: torch.Tensor, w: torch.Tensor, cfg: TGConfig) -> bool:
     if TensorDescriptor is None:
         return False
     for t in (x, w):
-        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % ALIGN_TMA or t.data_ptr() % ALIGN_TMA:
             return False
     return True
+
+
+ALIGN_TMA = 16  # TMA needs 16-byte aligned bases and row strides
+
+
+class _Launch:
+    """One signature's launches of a TGKernel: the GEMM kernel and, for split-K mode 'r', its reduce
+    kernel, with every argument but the tensors fixed (kernels/launch.py's BoundLaunch). A call makes only
+    what changes from call to call: the TMA descriptors and the split-K partials buffer. The eager
+    per-call host cost of a Triton row is this, not the argument lists."""
+
+    __slots__ = ("name", "gemm", "reduce", "x_block", "w_block", "copy_x", "part_numel", "lock", "has_c")
+
+    def __init__(self, name: str, gemm, reduce, x_block, w_block, copy_x: bool, part_numel: int, lock, has_c: bool):
+        self.name, self.gemm, self.reduce, self.has_c = name, gemm, reduce, has_c
+        self.x_block, self.w_block = x_block, w_block  # TMA block shapes; None without TMA
+        self.copy_x = copy_x  # x's strides cannot feed TMA: each call copies it (the signature fixes them)
+        self.part_numel = part_numel
+        self.lock = lock
+
+    def __call__(self, x, w, bias, y, c, xs, ws) -> None:
+        xa, wa = x, w
+        if self.x_block is not None:
+            if self.copy_x or x.data_ptr() % ALIGN_TMA:
+                x = x.clone(memory_format=torch.contiguous_format)
+            if x.data_ptr() % ALIGN_TMA or w.data_ptr() % ALIGN_TMA:
+                raise ValueError(f"{self.name}: w at {w.data_ptr():#x} cannot use TMA (needs a 16-byte aligned base)")
+            xa = TensorDescriptor.from_tensor(x, self.x_block)
+            wa = TensorDescriptor.from_tensor(w, self.w_block)
+        part = torch.empty(self.part_numel, dtype=torch.float32, device=y.device) if self.part_numel else y
+        b = y if bias is None else bias
+        cv = c if self.has_c else y
+        xs, ws = (y, y) if xs is None else (xs, ws)
+        self.gemm(xa, wa, b, y, part, self.lock if self.lock is not None else y, cv, xs, ws)
+        if self.reduce is not None:
+            self.reduce(part, b, y, cv, xs, ws)
 
 
 class TGKernel:
@@ -410,7 +446,7 @@ class TGKernel:
         if cfg.pdl and not HAS_PDL:
             raise ValueError(f"{cfg.name}: this Triton has no programmatic dependent launch")
         self._pdl = {"PDL": cfg.pdl, "launch_pdl": True} if cfg.pdl else {}
-        self._plans = Plans()  # the GEMM kernel's launches, per signature
+        self._launches = Plans()  # signature -> _Launch
 
     def tiles(self, M: int, N: int) -> int:
         return triton.cdiv(M, self.cfg.bm) * triton.cdiv(N, self.cfg.bn)
@@ -431,17 +467,27 @@ class TGKernel:
         """y = act(alpha * x @ w^T + beta * c + bias); c is an (M, N) view (zero strides broadcast)
         or None. The defaults compile to the plain GEMM + bias kernel. 8-bit x, w (int8 or fp8) take
         their fp32 scales xs ([M, 1] or one element) and ws ([1, N] or one element), both contiguous."""
+        if x.shape[0] == 0:
+            return y
+        signature = (*(tensor_signature(t) for t in (x, w, bias, y, c, xs, ws)), alpha, beta, act)
+        launch = self._launches.get(signature)
+        if launch is None:
+            self._launches.put(signature, self._first(x, w, bias, y, c, alpha, beta, act, xs, ws))
+        else:
+            launch(x, w, bias, y, c, xs, ws)
+        return y
+
+    def _first(self, x, w, bias, y, c, alpha, beta, act, xs, ws) -> _Launch:
+        """Launch through JITFunction (compiling when needed) and return the signature's _Launch."""
         cfg = self.cfg
         M, K = x.shape
         N = w.shape[0]
-        if M == 0:
-            return y
-        signature = (*(tensor_signature(t) for t in (x, w, bias, y, c, xs, ws)), alpha, beta, act)
         tiles = self.tiles(M, N)
         has_bias = bias is not None
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         even_k = cfg.tma or K % cfg.bk == 0  # TMA zero-fills a ragged K tail itself
         xa, wa = x, w
+        copy_x = False
         if cfg.tma:
             if not tma_usable(x, w, cfg):
                 x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
@@ -450,12 +496,14 @@ class TGKernel:
                         f"{cfg.name}: x {tuple(x.shape)} / w {tuple(w.shape)} cannot use TMA "
                         f"(needs 16-byte aligned rows)"
                     )
+                copy_x = x.stride() != xa.stride()
             xa = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
             wa = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
         part = y  # unused placeholder when K is not split
         lock = y
-        if cfg.split_k > 1:
-            part = torch.empty(tiles * cfg.split_k * cfg.bm * cfg.bn, dtype=torch.float32, device=x.device)
+        part_numel = tiles * cfg.split_k * cfg.bm * cfg.bn if cfg.split_k > 1 else 0
+        if part_numel:
+            part = torch.empty(part_numel, dtype=torch.float32, device=x.device)
             if cfg.sk_mode == "f":
                 if self._lock.numel() < tiles:
                     self._lock = torch.zeros(tiles, dtype=torch.int32, device=x.device)
@@ -471,9 +519,7 @@ class TGKernel:
             quant["FLATTEN"] = True
         xs, ws = (xs, ws) if xs is not None else (y, y)
         cv, scm, scn = (c, c.stride(0), c.stride(1)) if has_c else (y, 0, 0)
-        cached_launch(
-            self._plans,
-            signature,
+        gemm = bind(
             _tg_kernel,
             grid,
             xa,
@@ -518,8 +564,11 @@ class TGKernel:
             **epi,
             **quant,
         )
+        reduce = None
         if cfg.split_k > 1 and cfg.sk_mode == "r":
-            _tg_reduce[(tiles,)](
+            reduce = bind(
+                _tg_reduce,
+                (tiles,),
                 part,
                 b,
                 y,
@@ -542,7 +591,9 @@ class TGKernel:
                 num_warps=4,
                 **epi,
             )
-        return y
+        blocks = ([cfg.bm, cfg.bk], [cfg.bn, cfg.bk]) if cfg.tma else (None, None)
+        fixup_lock = lock if part_numel and cfg.sk_mode == "f" else None
+        return _Launch(cfg.name, gemm, reduce, *blocks, copy_x, part_numel, fixup_lock, has_c)
 
 
 def triton_gemm(
