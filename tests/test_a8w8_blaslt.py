@@ -158,10 +158,10 @@ def test_policy_runs_blaslt_for_fp8_past_the_skinny_rows_else_scaled_mm(h100, mo
         for m, n in ((65, 6144), (48, 16384), (1024, 6144)):
             for scale in ("per_token", "per_tensor"):
                 assert _default(fam, _key(m=m, n=n, k=4096, scale=scale)) == ("blaslt", NAME + "_fa")
-        for m in (8, 17, 64):  # decode, and fp8's band past it up to N 12288: the skinny kernel
+        for m in (8, 17, 64):  # decode, and fp8's band past it where one wave holds N: the skinny kernel
             assert _default(fam, _key(m=m, n=6144, k=4096))[0] == "skinny"
         assert _default(fam, _key(m=1024, n=6144, k=4096, q=torch.int8))[0] == "triton"
-    assert all(k.q_dtype_w == FP8 and (k.M > 64 or k.N > 12288) and fast == (k.M > 32) for k, fast in asked)
+    assert all(k.q_dtype_w == FP8 and (k.M > 64 or k.N > 8448) and fast == (k.M > 32) for k, fast in asked)
     # cuBLASLt through nvmath has nothing (not installed, or no algorithm): torch._scaled_mm as before
     monkeypatch.setattr(qb.BlasLtA8W8Backend, "default_solution", lambda self, key, device, fast=False: None)
     assert _default("a8w8", _key(m=1024, n=6144, k=4096)) == ("torch", "scaled_mm")

@@ -164,10 +164,13 @@ def test_int8_prefill_default_is_the_config_that_won_most_points(h100):
         (QuantKey(1, 1280, 8192, FP8), ("skinny", "a8w8_skinny_dot_bn64_bk512_sk6_w4_s3_fx_pdl2")),
         (QuantKey(16, 6144, 4096, torch.int8, "per_tensor", True, torch.float16),
          ("skinny", "a8w8_skinny_dot_bn64_bk512_sk1_w4_s3_pdl2")),
-        # fp8 at M 17..32 anywhere and 33..64 up to N 12288: the skinny default tile (H200 serving band)
+        # fp8 at M 17..32 anywhere and 33..64 where the 64-wide tiles fit one wave of 132 SMs (N <= 8448):
+        # the skinny default tile; from 133 tiles cuBLASLt (H200 serving band)
         (QuantKey(17, 6144, 4096, FP8), ("skinny", "a8w8_skinny_dot_bn64_bk512_sk1_w4_s3_pdl2")),
         (QuantKey(32, 16384, 4096, FP8), ("skinny", "a8w8_skinny_dot_bn64_bk512_sk1_w4_s3_pdl2")),
-        (QuantKey(64, 12288, 4096, FP8), ("skinny", "a8w8_skinny_dot_bn64_bk512_sk1_w4_s3_pdl2")),
+        (QuantKey(64, 8448, 4096, FP8), ("skinny", "a8w8_skinny_dot_bn64_bk512_sk1_w4_s3_pdl2")),
+        (QuantKey(33, 8512, 4096, FP8), ("torch", "scaled_mm")),
+        (QuantKey(64, 12288, 4096, FP8), ("torch", "scaled_mm")),
         (QuantKey(48, 16384, 4096, FP8), ("torch", "scaled_mm")),
         (QuantKey(65, 6144, 4096, FP8), ("torch", "scaled_mm")),
         (QuantKey(1024, 6144, 4096, FP8), ("torch", "scaled_mm")),

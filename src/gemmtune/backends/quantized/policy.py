@@ -7,11 +7,13 @@ H200 (benchmarks/results/h200/serving_band/):
   tile (SPLIT_TILE, K split by its rule: unsplit at these N). On an H200 over the 6 such shapes of the
   serving-band runs (N 23040 to 51200) it was 1.05-1.33x faster than the default of the time (the skinny
   tile up to M 32, cuBLASLt's pick above) at all 25 points, while at N 16384 it was 0.93-1.06x;
-- on an NVIDIA GPU where Triton runs, M <= 16 (fp8 and int8), and for fp8 M <= 32, and M <= 64 where
-  N <= 12288: the 8-bit skinny kernel's default tile (triton_skinny.DEFAULT_TILE). On the H100 the
-  skinny kernels won all 72 decode points, 1.6x over torch._scaled_mm (decode_fp8_int8.md); on the
-  H200 at fp8 M 17..64 the tile was never slower than cuBLASLt's heuristic beyond 3% in that band
-  (where cuBLASLt lost to bf16), and above N 12288 at M 48 / 64 cuBLASLt was as fast or faster;
+- on an NVIDIA GPU where Triton runs, M <= 16 (fp8 and int8), and for fp8 M <= 32, and M <= 64 where the
+  skinny tile's 64-wide N tiles fit one wave of the SMs (N <= 8448 on 132 SMs): the 8-bit skinny kernel's
+  default tile (triton_skinny.DEFAULT_TILE). On the H100 the skinny kernels won all 72 decode points, 1.6x
+  over torch._scaled_mm (decode_fp8_int8.md). On an H200 at fp8 M 33..64 against cuBLASLt's
+  fast-accumulation pick (8 shapes, N 6144..12288, 40 points, serving_band/): the tile was 1.18-1.44x
+  faster up to N 8192 (one wave) and 1.13-1.37x slower from N 9216 (144 tiles: a second wave of 12), where
+  cuBLASLt runs instead;
 - fp8 at M 65..512 where K >= 8192 and the Triton tile kernel's 64 x 128 output tiles leave
   most SMs idle (its split rule splits K: lib/quant_tiles.tile_split): that tile with the split
   (SPLIT_TILE). On an H200 over the 11 shapes of benchmarks/results/h200/serving_band/ at M 96..512 it
@@ -49,8 +51,7 @@ from .pytorch import DEQUANT, SCALED_MM, SCALED_MM_BLOCKWISE, TorchA8W8Backend, 
 
 SKINNY_MAX_M = 16  # an untuned key runs the 8-bit skinny kernel's default tile up to here;
 SKINNY_FP8_MAX_M = 32  # fp8 up to here,
-SKINNY_FP8_WIDE_MAX_M = 64  # and up to here where N <= SKINNY_FP8_WIDE_MAX_N
-SKINNY_FP8_WIDE_MAX_N = 12288
+SKINNY_FP8_WIDE_MAX_M = 64  # and up to here where its N tiles fill at most one wave
 FAST_ACCUM_MIN_M = 33  # fp8 keys from here that run cuBLASLt run its fast-accumulation pick
 SPLIT_TILE = (64, 128, 128, 4, 4)  # block_m, block_n, block_k, num_warps, num_stages (wide N, short grids)
 SPLIT_TILE_MAX_M = 512
@@ -58,11 +59,17 @@ SPLIT_TILE_MIN_K = 8192
 WIDE_TILE_MIN_N = 23040  # fp8 at M 17..64 from here runs SPLIT_TILE too
 
 
-def _skinny_default(key) -> bool:
+def _skinny_default(key, device: torch.device) -> bool:
     if key.M <= SKINNY_MAX_M:
         return True
-    fp8 = tensor_core_fp8(key.q_dtype_w)
-    return fp8 and (key.M <= SKINNY_FP8_MAX_M or (key.M <= SKINNY_FP8_WIDE_MAX_M and key.N <= SKINNY_FP8_WIDE_MAX_N))
+    if not tensor_core_fp8(key.q_dtype_w):
+        return False
+    if key.M <= SKINNY_FP8_MAX_M:
+        return True
+    from .triton_skinny import DEFAULT_TILE
+
+    one_wave = -(-key.N // DEFAULT_TILE[1]) <= device_facts.facts(device).sms
+    return key.M <= SKINNY_FP8_WIDE_MAX_M and one_wave
 
 
 def _split_tile(key, device: torch.device) -> Solution | None:
@@ -96,7 +103,7 @@ def a8w8(key, device: torch.device) -> tuple[str, Solution]:
     tile = _split_tile(key, device) if nvidia else None
     if tile is not None:
         return "triton", tile
-    if nvidia and _skinny_default(key):
+    if nvidia and _skinny_default(key, device):
         from .triton_skinny import SkinnyA8W8Backend
 
         sol = SkinnyA8W8Backend().default_solution(key, device)
