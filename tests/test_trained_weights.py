@@ -215,9 +215,10 @@ BF16_MAX_LOGIT_ERR = 1.0
 # the optimized one at the first differing step.
 BF16_NEAR_TIE = 0.5
 # The fp8 run against the plain fp8 reference on the same GPU (its tokens and logits as "stock"): what
-# is left is the kernels' rounding, which per-token scales amplify where an element sits on an e4m3
-# step (one step is 1/8 of its value), so the top-1 agreement is bounded, not the largest logit error.
-FP8_VS_REFERENCE_MIN_TOP1 = 0.9
+# is left is the kernels' rounding (the norm's fp32 output quantized directly, not through bf16; the
+# accumulation order), which per-token scales amplify where an element sits on an e4m3 step (one step is
+# 1/8 of its value). So the two fp8 runs must agree on the top-1 at least as often as the reference agrees
+# with stock: they differ from each other no more than fp8 rounding moves a bf16 model.
 # Against stock: no further from it than the reference is, beyond a bf16 run's own distance.
 FP8_TOP1_SLACK = 0.05
 
@@ -256,6 +257,6 @@ def test_fp8_within_the_fp8_reference_gpu(gpu_stock):
     finally:
         gemmtune.restore(model)
     print(f"\ntrained parity {reference}\ntrained parity {got}\ntrained parity {against}")
-    assert against.top1_agree >= FP8_VS_REFERENCE_MIN_TOP1, str(against)
+    assert against.top1_agree >= reference.top1_agree, f"{against}\n{reference}"
     assert got.max_logit_err <= reference.max_logit_err + BF16_MAX_LOGIT_ERR, f"{got}\n{reference}"
     assert got.top1_agree >= reference.top1_agree - FP8_TOP1_SLACK, f"{got}\n{reference}"
