@@ -383,6 +383,9 @@ def num_sms(device: torch.device) -> int:
     return facts(device).sms if device.type == "cuda" else 4
 
 
+ALIGN_TMA = 16  # TMA needs 16-byte aligned bases and row strides
+
+
 def tma_usable(x: torch.Tensor, w: torch.Tensor, cfg: TGConfig) -> bool:
     """TMA needs 16-byte aligned bases and row strides, and a unit inner stride."""
     if TensorDescriptor is None:
@@ -391,9 +394,6 @@ def tma_usable(x: torch.Tensor, w: torch.Tensor, cfg: TGConfig) -> bool:
         if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % ALIGN_TMA or t.data_ptr() % ALIGN_TMA:
             return False
     return True
-
-
-ALIGN_TMA = 16  # TMA needs 16-byte aligned bases and row strides
 
 
 class _Launch:
