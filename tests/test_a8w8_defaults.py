@@ -198,6 +198,18 @@ def test_native_choice_on_an_h100(h100, key, want):
     assert h100(key, CPU) == want
 
 
+def test_fp8_skinny_band_follows_the_sm_count(h100, monkeypatch):
+    """M 33..64 keeps the skinny tile while its 64-wide N tiles fit one wave of *this* GPU's SMs."""
+    from gemmtune import device
+
+    key = QuantKey(48, 8192, 4096, FP8)  # 128 tiles
+    assert h100(key, CPU)[0] == "skinny"  # 132 SMs
+    monkeypatch.setattr(device, "facts", lambda d=None: device.OFF_GPU._replace(capability=(9, 0), sms=108))
+    assert h100(key, CPU) == ("torch", "scaled_mm")  # 108 SMs: a second wave
+    assert h100(key._replace(N=6912), CPU)[0] == "skinny"  # 108 tiles: one wave again
+    assert h100(key._replace(M=32), CPU)[0] == "skinny"  # M <= 32 keeps it at any N
+
+
 def test_native_choice_off_cuda_and_on_rocm(h100, monkeypatch):
     from gemmtune import device
 
