@@ -172,6 +172,28 @@ def test_every_builtin_family_with_backends_has_a_policy():
         assert fam in backends._policies, fam
 
 
+def test_without_triton_every_policy_still_loads():
+    """Triton is optional: without it only Triton's backend modules drop out; every family keeps its policy
+    (a policy that imports a Triton helper at the top would drop the family to a backend default)."""
+    import json
+    import subprocess
+
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # import triton raises ImportError
+        import json
+        from gemmtune import backends
+        backends.families_with_backends()
+        print(json.dumps({"errors": backends.import_errors(), "policies": sorted(backends._policies)}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["errors"] and all(v == "missing dependency: triton" for v in got["errors"].values()), got
+    assert not [m for m in got["errors"] if m.endswith("/policy")], got["errors"]
+    assert {"a8w8", "a8w8_blockscale"} <= set(got["policies"]), got["policies"]
+
+
 def test_a_family_without_a_policy_falls_back_to_a_backend_default(fresh_registry):
     class Plain(_Probe):
         name, family = "torch", "nopolicy"

@@ -45,7 +45,6 @@ import torch
 from ... import device as device_facts
 from ..base import Solution
 from ..lib.quant_support import tensor_core_fp8
-from ..lib.quant_tiles import tile_split
 from .blaslt import BlasLtA8W8Backend
 from .pytorch import DEQUANT, SCALED_MM, SCALED_MM_BLOCKWISE, TorchA8W8Backend, blockwise_ok, scaled_mm_ok
 
@@ -68,13 +67,14 @@ def _skinny_default(key, device: torch.device) -> bool:
         return True
     from .triton_skinny import DEFAULT_TILE
 
-    one_wave = -(-key.N // DEFAULT_TILE[1]) <= device_facts.facts(device).sms
+    one_wave = (key.N + DEFAULT_TILE[1] - 1) // DEFAULT_TILE[1] <= device_facts.facts(device).sms
     return key.M <= SKINNY_FP8_WIDE_MAX_M and one_wave
 
 
 def _split_tile(key, device: torch.device) -> Solution | None:
     """The Triton tile kernel's SPLIT_TILE with its rule's K split, for an fp8 key of a wide N at M 17..64
     or of a short grid at M 65..512 (module doc); None elsewhere."""
+    from ..lib.quant_tiles import tile_split  # Triton's: this module loads without it
     from .triton import TritonA8W8Backend
 
     backend = TritonA8W8Backend()
