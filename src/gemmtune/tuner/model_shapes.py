@@ -226,8 +226,8 @@ FAMILY_KEYS: dict[str, Callable[[dict, int, Sequence[int], torch.dtype], list]] 
     "fmoe": _fmoe_keys,
     "epilogue": epilogue_keys,
 }
-# Families whose keys are the model's linear layers run another way (8-bit): their derivers take lm_head=.
-QUANT_LINEAR_FAMILIES = ("a8w8", "a8w8_bpreshuffle", "a8w8_blockscale", "a8w8_blockscale_bpreshuffle")
+# Families whose keys are the model's linear layers run 8-bit: their derivers take lm_head=.
+QUANT_LINEAR_FAMILIES = tuple(f for f, derive in FAMILY_KEYS.items() if derive in (_a8w8_keys, _blockscale_keys))
 # Families a model runs besides its linear layers (the others run the same linear layers another way:
 # quantized, fused epilogue).
 OWN_GEMMS = ("batched", "fmoe")
